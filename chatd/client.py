@@ -1,0 +1,122 @@
+"""A small asyncio client for bots, tests and benchmarks.
+
+    async with await ChatClient.connect("ws://127.0.0.1:8765/ws") as client:
+        session_id = (await client.open_session(system="You are a support agent.")).session_id
+        turn = await client.chat(session_id, "My router blinks orange.")
+        async for text in turn:
+            print(text, end="")
+        done = await turn.result()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from typing import Any
+
+from websockets.asyncio.client import ClientConnection, connect
+
+from chatd.protocol import ChatDone, SessionReady
+
+
+class ChatError(Exception):
+    """An `error` message from the server."""
+
+    def __init__(self, code: str, message: str, retryable: bool = False):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.retryable = retryable
+
+
+class TurnStream:
+    """One turn's reply: iterate for text deltas, then await `result()` for the `chat.done`."""
+
+    def __init__(self, turn_id: str):
+        self.turn_id = turn_id
+        self.deltas: list[str] = []
+        self._events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._final: dict[str, Any] | None = None
+
+    def __aiter__(self) -> TurnStream:
+        return self
+
+    async def __anext__(self) -> str:
+        if self._final is not None:
+            raise StopAsyncIteration
+        event = await self._events.get()
+        if event["type"] == "chat.delta":
+            self.deltas.append(event["delta"]["content"])
+            return event["delta"]["content"]
+        self._final = event
+        raise StopAsyncIteration
+
+    async def result(self) -> ChatDone:
+        async for _ in self:
+            pass
+        if self._final["type"] == "error":
+            raise ChatError(self._final["code"], self._final["message"], self._final.get("retryable", False))
+        return ChatDone.model_validate(self._final)
+
+
+class ChatClient:
+    def __init__(self, websocket: ClientConnection):
+        self._websocket = websocket
+        self._turns: dict[str, TurnStream] = {}
+        self._replies: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._reader = asyncio.create_task(self._read())
+
+    @classmethod
+    async def connect(cls, url: str, **connect_kwargs: Any) -> ChatClient:
+        return cls(await connect(url, **connect_kwargs))
+
+    async def __aenter__(self) -> ChatClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._websocket.close()
+        await self._reader
+
+    async def open_session(self, system: str | None = None, session_id: str | None = None) -> SessionReady:
+        await self._send({"type": "session.open", "session_id": session_id, "system": system})
+        return SessionReady.model_validate(await self._reply())
+
+    async def close_session(self, session_id: str) -> None:
+        await self._send({"type": "session.close", "session_id": session_id})
+        await self._reply()
+
+    async def chat(self, session_id: str, content: str, turn_id: str | None = None, **params: Any) -> TurnStream:
+        """Send a message; `params` are max_new_tokens, temperature, top_p, seed and stop."""
+        stream = TurnStream(turn_id or secrets.token_urlsafe(8))
+        self._turns[stream.turn_id] = stream
+        await self._send({"type": "chat.request", "session_id": session_id, "turn_id": stream.turn_id,
+                          "content": content, "params": params})
+        return stream
+
+    async def cancel(self, turn_id: str) -> None:
+        await self._send({"type": "chat.cancel", "turn_id": turn_id})
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        await self._websocket.send(json.dumps(message))
+
+    async def _reply(self) -> dict[str, Any]:
+        reply = await self._replies.get()
+        if reply["type"] == "error":
+            raise ChatError(reply["code"], reply["message"], reply.get("retryable", False))
+        return reply
+
+    async def _read(self) -> None:
+        """Route each server message to the turn it belongs to, or to the request/reply queue."""
+        async for frame in self._websocket:
+            message = json.loads(frame)
+            stream = self._turns.get(message.get("turn_id") or "")
+            if stream is None:
+                self._replies.put_nowait(message)
+                continue
+            stream._events.put_nowait(message)
+            if message["type"] in ("chat.done", "error"):
+                del self._turns[stream.turn_id]

@@ -1,0 +1,26 @@
+"""Server settings: defaults, overridden by CHATD_* environment variables, overridden by flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from chatd.model_loader import default_cache_dir
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CHATD_", protected_namespaces=())
+
+    host: str = Field("127.0.0.1", description="interface to listen on")
+    port: int = Field(8765, ge=0, le=65535, description="port to listen on (0: any free port)")
+    model: str = Field("smollm2-135m", description="bundled alias, local checkpoint path or Hugging Face id")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="auto: bfloat16 (or float16) on CUDA, float32 on CPU")
+    cache_dir: Path = Field(default_factory=default_cache_dir,
+                            description="where bundled models are converted once")
+    session_cache: bool = Field(True, description="reuse each session's KV cache between turns")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")

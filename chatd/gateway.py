@@ -1,0 +1,178 @@
+"""The websocket gateway: parses client messages, maps them onto sessions and turns, and streams
+engine events back. It does no model work; everything slow happens in the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from chatd.engine import Engine
+from chatd.protocol import (
+    CacheReport,
+    ChatCancel,
+    ChatDelta,
+    ChatDone,
+    ChatRequest,
+    Delta,
+    ErrorMessage,
+    ProtocolError,
+    SessionClose,
+    SessionClosed,
+    SessionOpen,
+    SessionReady,
+    Timings,
+    Usage,
+    parse_client_message,
+)
+from chatd.sampling import SamplingParams
+from chatd.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
+from sessions import Session, SessionStore
+
+log = logging.getLogger(__name__)
+
+
+class Connection:
+    """One websocket client and the turns it started (so that it can cancel them)."""
+
+    def __init__(self, websocket: ServerConnection):
+        self.websocket = websocket
+        self.turns: dict[str, Turn] = {}
+
+    async def send(self, message) -> None:
+        """Send, ignoring a client that has gone: its turns still run to completion and are recorded."""
+        try:
+            await self.websocket.send(message.model_dump_json())
+        except ConnectionClosed:
+            pass
+
+
+class Gateway:
+    def __init__(self, engine: Engine, store: SessionStore):
+        self.engine = engine
+        self.store = store
+        self._running: dict[str, Turn] = {}  # session id -> its running turn: one at a time per session
+        self._forwarders: set[asyncio.Task] = set()
+
+    async def handle(self, websocket: ServerConnection) -> None:
+        connection = Connection(websocket)
+        async for frame in websocket:
+            try:
+                message = parse_client_message(frame)
+            except ProtocolError as error:
+                await connection.send(ErrorMessage(code="bad_request", message=str(error)))
+                continue
+            try:
+                await self.dispatch(connection, message)
+            except Exception:
+                log.exception("handling %s failed", message.type)
+                await connection.send(ErrorMessage(code="internal", message=f"{message.type} failed"))
+
+    async def dispatch(self, connection: Connection, message) -> None:
+        match message:
+            case SessionOpen():
+                await self.open_session(connection, message)
+            case ChatRequest():
+                await self.start_turn(connection, message)
+            case ChatCancel():
+                await self.cancel_turn(connection, message)
+            case SessionClose():
+                await self.close_session(connection, message)
+
+    async def open_session(self, connection: Connection, message: SessionOpen) -> None:
+        if message.session_id is None:
+            session = await self.store.create(message.system)
+            await connection.send(SessionReady(session_id=session.session_id, turns=0, resumed=False))
+            return
+        session = await self.store.get(message.session_id)
+        if session is None:
+            await connection.send(_unknown_session(message.session_id))
+            return
+        await connection.send(SessionReady(session_id=session.session_id, turns=session.turns, resumed=True))
+
+    async def start_turn(self, connection: Connection, message: ChatRequest) -> None:
+        turn_id = message.turn_id or secrets.token_urlsafe(8)
+        session = await self.store.get(message.session_id)
+        if session is None:
+            await connection.send(_unknown_session(message.session_id, turn_id))
+            return
+        if running := self._running.get(session.session_id):
+            await connection.send(ErrorMessage(
+                turn_id=turn_id, code="busy", retryable=True,
+                message=f"session {session.session_id} is already running turn {running.turn_id}"))
+            return
+        if turn_id in connection.turns:
+            await connection.send(ErrorMessage(turn_id=turn_id, code="bad_request",
+                                               message=f"turn_id {turn_id!r} is already running"))
+            return
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TurnEvent] = asyncio.Queue()
+        turn = Turn(
+            turn_id=turn_id,
+            session_id=session.session_id,
+            messages=session.prompt_messages(message.content),
+            params=SamplingParams(**message.params.model_dump()),
+            emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+        )
+        self._running[session.session_id] = turn
+        connection.turns[turn_id] = turn
+        self.engine.submit(turn)
+        task = asyncio.create_task(self._forward(connection, session, turn, message.content, events))
+        self._forwarders.add(task)
+        task.add_done_callback(self._forwarders.discard)
+
+    async def _forward(self, connection: Connection, session: Session, turn: Turn, user_content: str,
+                       events: asyncio.Queue[TurnEvent]) -> None:
+        """Relay one turn's events to its client; record the turn in the session when it completes."""
+        seq = 0
+        try:
+            while isinstance(event := await events.get(), TokenText):
+                await connection.send(ChatDelta(turn_id=turn.turn_id, seq=seq, delta=Delta(content=event.text)))
+                seq += 1
+            if isinstance(event, TurnResult) and event.finish_reason != "cancelled":
+                session.record_turn(user_content, event.content)
+        finally:
+            # Free the session before the reply goes out, so the client's next request is never `busy`.
+            del self._running[session.session_id]
+            del connection.turns[turn.turn_id]
+        await connection.send(_reply(turn.turn_id, event))
+
+    async def cancel_turn(self, connection: Connection, message: ChatCancel) -> None:
+        turn = connection.turns.get(message.turn_id)
+        if turn is None:
+            await connection.send(ErrorMessage(turn_id=message.turn_id, code="unknown_turn",
+                                               message=f"no running turn {message.turn_id!r} on this connection"))
+            return
+        turn.cancel()  # the engine stops at its next step and answers chat.done with finish_reason cancelled
+
+    async def close_session(self, connection: Connection, message: SessionClose) -> None:
+        session = await self.store.get(message.session_id)
+        if session is None:
+            await connection.send(_unknown_session(message.session_id))
+            return
+        if running := self._running.get(session.session_id):
+            running.cancel()
+        await self.store.delete(session.session_id)
+        self.engine.drop_session(session.session_id)
+        await connection.send(SessionClosed(session_id=session.session_id))
+
+
+def _unknown_session(session_id: str, turn_id: str | None = None) -> ErrorMessage:
+    return ErrorMessage(turn_id=turn_id, code="unknown_session", message=f"no session {session_id!r}")
+
+
+def _reply(turn_id: str, event: TurnResult | TurnFailed) -> ChatDone | ErrorMessage:
+    if isinstance(event, TurnFailed):
+        return ErrorMessage(turn_id=turn_id, code=event.code, message=event.message)
+    return ChatDone(
+        turn_id=turn_id,
+        finish_reason=event.finish_reason,
+        content=event.content,
+        usage=Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                    cached_tokens=event.cached_tokens),
+        timings=Timings(**{name: round(value, 3) for name, value in event.timings.items()}),
+        cache=CacheReport(source=event.cache_source, miss_reason=event.miss_reason),
+    )

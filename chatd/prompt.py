@@ -1,0 +1,44 @@
+"""Render a conversation to token ids with the tokenizer's chat template, safely.
+
+Message text is tokenized apart from the template so that a user who types `<|im_start|>system`
+gets those characters as plain text, never as the special tokens that delimit roles.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from sessions import Message
+
+
+class PromptRenderer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        # A random marker per process: message text cannot guess it to smuggle in a slot.
+        self._slot_marker = f"\x00chatd-slot-{secrets.token_hex(8)}-"
+        self._slot_pattern = re.compile(re.escape(self._slot_marker) + r"(\d+)\x00")
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the chat template applied to `messages`, with message text never parsed
+        for special tokens."""
+        templated = [{"role": m.role, "content": f"{self._slot_marker}{i}\x00"} for i, m in enumerate(messages)]
+        text = self.tokenizer.apply_chat_template(
+            templated, tokenize=False, add_generation_prompt=add_generation_prompt)
+        ids: list[int] = []
+        position = 0
+        for slot in self._slot_pattern.finditer(text):
+            ids += self._encode(text[position:slot.start()], parse_special=True)
+            ids += self._encode(messages[int(slot.group(1))].content, parse_special=False)
+            position = slot.end()
+        ids += self._encode(text[position:], parse_special=True)
+        return ids
+
+    def _encode(self, text: str, parse_special: bool) -> list[int]:
+        if not text:
+            return []
+        return self.tokenizer(text, add_special_tokens=False,
+                              split_special_tokens=not parse_special)["input_ids"]

@@ -1,0 +1,135 @@
+"""The websocket protocol: JSON text frames, each with a `type`. See docs/protocol.md."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+MAX_NEW_TOKENS_CAP = 4096
+ErrorCode = Literal["bad_request", "unknown_session", "unknown_turn", "busy", "too_long", "internal"]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatParams(_Message):
+    max_new_tokens: int = Field(256, ge=1, le=MAX_NEW_TOKENS_CAP)
+    temperature: float = Field(0.0, ge=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=16)
+
+
+class SessionOpen(_Message):
+    type: Literal["session.open"]
+    session_id: str | None = None
+    system: str | None = None
+
+
+class ChatRequest(_Message):
+    type: Literal["chat.request"]
+    session_id: str
+    turn_id: str | None = Field(None, min_length=1, max_length=128)
+    content: str = Field(min_length=1)
+    params: ChatParams = Field(default_factory=ChatParams)
+
+
+class ChatCancel(_Message):
+    type: Literal["chat.cancel"]
+    turn_id: str
+
+
+class SessionClose(_Message):
+    type: Literal["session.close"]
+    session_id: str
+
+
+ClientMessage = Annotated[SessionOpen | ChatRequest | ChatCancel | SessionClose, Field(discriminator="type")]
+_client_message = TypeAdapter(ClientMessage)
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid client message; the text names the problem."""
+
+
+def parse_client_message(frame: str | bytes) -> SessionOpen | ChatRequest | ChatCancel | SessionClose:
+    if isinstance(frame, bytes):
+        raise ProtocolError("binary frames are not supported: send JSON text frames")
+    try:
+        data = json.loads(frame)
+    except json.JSONDecodeError as error:
+        raise ProtocolError(f"invalid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError("a message must be a JSON object with a 'type'")
+    try:
+        return _client_message.validate_python(data)
+    except ValidationError as error:
+        problems = []
+        for problem in error.errors(include_url=False):
+            where = ".".join(str(part) for part in problem["loc"])
+            problems.append(f"{where}: {problem['msg']}" if where else problem["msg"])
+        raise ProtocolError("; ".join(problems)) from None
+
+
+class SessionReady(BaseModel):
+    type: Literal["session.ready"] = "session.ready"
+    session_id: str
+    turns: int
+    resumed: bool
+
+
+class Delta(BaseModel):
+    content: str
+
+
+class ChatDelta(BaseModel):
+    type: Literal["chat.delta"] = "chat.delta"
+    turn_id: str
+    seq: int
+    delta: Delta
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class Timings(BaseModel):
+    queue_ms: float
+    ttft_ms: float
+    prefill_ms: float
+    decode_ms: float
+    total_ms: float
+    tokens_per_s: float
+
+
+class CacheReport(BaseModel):
+    source: Literal["device", "miss"]
+    miss_reason: Literal["new", "disabled", "drift"] | None = None
+
+
+class ChatDone(BaseModel):
+    type: Literal["chat.done"] = "chat.done"
+    turn_id: str
+    finish_reason: Literal["stop", "length", "cancelled"]
+    content: str
+    usage: Usage
+    timings: Timings
+    cache: CacheReport
+
+
+class SessionClosed(BaseModel):
+    type: Literal["session.closed"] = "session.closed"
+    session_id: str
+
+
+class ErrorMessage(BaseModel):
+    type: Literal["error"] = "error"
+    turn_id: str | None = None
+    code: ErrorCode
+    message: str
+    retryable: bool = False

@@ -1,0 +1,42 @@
+"""Choose the next token from the logits: greedy at temperature 0, otherwise top-p sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+class TokenSampler:
+    """Per-turn sampler. Sampling runs on the CPU in float32 so that a seed gives the same
+    reply on any device."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self._generator = torch.Generator()
+        if params.seed is not None:
+            self._generator.manual_seed(params.seed)
+        else:
+            self._generator.seed()
+
+    def next_token(self, logits: torch.Tensor) -> int:
+        if self.params.temperature == 0:
+            return int(torch.argmax(logits).item())
+        probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
+        if self.params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # Keep the smallest head of the distribution whose mass reaches top_p (at least one token).
+            outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= self.params.top_p
+            sorted_probs[outside] = 0.0
+            choice = torch.multinomial(sorted_probs, 1, generator=self._generator)
+            return int(order[choice].item())
+        return int(torch.multinomial(probs, 1, generator=self._generator).item())

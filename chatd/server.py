@@ -1,0 +1,92 @@
+"""The chatd server: one port for the websocket protocol (/ws) and plain HTTP probes (/healthz)."""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import logging
+import signal
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.http11 import Request, Response
+
+from chatd.config import Settings
+from chatd.engine import Engine
+from chatd.gateway import Gateway
+from chatd.model_loader import LoadedModel, load_model
+from sessions import InMemorySessionStore
+
+log = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded; the server cannot serve."""
+
+
+class ChatServer:
+    """Run with `async with ChatServer(settings) as server:`; `server.url` is the websocket URL.
+
+    The port opens at once and /healthz answers 503 until the model is loaded; turns that arrive
+    meanwhile wait in the engine's queue."""
+
+    def __init__(self, settings: Settings, load: Callable[[], LoadedModel] | None = None):
+        self.settings = settings
+        self.engine = Engine(load or (lambda: load_model(settings.model, settings.device, settings.dtype,
+                                                         settings.cache_dir)),
+                             session_cache=settings.session_cache)
+        self.sessions = InMemorySessionStore()
+        self.gateway = Gateway(self.engine, self.sessions)
+        self._server: Server | None = None
+
+    @property
+    def port(self) -> int:
+        return self._server.sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"ws://{self.settings.host}:{self.port}/ws"
+
+    async def __aenter__(self) -> ChatServer:
+        self.engine.start()
+        self._server = await serve(self.gateway.handle, self.settings.host, self.settings.port,
+                                   process_request=self._process_request)
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._server.close()
+        await self._server.wait_closed()
+        await asyncio.to_thread(self.engine.stop)
+
+    async def wait_ready(self) -> None:
+        """Wait until the model is loaded; raise if loading failed."""
+        await asyncio.to_thread(self.engine.ready.wait)
+        if self.engine.load_error is not None:
+            raise ModelLoadError(f"loading model {self.settings.model!r} failed: {self.engine.load_error}")
+
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = urlsplit(request.path).path
+        if path == "/healthz":
+            if self.engine.ready.is_set() and self.engine.load_error is None:
+                return connection.respond(http.HTTPStatus.OK, "ok\n")
+            return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "loading\n")
+        if path != "/ws":
+            return connection.respond(http.HTTPStatus.NOT_FOUND, "not found: the websocket endpoint is /ws\n")
+        return None
+
+
+async def run(settings: Settings) -> None:
+    """Serve until SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    async with ChatServer(settings) as server:
+        log.info("loading model %s on %s", settings.model, settings.device)
+        await server.wait_ready()
+        loaded = server.engine.loaded
+        print(f"chatd listening on {server.url} (model {loaded.name}, {loaded.device}, "
+              f"{loaded.model.dtype})", flush=True)
+        await stop.wait()
+        log.info("shutting down")

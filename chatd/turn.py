@@ -1,0 +1,67 @@
+"""One turn of a conversation: the single state object that the gateway and the engine share."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from chatd.sampling import SamplingParams
+from sessions import Message
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class TokenText:
+    """Newly released reply text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    finish_reason: FinishReason
+    content: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cache_source: str
+    miss_reason: str | None
+    timings: dict[str, float]
+    token_ids: list[int]
+
+    @classmethod
+    def cancelled_before_start(cls, queue_ms: float) -> TurnResult:
+        timings = dict.fromkeys(("ttft_ms", "prefill_ms", "decode_ms", "tokens_per_s"), 0.0)
+        return cls(finish_reason="cancelled", content="", prompt_tokens=0, completion_tokens=0,
+                   cached_tokens=0, cache_source="miss", miss_reason=None,
+                   timings={"queue_ms": queue_ms, "total_ms": queue_ms, **timings}, token_ids=[])
+
+
+@dataclass(frozen=True)
+class TurnFailed:
+    code: Literal["too_long", "internal"]
+    message: str
+
+
+TurnEvent = TokenText | TurnResult | TurnFailed
+
+
+@dataclass
+class Turn:
+    """A request for one reply. The gateway fills the inputs; the engine reports through `emit`,
+    which must be safe to call from the engine thread."""
+
+    turn_id: str
+    session_id: str
+    messages: list[Message]
+    params: SamplingParams
+    emit: Callable[[TurnEvent], None]
+    received_at: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()

@@ -1,0 +1,48 @@
+"""The state of one conversation, independent of where it is stored or how it is served."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["system", "user", "assistant"]
+
+
+@dataclass(frozen=True)
+class Message:
+    role: Role
+    content: str
+
+
+@dataclass
+class Session:
+    """A conversation: its system prompt and the messages of its completed turns."""
+
+    session_id: str
+    system: str | None = None
+    messages: list[Message] = field(default_factory=list)
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+
+    @property
+    def turns(self) -> int:
+        return sum(1 for m in self.messages if m.role == "assistant")
+
+    def messages_with_system(self) -> list[Message]:
+        head = [Message("system", self.system)] if self.system else []
+        return head + self.messages
+
+    def prompt_messages(self, user_content: str) -> list[Message]:
+        """The messages a new turn renders: system prompt, history, then the new user message."""
+        return self.messages_with_system() + [Message("user", user_content)]
+
+    def record_turn(self, user_content: str, reply: str) -> None:
+        self.messages += [Message("user", user_content), Message("assistant", reply)]
+        self.updated_at = time.time()
+
+
+def new_session_id() -> str:
+    """128 random bits, URL-safe."""
+    return secrets.token_urlsafe(16)

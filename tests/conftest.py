@@ -1,0 +1,28 @@
+import os
+from pathlib import Path
+
+import pytest
+
+from chatd.model_loader import LoadedModel, converted_checkpoint, default_cache_dir, load_model
+from tests.support import tiny_model
+
+
+@pytest.fixture(scope="session")
+def model_cache_dir() -> Path:
+    return Path(os.environ.get("CHATD_CACHE_DIR", default_cache_dir()))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(model_cache_dir) -> Path:
+    """The bundled SmolLM2 converted to a transformers checkpoint (converted once per machine)."""
+    return converted_checkpoint("smollm2-135m", model_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny(smollm2_dir) -> LoadedModel:
+    return tiny_model(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2(model_cache_dir) -> LoadedModel:
+    return load_model("smollm2-135m", device="cpu", dtype="float32", cache_dir=model_cache_dir)

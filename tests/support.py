@@ -1,0 +1,68 @@
+"""Helpers shared by the tests: a tiny random model, and running turns on an engine directly."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from chatd.engine import Engine
+from chatd.model_loader import LoadedModel, stop_token_ids
+from chatd.sampling import SamplingParams
+from chatd.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
+from sessions import Session
+
+TINY_CONTEXT = 512
+
+
+def tiny_model(tokenizer_dir) -> LoadedModel:
+    """A 2-layer GQA Llama with random weights and the real SmolLM2 tokenizer. float64, so that
+    cached and uncached prefills agree to the last bit that matters for argmax."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=TINY_CONTEXT, tie_word_embeddings=True, initializer_range=0.2,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float64).eval()
+    return LoadedModel(name="tiny", model=model, tokenizer=tokenizer, device=torch.device("cpu"),
+                       stop_token_ids=stop_token_ids(tokenizer, model))
+
+
+@contextmanager
+def running_engine(loaded: LoadedModel, session_cache: bool = True):
+    engine = Engine(lambda: loaded, session_cache=session_cache)
+    engine.start()
+    engine.ready.wait()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+def run_turn(engine: Engine, session: Session, content: str, on_text=None, record: bool = True,
+             **params) -> tuple[TurnResult | TurnFailed, list[str]]:
+    """Run one turn to its end; record it in `session` when it completed. `on_text(turn, text)`
+    runs in the engine thread for every streamed piece."""
+    events: list[TurnEvent] = []
+    finished = threading.Event()
+    turn: Turn
+
+    def emit(event: TurnEvent) -> None:
+        events.append(event)
+        if isinstance(event, TokenText):
+            if on_text:
+                on_text(turn, event.text)
+        else:
+            finished.set()
+
+    turn = Turn(turn_id=f"t{len(session.messages)}", session_id=session.session_id,
+                messages=session.prompt_messages(content), params=SamplingParams(**params), emit=emit)
+    engine.submit(turn)
+    assert finished.wait(120), "the engine did not finish the turn"
+    final = events[-1]
+    if record and isinstance(final, TurnResult) and final.finish_reason != "cancelled":
+        session.record_turn(content, final.content)
+    return final, [e.text for e in events[:-1]]

@@ -1,0 +1,64 @@
+"""`chatd serve` as a user runs it: a real process, a real port, a clean shutdown on SIGTERM."""
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+from websockets.asyncio.client import connect
+
+from chatd.client import ChatClient
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tiny, tmp_path_factory):
+    """The tiny model saved as a local checkpoint, as a user's own model would be."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny.model.save_pretrained(path)
+    tiny.tokenizer.save_pretrained(path)
+    return path
+
+
+def chatd(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "chatd", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+async def test_serve_a_local_checkpoint_chat_and_stop_on_sigterm(tiny_checkpoint):
+    server = chatd("serve", "--model", str(tiny_checkpoint), "--port", "0", "--device", "cpu")
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(server.stdout.readline), 120)
+        url = re.search(r"ws://\S+/ws", line)
+        assert url, f"no listening line, got {line!r}"
+        assert "cpu" in line and "float32" in line
+        async with ChatClient(await connect(url.group(0))) as client:
+            session_id = (await client.open_session(system="Be brief.")).session_id
+            done = await (await client.chat(session_id, "Hello", max_new_tokens=5)).result()
+            assert done.usage.completion_tokens == 5
+        terminal = subprocess.run([sys.executable, "-m", "chatd", "chat", "--url", url.group(0),
+                                   "--max-new-tokens", "4"], input="Hi there\nAnd again\n",
+                                  capture_output=True, text=True, timeout=60)
+        assert terminal.returncode == 0, terminal.stderr
+        assert terminal.stdout.count("bot> ") == 2
+        summaries = re.findall(r"\[(\w+)[^,]*, cached (\d+)/(\d+) prompt tokens, TTFT \d+ ms", terminal.stderr)
+        assert [source for source, _, _ in summaries] == ["miss", "device"]
+        assert int(summaries[1][1]) > 0
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(server.wait, 30) == 0
+
+
+def test_a_model_that_cannot_load_is_a_clear_error(tmp_path):
+    server = chatd("serve", "--model", str(tmp_path / "missing-model"), "--port", "0")
+    _, stderr = server.communicate(timeout=120)
+    assert server.returncode == 1
+    assert "chatd: loading model" in stderr and "missing-model" in stderr
+
+
+def test_bad_flags_are_named():
+    server = chatd("serve", "--dtype", "float8", "--port", "0")
+    _, stderr = server.communicate(timeout=60)
+    assert server.returncode == 2 and "--dtype" in stderr
