@@ -1,7 +1,14 @@
-"""KV cache storage for sessions: entries, tiers and the lookup boundary. Never imports chatd."""
+"""KV cache storage for sessions: entries, tiers, eviction policy, offload and the lookup boundary.
+Never imports chatd."""
 
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry
-from cache_store.manager import CacheLookup, CacheManager, common_prefix_length
+from cache_store.host_tier import HostTier
+from cache_store.offload import HostEntry, Offloader
+from cache_store.policy import ConnectedLRUPolicy, EvictionPolicy, LRUPolicy, Residency
+from cache_store.sizing import KVGeometry, kv_bytes_per_token
+from cache_store.store import CacheLookup, CacheStore, common_prefix_length
 
-__all__ = ["CacheEntry", "CacheLookup", "CacheManager", "DeviceTier", "common_prefix_length"]
+__all__ = ["CacheEntry", "CacheLookup", "CacheStore", "ConnectedLRUPolicy", "DeviceTier", "EvictionPolicy",
+           "HostEntry", "HostTier", "KVGeometry", "LRUPolicy", "Offloader", "Residency", "common_prefix_length",
+           "kv_bytes_per_token"]

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+KVTensors = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -31,16 +36,32 @@ class CacheEntry:
         self.token_ids += token_ids
 
     def crop(self, keep: int) -> None:
-        """Keep the first `keep` tokens; used when a render diverged or a turn is rolled back."""
-        if keep < self.num_tokens:
-            self.cache.crop(keep - self.num_tokens)
-            self.token_ids = self.token_ids[:keep]
+        """Keep the first `keep` tokens of every layer; used when a render diverged, a turn is
+        rolled back, or a forward pass failed halfway through the layers."""
+        for layer in self.cache.layers:
+            if layer.get_seq_length() > keep:
+                layer.keys = layer.keys[..., :keep, :]
+                layer.values = layer.values[..., :keep, :]
+        del self.token_ids[keep:]
+
+    def tensors(self) -> KVTensors:
+        return [(layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized]
 
     def nbytes(self) -> int:
-        """Bytes the key and value tensors occupy."""
-        total = 0
-        for layer in self.cache.layers:
-            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if tensor is not None:
-                    total += tensor.untyped_storage().nbytes()
-        return total
+        """Bytes the key and value tensors really occupy: their allocated storage, which after a
+        crop is larger than the used length."""
+        return sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in self.tensors())
+
+    def clone(self, new_cache: Callable[[], DynamicCache]) -> CacheEntry:
+        return entry_from_tensors(new_cache, [(k.clone(), v.clone()) for k, v in self.tensors()], self.token_ids)
+
+
+def entry_from_tensors(new_cache: Callable[[], DynamicCache], tensors: KVTensors, token_ids: list[int]) -> CacheEntry:
+    """Adopt existing key/value tensors as a cache without copying them again."""
+    cache = new_cache()
+    while len(cache.layers) < len(tensors):
+        cache.layers.append(DynamicLayer())
+    for layer, (keys, values) in zip(cache.layers, tensors, strict=False):
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    return CacheEntry(cache, list(token_ids))

@@ -1,4 +1,4 @@
-"""The `chatd` command: serve, chat."""
+"""The `chatd` command: serve, chat, kv-size."""
 
 from __future__ import annotations
 
@@ -33,6 +33,12 @@ def main(argv: list[str] | None = None) -> None:
     chat.add_argument("--system", default=None, help="system prompt for a new session")
     chat.add_argument("--session-id", default=None, help="continue an existing session")
     chat.add_argument("--max-new-tokens", type=int, default=256)
+    kv_size = commands.add_parser("kv-size", help="print the KV cache size per session for a model")
+    kv_size.add_argument("--model", default="smollm2-135m")
+    kv_size.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
+    kv_size.add_argument("--dtype", nargs="+", default=["float32", "float16"],
+                         choices=["float32", "float16", "bfloat16"])
+    kv_size.add_argument("--budget-mb", type=float, default=None, help="also show how many sessions fit this budget")
     args = parser.parse_args(argv)
 
     if args.command == "serve":
@@ -49,6 +55,10 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(run(settings))
         except ModelLoadError as error:
             sys.exit(f"chatd: {error}")
+    elif args.command == "kv-size":
+        from chatd.kv_size import kv_size_table
+
+        print(kv_size_table(args.model, args.tokens, args.dtype, args.budget_mb))
     else:
         from chatd.terminal import chat as run_chat
 

@@ -23,4 +23,9 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default_factory=default_cache_dir,
                             description="where bundled models are converted once")
     session_cache: bool = Field(True, description="reuse each session's KV cache between turns")
+    device_cache_mb: float | None = Field(
+        None, gt=0, description="budget for caches on the compute device (default: half the free GPU memory "
+                                "on CUDA, 2048 on CPU)")
+    host_cache_mb: float = Field(4096, ge=0, description="budget for caches offloaded to host memory")
+    session_ttl_s: float = Field(1800.0, gt=0, description="drop a disconnected session's cache after this idle time")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")

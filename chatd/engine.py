@@ -1,11 +1,13 @@
 """The engine thread: all model work happens here, one turn at a time, off the event loop.
 
-The data path of a turn, top to bottom: render the prompt, look up the session's cache, prefill
-only the tokens the cache does not cover, stream the reply token by token, write the cache back.
+The data path of a turn, top to bottom: render the prompt, look up the session's cache (device,
+host, shared prefix, miss), prefill only the tokens the cache does not cover, stream the reply
+token by token, write the cache back.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -16,36 +18,45 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from cache_store import CacheEntry, CacheLookup, CacheManager
+from cache_store import CacheEntry, CacheLookup, CacheStore, Offloader, kv_bytes_per_token
+from chatd.config import Settings
 from chatd.model_loader import LoadedModel
 from chatd.prompt import PromptRenderer
 from chatd.sampling import TokenSampler
 from chatd.text_stream import TextStream
 from chatd.turn import FinishReason, TokenText, Turn, TurnFailed, TurnResult
+from sessions import Message
 
 log = logging.getLogger(__name__)
 
+MB = 1024 * 1024
+CPU_DEVICE_CACHE_MB = 2048
+EXPIRE_EVERY_S = 1.0
+
 
 @dataclass(frozen=True)
-class _DropSession:
-    session_id: str
+class _CacheCommand:
+    """Cache housekeeping, run in the engine thread in order with the turns."""
+
+    action: Callable[[CacheStore], object]
 
 
 _STOP = object()
 
 
 class Engine:
-    """Owns the model and the session caches. Talk to it only through `submit`,
-    `drop_session` and `Turn.cancel`; all three are safe from any thread."""
+    """Owns the model and the session caches. Talk to it only through `submit`, `cancel` (on the
+    turn), `drop_session`, `session_connected` and `prefetch`; all are safe from any thread."""
 
-    def __init__(self, load: Callable[[], LoadedModel], session_cache: bool = True):
+    def __init__(self, load: Callable[[], LoadedModel], settings: Settings | None = None):
         self._load = load
-        self.cache = CacheManager(enabled=session_cache)
+        self.settings = settings or Settings()
         self._commands: queue.Queue[object] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="chatd-engine", daemon=True)
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         self.loaded: LoadedModel | None = None
+        self.cache: CacheStore | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -59,31 +70,66 @@ class Engine:
 
     def drop_session(self, session_id: str) -> None:
         """Free a session's cache once the turns queued before this call have finished."""
-        self._commands.put(_DropSession(session_id))
+        self._commands.put(_CacheCommand(lambda store: store.forget(session_id)))
+
+    def session_connected(self, session_id: str, connected: bool) -> None:
+        self._commands.put(_CacheCommand(lambda store: store.touch(session_id, connected)))
+
+    def prefetch(self, session_id: str) -> None:
+        """Hint that a turn of this session is coming: restore its cache to the device now."""
+        self._commands.put(_CacheCommand(lambda store: store.prefetch(session_id)))
+
+    def offload_idle(self) -> None:
+        """Move every cache that is not running to the host tier (to free the device, or to measure)."""
+        self._commands.put(_CacheCommand(CacheStore.evict_idle))
 
     def _run(self) -> None:
         try:
-            self.loaded = self._load()
-            self._renderer = PromptRenderer(self.loaded.tokenizer)
+            self._prepare(self._load())
         except BaseException as error:  # reported to whoever waits for `ready`
             log.exception("loading the model failed")
             self.load_error = error
             self.ready.set()
             return
         self.ready.set()
-        while (command := self._commands.get()) is not _STOP:
-            if isinstance(command, _DropSession):
-                self.cache.drop(command.session_id)
-            elif isinstance(command, Turn):
+        expired_at = time.monotonic()
+        while True:
+            try:
+                command = self._commands.get(timeout=EXPIRE_EVERY_S)
+            except queue.Empty:
+                command = None
+            if command is _STOP:
+                return
+            if isinstance(command, Turn):
                 self._serve(command)
+            elif isinstance(command, _CacheCommand):
+                command.action(self.cache)
+            if time.monotonic() - expired_at >= EXPIRE_EVERY_S:
+                self.cache.expire()
+                expired_at = time.monotonic()
+
+    def _prepare(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self._renderer = PromptRenderer(loaded.tokenizer)
+        self._system_ids = functools.lru_cache(maxsize=1024)(
+            lambda text: self._renderer.render([Message("system", text)], add_generation_prompt=False))
+        self._bytes_per_token = kv_bytes_per_token(loaded.model.config, loaded.model.dtype)
+        settings = self.settings
+        self.cache = CacheStore(
+            new_cache=self._new_cache, offloader=Offloader(loaded.device), enabled=settings.session_cache,
+            device_budget_bytes=int(default_device_budget_mb(settings, loaded.device) * MB),
+            host_budget_bytes=int(settings.host_cache_mb * MB), ttl_s=settings.session_ttl_s)
+
+    def _new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.loaded.model.config)
 
     def _serve(self, turn: Turn) -> None:
         try:
             with torch.inference_mode():
                 self.run_turn(turn)
         except Exception as error:
-            # The turn owned its cache entry since the lookup; dropping it here leaves no half-written cache.
             log.exception("turn %s of session %s failed", turn.turn_id, turn.session_id)
+            self.cache.drop(turn.session_id)  # never keep a cache a failed turn may have half-written
             turn.emit(TurnFailed("internal", f"the turn failed: {type(error).__name__}"))
 
     def run_turn(self, turn: Turn) -> None:
@@ -97,15 +143,23 @@ class Engine:
             turn.emit(TurnFailed("too_long", f"the conversation is {len(prompt_ids)} tokens; "
                                              f"the model's context is {loaded.max_context}"))
             return
-        lookup = self.cache.lookup(turn.session_id, prompt_ids)
-        entry = lookup.entry or CacheEntry(DynamicCache(config=loaded.model.config))
+        max_new_tokens = min(turn.params.max_new_tokens, loaded.max_context - len(prompt_ids))
+        prefix_len = self._shared_prefix_length(turn.messages, prompt_ids)
+        lookup = self.cache.lookup(turn.session_id, prompt_ids, prefix_len)
+        entry = lookup.entry or CacheEntry(self._new_cache())
+        self.cache.reserve(turn.session_id,
+                           (len(prompt_ids) - lookup.cached_tokens + max_new_tokens) * self._bytes_per_token)
+        start = lookup.cached_tokens
+        if lookup.source == "miss" and prefix_len:
+            self._forward(entry, prompt_ids[:prefix_len])  # the system prompt, shared with later sessions
+            self.cache.put_prefix(entry)
+            start = prefix_len
         sampler = TokenSampler(turn.params)
         stream = TextStream(loaded.tokenizer, turn.params.stop)
-        max_new_tokens = min(turn.params.max_new_tokens, loaded.max_context - len(prompt_ids))
         generated: list[int] = []
         finish: FinishReason = "length"
 
-        token = sampler.next_token(self._forward(entry, prompt_ids[lookup.cached_tokens:]))
+        token = sampler.next_token(self._forward(entry, prompt_ids[start:]))
         first_token_at = time.perf_counter()
         while True:
             if token in loaded.stop_token_ids:
@@ -128,16 +182,34 @@ class Engine:
         finished_at = time.perf_counter()
 
         if finish == "cancelled":
-            entry.crop(lookup.cached_tokens)  # the turn is not recorded: roll its tokens back
-        self.cache.store(turn.session_id, entry)
+            entry.crop(start)  # the turn is not recorded: roll its tokens back
+        self.cache.put(turn.session_id, entry)
         turn.emit(self._result(turn, lookup, finish, stream.text, prompt_ids, generated,
                                started, first_token_at, finished_at))
 
+    def _shared_prefix_length(self, messages: list[Message], prompt_ids: list[int]) -> int:
+        """Length of the system prompt's tokens at the start of the prompt, which sessions share."""
+        if not messages or messages[0].role != "system":
+            return 0
+        system_ids = self._system_ids(messages[0].content)
+        return len(system_ids) if prompt_ids[:len(system_ids)] == system_ids else 0
+
     def _forward(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
-        """Append `token_ids` to the session's cache; return the logits after the last of them."""
-        loaded = self.loaded
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=loaded.device)
-        output = loaded.model(input_ids=input_ids, cache=entry.cache, use_cache=True, logits_to_keep=1)
+        """Append `token_ids` to the session's cache; return the logits after the last of them.
+        On CUDA out-of-memory, offload every idle cache and try once more."""
+        length = entry.num_tokens
+        try:
+            return self._model_step(entry, token_ids)
+        except torch.cuda.OutOfMemoryError:
+            entry.crop(length)  # some layers may already hold the new tokens
+            evicted = self.cache.evict_idle()
+            torch.cuda.empty_cache()
+            log.warning("out of device memory: offloaded %d idle caches, retrying once", evicted)
+            return self._model_step(entry, token_ids)
+
+    def _model_step(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)
+        output = self.loaded.model(input_ids=input_ids, cache=entry.cache, use_cache=True, logits_to_keep=1)
         entry.extend(token_ids)
         return output.logits[0, -1]
 
@@ -165,3 +237,13 @@ class Engine:
                 "tokens_per_s": (len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0,
             },
         )
+
+
+def default_device_budget_mb(settings: Settings, device: torch.device) -> float:
+    """The configured budget, or half the free memory of a CUDA device, or a fixed size on CPU."""
+    if settings.device_cache_mb is not None:
+        return settings.device_cache_mb
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(1, free // 2 // MB)
+    return CPU_DEVICE_CACHE_MB

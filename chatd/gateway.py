@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections import Counter
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
@@ -25,6 +26,7 @@ from chatd.protocol import (
     SessionOpen,
     SessionReady,
     Timings,
+    Typing,
     Usage,
     parse_client_message,
 )
@@ -36,11 +38,13 @@ log = logging.getLogger(__name__)
 
 
 class Connection:
-    """One websocket client and the turns it started (so that it can cancel them)."""
+    """One websocket client, the turns it started (so that it can cancel them) and the sessions it
+    has used (whose caches are evicted last while it stays connected)."""
 
     def __init__(self, websocket: ServerConnection):
         self.websocket = websocket
         self.turns: dict[str, Turn] = {}
+        self.sessions: set[str] = set()
 
     async def send(self, message) -> None:
         """Send, ignoring a client that has gone: its turns still run to completion and are recorded."""
@@ -55,21 +59,36 @@ class Gateway:
         self.engine = engine
         self.store = store
         self._running: dict[str, Turn] = {}  # session id -> its running turn: one at a time per session
+        self._attached: Counter[str] = Counter()  # session id -> connections using it
         self._forwarders: set[asyncio.Task] = set()
 
     async def handle(self, websocket: ServerConnection) -> None:
         connection = Connection(websocket)
-        async for frame in websocket:
-            try:
-                message = parse_client_message(frame)
-            except ProtocolError as error:
-                await connection.send(ErrorMessage(code="bad_request", message=str(error)))
-                continue
-            try:
-                await self.dispatch(connection, message)
-            except Exception:
-                log.exception("handling %s failed", message.type)
-                await connection.send(ErrorMessage(code="internal", message=f"{message.type} failed"))
+        try:
+            async for frame in websocket:
+                try:
+                    message = parse_client_message(frame)
+                except ProtocolError as error:
+                    await connection.send(ErrorMessage(code="bad_request", message=str(error)))
+                    continue
+                try:
+                    await self.dispatch(connection, message)
+                except Exception:
+                    log.exception("handling %s failed", message.type)
+                    await connection.send(ErrorMessage(code="internal", message=f"{message.type} failed"))
+        finally:
+            for session_id in connection.sessions:
+                self._attached[session_id] -= 1
+                if self._attached[session_id] == 0:
+                    del self._attached[session_id]
+                    self.engine.session_connected(session_id, False)
+
+    def _attach(self, connection: Connection, session_id: str) -> None:
+        if session_id not in connection.sessions:
+            connection.sessions.add(session_id)
+            self._attached[session_id] += 1
+            if self._attached[session_id] == 1:
+                self.engine.session_connected(session_id, True)
 
     async def dispatch(self, connection: Connection, message) -> None:
         match message:
@@ -79,18 +98,22 @@ class Gateway:
                 await self.start_turn(connection, message)
             case ChatCancel():
                 await self.cancel_turn(connection, message)
+            case Typing():
+                await self.prefetch(connection, message)
             case SessionClose():
                 await self.close_session(connection, message)
 
     async def open_session(self, connection: Connection, message: SessionOpen) -> None:
         if message.session_id is None:
             session = await self.store.create(message.system)
+            self._attach(connection, session.session_id)
             await connection.send(SessionReady(session_id=session.session_id, turns=0, resumed=False))
             return
         session = await self.store.get(message.session_id)
         if session is None:
             await connection.send(_unknown_session(message.session_id))
             return
+        self._attach(connection, session.session_id)
         await connection.send(SessionReady(session_id=session.session_id, turns=session.turns, resumed=True))
 
     async def start_turn(self, connection: Connection, message: ChatRequest) -> None:
@@ -119,6 +142,7 @@ class Gateway:
         )
         self._running[session.session_id] = turn
         connection.turns[turn_id] = turn
+        self._attach(connection, session.session_id)
         self.engine.submit(turn)
         task = asyncio.create_task(self._forward(connection, session, turn, message.content, events))
         self._forwarders.add(task)
@@ -147,6 +171,11 @@ class Gateway:
                                                message=f"no running turn {message.turn_id!r} on this connection"))
             return
         turn.cancel()  # the engine stops at its next step and answers chat.done with finish_reason cancelled
+
+    async def prefetch(self, connection: Connection, message: Typing) -> None:
+        """A hint, so it answers nothing, not even for an unknown session."""
+        if message.session_id not in self._running and await self.store.get(message.session_id) is not None:
+            self.engine.prefetch(message.session_id)
 
     async def close_session(self, connection: Connection, message: SessionClose) -> None:
         session = await self.store.get(message.session_id)

@@ -42,12 +42,20 @@ class ChatCancel(_Message):
     turn_id: str
 
 
+class Typing(_Message):
+    """The user is typing: a hint to bring the session's cache back to the device."""
+
+    type: Literal["typing"]
+    session_id: str
+
+
 class SessionClose(_Message):
     type: Literal["session.close"]
     session_id: str
 
 
-ClientMessage = Annotated[SessionOpen | ChatRequest | ChatCancel | SessionClose, Field(discriminator="type")]
+ClientMessage = Annotated[SessionOpen | ChatRequest | ChatCancel | Typing | SessionClose,
+                          Field(discriminator="type")]
 _client_message = TypeAdapter(ClientMessage)
 
 
@@ -55,7 +63,7 @@ class ProtocolError(ValueError):
     """A frame that is not a valid client message; the text names the problem."""
 
 
-def parse_client_message(frame: str | bytes) -> SessionOpen | ChatRequest | ChatCancel | SessionClose:
+def parse_client_message(frame: str | bytes) -> SessionOpen | ChatRequest | ChatCancel | Typing | SessionClose:
     if isinstance(frame, bytes):
         raise ProtocolError("binary frames are not supported: send JSON text frames")
     try:
@@ -108,8 +116,8 @@ class Timings(BaseModel):
 
 
 class CacheReport(BaseModel):
-    source: Literal["device", "miss"]
-    miss_reason: Literal["new", "disabled", "drift"] | None = None
+    source: Literal["device", "host", "prefix", "miss"]
+    miss_reason: Literal["new", "evicted", "disabled", "drift"] | None = None
 
 
 class ChatDone(BaseModel):

@@ -34,8 +34,7 @@ class ChatServer:
     def __init__(self, settings: Settings, load: Callable[[], LoadedModel] | None = None):
         self.settings = settings
         self.engine = Engine(load or (lambda: load_model(settings.model, settings.device, settings.dtype,
-                                                         settings.cache_dir)),
-                             session_cache=settings.session_cache)
+                                                         settings.cache_dir)), settings)
         self.sessions = InMemorySessionStore()
         self.gateway = Gateway(self.engine, self.sessions)
         self._server: Server | None = None

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from chatd.config import Settings
 from chatd.engine import Engine
 from chatd.model_loader import LoadedModel, stop_token_ids
 from chatd.sampling import SamplingParams
@@ -32,8 +33,8 @@ def tiny_model(tokenizer_dir) -> LoadedModel:
 
 
 @contextmanager
-def running_engine(loaded: LoadedModel, session_cache: bool = True):
-    engine = Engine(lambda: loaded, session_cache=session_cache)
+def running_engine(loaded: LoadedModel, **settings):
+    engine = Engine(lambda: loaded, Settings(**settings))
     engine.start()
     engine.ready.wait()
     try:

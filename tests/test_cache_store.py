@@ -1,82 +1,237 @@
-"""The cache boundary on CPU with hand-made caches: lookup outcomes, cropping and accounting."""
+"""The cache boundary on CPU with hand-made caches: lookups, eviction order, offload and restore,
+shared prefixes, TTL and the budgets. No model needed."""
 
+import random
+
+import pytest
 import torch
 from transformers import DynamicCache
 
-from cache_store import CacheEntry, CacheManager, common_prefix_length
+from cache_store import CacheEntry, CacheStore, LRUPolicy, Offloader, common_prefix_length
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 4
+BYTES_PER_TOKEN = 2 * LAYERS * HEADS * HEAD_DIM * 4  # float32
 
 
-def make_entry(token_ids: list[int]) -> CacheEntry:
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0  # every reading is later than the last: recency is always strict
+        return self.now
+
+
+def make_entry(token_ids: list[int], seed: int = 0) -> CacheEntry:
+    generator = torch.Generator().manual_seed(seed)
     cache = DynamicCache()
-    n = len(token_ids)
     for layer in range(LAYERS):
-        keys = torch.arange(n, dtype=torch.float32).repeat(1, HEADS, HEAD_DIM, 1).transpose(-1, -2)
-        cache.update(keys + layer, keys - layer, layer)
+        keys = torch.randn(1, HEADS, len(token_ids), HEAD_DIM, generator=generator)
+        cache.update(keys, keys * 2 + layer, layer)
     return CacheEntry(cache, list(token_ids))
+
+
+def make_store(device_tokens: int = 1000, host_tokens: int = 1000, **kwargs) -> CacheStore:
+    return CacheStore(new_cache=DynamicCache, offloader=Offloader(torch.device("cpu")),
+                      device_budget_bytes=device_tokens * BYTES_PER_TOKEN,
+                      host_budget_bytes=host_tokens * BYTES_PER_TOKEN, clock=kwargs.pop("clock", Clock()), **kwargs)
+
+
+def ids(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
 
 
 def test_common_prefix_length():
     assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
     assert common_prefix_length([1, 2], [1, 2, 3]) == 2
     assert common_prefix_length([], [1]) == 0
-    assert common_prefix_length([5], [6]) == 0
 
 
-def test_first_turn_is_a_miss_new():
-    lookup = CacheManager().lookup("s", [1, 2, 3])
-    assert (lookup.source, lookup.miss_reason, lookup.cached_tokens, lookup.entry) == ("miss", "new", 0, None)
+def test_bytes_are_the_allocated_storage_and_match_the_formula():
+    entry = make_entry(ids(10))
+    assert entry.nbytes() == 10 * BYTES_PER_TOKEN
+    entry.crop(4)
+    assert entry.seq_lengths() == [4] * LAYERS
+    assert entry.nbytes() == 10 * BYTES_PER_TOKEN, "a crop keeps the allocation"
 
 
-def test_disabled_cache_never_reuses_nor_stores():
-    manager = CacheManager(enabled=False)
-    manager.store("s", make_entry([1, 2, 3]))
-    lookup = manager.lookup("s", [1, 2, 3, 4])
-    assert (lookup.source, lookup.miss_reason) == ("miss", "disabled")
-    assert len(manager.device) == 0
+def test_first_turn_is_a_miss_new_and_a_disabled_cache_never_stores():
+    store = make_store()
+    assert store.lookup("s", [1, 2, 3]) == store.lookup("s", [1, 2, 3])
+    assert (store.lookup("s", [1, 2]).source, store.lookup("s", [1, 2]).miss_reason) == ("miss", "new")
+    disabled = make_store(enabled=False)
+    disabled.put("s", make_entry(ids(3)))
+    assert disabled.lookup("s", ids(4)).miss_reason == "disabled" and len(disabled.device) == 0
 
 
-def test_extension_reuses_every_cached_token():
-    manager = CacheManager()
-    manager.store("s", make_entry([1, 2, 3, 4]))
-    lookup = manager.lookup("s", [1, 2, 3, 4, 5, 6])
-    assert (lookup.source, lookup.cached_tokens) == ("device", 4)
-    assert lookup.entry.is_consistent() and lookup.entry.token_ids == [1, 2, 3, 4]
-    assert "s" not in manager.device, "a running turn owns its entry exclusively"
+def test_extension_reuses_every_cached_token_and_marks_the_cache_running():
+    store = make_store()
+    store.put("s", make_entry([1, 2, 3, 4]))
+    lookup = store.lookup("s", [1, 2, 3, 4, 5, 6])
+    assert (lookup.source, lookup.cached_tokens, lookup.entry.token_ids) == ("device", 4, [1, 2, 3, 4])
+    assert store.device.residency("s").running
+    store.put("s", lookup.entry)
+    assert not store.device.residency("s").running
 
 
-def test_divergent_render_is_cropped_to_the_common_prefix():
-    manager = CacheManager()
-    manager.store("s", make_entry([1, 2, 3, 4, 5]))
-    lookup = manager.lookup("s", [1, 2, 9, 9, 9, 9])
-    assert (lookup.source, lookup.cached_tokens) == ("device", 2)
-    assert lookup.entry.token_ids == [1, 2]
+def test_divergence_crops_to_the_common_prefix_and_keeps_the_original_values():
+    store = make_store()
+    original = make_entry([1, 2, 3, 4, 5])
+    expected = original.cache.layers[1].keys[..., :2, :].clone()
+    store.put("s", original)
+    lookup = store.lookup("s", [1, 2, 9, 9, 9, 9])
+    assert (lookup.source, lookup.cached_tokens, lookup.entry.token_ids) == ("device", 2, [1, 2])
     assert lookup.entry.seq_lengths() == [2] * LAYERS
-    # The kept positions are the original ones, not shifted or recomputed.
-    keys = lookup.entry.cache.layers[1].keys
-    assert torch.equal(keys[0, 0, :, 0], torch.tensor([1.0, 2.0]))
+    assert torch.equal(lookup.entry.cache.layers[1].keys, expected)
 
 
-def test_full_hit_still_leaves_the_last_prompt_token_to_feed():
-    manager = CacheManager()
-    manager.store("s", make_entry([1, 2, 3]))
-    lookup = manager.lookup("s", [1, 2, 3])
-    assert lookup.cached_tokens == 2 and lookup.entry.token_ids == [1, 2]
+def test_full_hit_leaves_the_last_prompt_token_and_nothing_in_common_is_drift():
+    store = make_store()
+    store.put("s", make_entry([1, 2, 3]))
+    assert store.lookup("s", [1, 2, 3]).cached_tokens == 2
+    store.put("t", make_entry([7, 8]))
+    lookup = store.lookup("t", [1, 2, 3])
+    assert (lookup.source, lookup.miss_reason, "t" in store.device) == ("miss", "drift", False)
 
 
-def test_nothing_in_common_is_a_miss_drift():
-    manager = CacheManager()
-    manager.store("s", make_entry([7, 8]))
-    lookup = manager.lookup("s", [1, 2, 3])
-    assert (lookup.source, lookup.miss_reason, lookup.entry) == ("miss", "drift", None)
+def test_eviction_order_disconnected_first_then_least_recent_never_running():
+    store = make_store(device_tokens=30)
+    for name in "abc":
+        store.put(name, make_entry(ids(10)))
+    store.touch("b", connected=True)
+    store.put("d", make_entry(ids(10)))  # evicts a: disconnected and least recent
+    store.put("e", make_entry(ids(10)))  # evicts c, not b: b is connected although older
+    running = store.lookup("d", ids(11))
+    store.put("f", make_entry(ids(10)))  # evicts e: d is running
+    store.put("g", make_entry(ids(10)))  # evicts f
+    store.touch("g", connected=True)
+    store.put("h", make_entry(ids(10)))  # evicts b: connected like g, but less recent
+    assert store.host.keys() == ["a", "c", "e", "f", "b"]
+    assert "d" in store.device and running.entry is store.device.get("d")
+    assert store.device.used_bytes() <= store.device.budget_bytes
 
 
-def test_entry_bytes_count_the_tensors_storage():
-    entry = make_entry(list(range(10)))
-    per_token = 2 * LAYERS * HEADS * HEAD_DIM * 4
-    assert entry.nbytes() >= 10 * per_token
-    manager = CacheManager()
-    manager.store("a", entry)
-    assert manager.device.nbytes() == entry.nbytes()
-    assert manager.drop("a") and not manager.drop("a")
+def test_the_policy_is_pluggable():
+    store = make_store(device_tokens=20, policy=LRUPolicy())
+    store.put("a", make_entry(ids(10)))
+    store.touch("a", connected=True)
+    store.put("b", make_entry(ids(10)))
+    store.put("c", make_entry(ids(10)))
+    assert store.host.keys() == ["a"], "plain LRU ignores the connection"
+
+
+def test_offload_then_restore_is_bit_for_bit_equal():
+    store = make_store(device_tokens=10)
+    evicted = make_entry(ids(10), seed=3)
+    expected = [(k.clone(), v.clone()) for k, v in evicted.tensors()]
+    store.put("a", evicted)
+    store.put("b", make_entry(ids(10)))
+    assert "a" in store.host and "a" not in store.device
+    lookup = store.lookup("a", ids(12))
+    assert (lookup.source, lookup.cached_tokens) == ("host", 10)
+    assert lookup.entry.token_ids == ids(10) and lookup.entry.is_consistent()
+    for (k, v), (k0, v0) in zip(lookup.entry.tensors(), expected, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0) and k.dtype == k0.dtype
+    assert "a" not in store.host and store.counters["restores"] == 1
+
+
+def test_a_full_host_tier_drops_the_least_recent_and_its_next_turn_is_a_miss_evicted():
+    store = make_store(device_tokens=10, host_tokens=10)
+    for name in "abc":
+        store.put(name, make_entry(ids(10)))
+    assert store.host.keys() == ["b"] and "c" in store.device
+    lookup = store.lookup("a", ids(12))
+    assert (lookup.source, lookup.miss_reason) == ("miss", "evicted")
+    assert store.counters["host_evictions"] == 1
+
+
+def test_a_cache_larger_than_the_device_budget_goes_to_the_host_tier():
+    store = make_store(device_tokens=5)
+    store.put("big", make_entry(ids(8)))
+    assert "big" in store.host and store.device.used_bytes() == 0
+
+
+def test_a_shared_prefix_starts_new_sessions_and_is_never_mutated():
+    store = make_store()
+    system = make_entry(ids(5), seed=9)
+    original = [k.clone() for k, _ in system.tensors()]
+    store.put_prefix(system)
+    lookup = store.lookup("new", ids(8), prefix_len=5)
+    assert (lookup.source, lookup.cached_tokens) == ("prefix", 5)
+    lookup.entry.cache.layers[0].keys.zero_()
+    lookup.entry.crop(2)
+    again = store.lookup("other", ids(9), prefix_len=5)
+    assert [k for k, _ in again.entry.tensors()][0].equal(original[0])
+    assert store.lookup("third", ids(5, start=1) + [0, 0], prefix_len=5).source == "miss", "ids are verified"
+    assert store.stats()["prefixes"] == 1
+
+
+def test_ttl_drops_idle_disconnected_caches_only():
+    clock = Clock()
+    store = make_store(device_tokens=10, ttl_s=100, clock=clock)
+    store.put("idle", make_entry(ids(10)))
+    store.put("offloaded", make_entry(ids(10)))
+    store.put("connected", make_entry(ids(10)))
+    store.touch("connected", connected=True)
+    clock.now += 150
+    assert sorted(store.expire()) == ["idle", "offloaded"]
+    assert "connected" in store.device and len(store.host) == 0
+    assert store.lookup("idle", ids(11)).miss_reason == "evicted"
+
+
+def test_an_empty_write_back_keeps_the_connection_state_and_forget_clears_it():
+    store = make_store(device_tokens=20)
+    store.touch("a", connected=True)
+    store.put("a", make_entry([]))  # a cancelled first turn leaves nothing to keep
+    store.put("a", make_entry(ids(10)))
+    assert store.device.residency("a").connected
+    store.forget("a")
+    store.put("a", make_entry(ids(10)))
+    assert not store.device.residency("a").connected
+
+
+def test_prefetch_restores_a_host_cache_but_never_evicts_a_running_one():
+    store = make_store(device_tokens=10)
+    store.put("a", make_entry(ids(10)))
+    store.put("b", make_entry(ids(10)))
+    assert store.prefetch("a") and "a" in store.device and "b" in store.host
+    assert not store.prefetch("a"), "already on the device"
+    assert not store.prefetch("unknown")
+    store.lookup("a", ids(11))  # a is running now
+    assert not store.prefetch("b") and "b" in store.host and "a" in store.device
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_budgets_are_never_exceeded(seed):
+    rng = random.Random(seed)
+    store = make_store(device_tokens=60, host_tokens=80, ttl_s=50)
+    sessions = [f"s{i}" for i in range(8)]
+    history = {s: [] for s in sessions}
+    for _ in range(300):
+        session = rng.choice(sessions)
+        action = rng.random()
+        if action < 0.5:  # a turn: lookup, grow, write back
+            prompt = history[session] + ids(rng.randint(1, 8), start=1000)
+            lookup = store.lookup(session, prompt)
+            kept = lookup.entry.token_ids if lookup.entry else []
+            store.reserve(session, (len(prompt) - len(kept) + 4) * BYTES_PER_TOKEN)
+            grown = prompt + ids(rng.randint(0, 4), start=2000)
+            if len(grown) <= 30:
+                store.put(session, make_entry(grown))
+                history[session] = grown
+            else:
+                store.drop(session)
+                history[session] = []
+        elif action < 0.65:
+            store.prefetch(session)
+        elif action < 0.8:
+            store.touch(session, connected=rng.random() < 0.5)
+        elif action < 0.9:
+            store.expire()
+        else:
+            (store.drop if rng.random() < 0.5 else store.forget)(session)
+            history[session] = []
+        assert store.device.used_bytes() <= store.device.budget_bytes
+        assert store.host.used_bytes() <= store.host.budget_bytes
+        for key in store.device:
+            assert store.device.get(key).is_consistent()

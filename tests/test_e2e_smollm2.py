@@ -42,3 +42,41 @@ async def test_five_turns_reuse_the_device_cache_and_match_a_cacheless_server(sm
                     assert hit_done.cache.source == "device", f"turn {index + 1}"
                     assert hit_done.usage.cached_tokens > 0
                     assert hit_done.usage.prompt_tokens - hit_done.usage.cached_tokens < 40
+
+
+CUSTOMERS = {
+    "billing": ["I was charged twice this month.", "The second charge is 29.99.", "Please refund it."],
+    "outage": ["My internet is down.", "The router light is red.", "I restarted it, still red."],
+    "moving": ["I am moving house next month.", "The new address is 4 Elm Road.", "Can I keep my number?"],
+    "upgrade": ["I want faster internet.", "What plans do you have?", "How much is the fastest one?"],
+}
+
+
+async def test_interleaved_conversations_under_a_small_device_budget_match_an_unlimited_server(smollm2):
+    """Four customers take turns; the device holds about two conversations (each is about 70 tokens
+    after its first turn, plus the room a running turn reserves), so a customer returning after three
+    others always finds its cache offloaded to the host tier, and it must be restored exactly."""
+    budget_mb = 160 * 46_080 / 2**20  # 160 tokens of SmolLM2 KV in float32
+    async with ChatServer(Settings(port=0, device_cache_mb=budget_mb), load=lambda: smollm2) as small, \
+            ChatServer(Settings(port=0), load=lambda: smollm2) as unlimited:
+        await small.wait_ready()
+        await unlimited.wait_ready()
+        async with ChatClient(await connect(small.url)) as limited_client, \
+                ChatClient(await connect(unlimited.url)) as reference_client:
+            sessions = {}
+            for name in CUSTOMERS:
+                sessions[name] = ((await limited_client.open_session(system=SYSTEM)).session_id,
+                                  (await reference_client.open_session(system=SYSTEM)).session_id)
+            for round_index in range(3):
+                for name, questions in CUSTOMERS.items():
+                    limited_id, reference_id = sessions[name]
+                    got = await limited_client.chat(limited_id, questions[round_index], max_new_tokens=24)
+                    expected = await reference_client.chat(reference_id, questions[round_index], max_new_tokens=24)
+                    got_done, expected_done = await got.result(), await expected.result()
+                    assert got.deltas == expected.deltas, f"{name}, turn {round_index + 1}"
+                    if round_index > 0:  # (in the first round the small budget may have evicted the shared prefix)
+                        assert (got_done.cache.source, expected_done.cache.source) == ("host", "device")
+                        assert got_done.usage.cached_tokens == expected_done.usage.cached_tokens
+        stats = small.engine.cache.stats()
+        assert stats["device_bytes"] <= stats["device_budget_bytes"]
+        assert stats["restores"] == 8

@@ -19,11 +19,10 @@ CONVERSATION = [
 def assert_cache_matches(engine, session_id, prompt_ids, result):
     """The stored cache covers exactly the ids that were fed: the prompt and the reply tokens
     (the last sampled token is only fed when the reply ended on an end-of-turn token)."""
-    entry = engine.cache.device.take(session_id)
+    entry = engine.cache.device.get(session_id)
     fed = result.token_ids if result.finish_reason == "stop" else result.token_ids[:-1]
     assert entry.token_ids == prompt_ids + fed
     assert entry.seq_lengths() == [len(entry.token_ids)] * len(entry.cache.layers)
-    engine.cache.device.put(session_id, entry)
 
 
 def test_cached_and_uncached_generation_are_identical_over_six_turns(tiny):
@@ -47,9 +46,7 @@ def test_cached_and_uncached_generation_are_identical_over_six_turns(tiny):
 
 
 def cached_ids(engine, session_id) -> list[int]:
-    entry = engine.cache.device.take(session_id)
-    engine.cache.device.put(session_id, entry)
-    return list(entry.token_ids)
+    return list(engine.cache.device.get(session_id).token_ids)
 
 
 def test_the_next_turn_reuses_the_longest_common_prefix(tiny):
@@ -95,9 +92,8 @@ def test_cancel_mid_turn_leaves_a_usable_session(tiny):
                                      on_text=lambda turn, text: turn.cancel())
         assert cancelled.finish_reason == "cancelled"
         assert 1 <= cancelled.completion_tokens < 200 and deltas
-        entry = engine.cache.device.take("s")
+        entry = engine.cache.device.get("s")
         assert entry.is_consistent() and ids_before[:entry.num_tokens] == entry.token_ids
-        engine.cache.device.put("s", entry)
         assert len(session.messages) == 4, "a cancelled turn is not recorded"
 
         after, _ = run_turn(engine, session, CONVERSATION[2], max_new_tokens=10)

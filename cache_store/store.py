@@ -1,0 +1,224 @@
+"""The cache boundary. A turn asks what it may reuse and gets one `CacheLookup` back; everything
+about tiers, eviction, offload and sharing stays behind this object.
+
+Not thread-safe: the engine thread is its only caller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import xxhash
+from transformers import DynamicCache
+
+from cache_store.device_tier import DeviceTier
+from cache_store.entry import CacheEntry
+from cache_store.host_tier import HostTier
+from cache_store.offload import Offloader
+from cache_store.policy import EvictionPolicy
+
+CacheSource = Literal["device", "host", "prefix", "miss"]
+MissReason = Literal["new", "evicted", "disabled", "drift"]
+_PREFIX = "prefix:"
+_REMEMBERED_LOSSES = 100_000
+
+
+@dataclass(frozen=True)
+class CacheLookup:
+    """What a turn may reuse: `entry` holds its first `cached_tokens` tokens and stays the turn's
+    until `put` (or `drop`)."""
+
+    source: CacheSource
+    cached_tokens: int
+    entry: CacheEntry | None = None
+    miss_reason: MissReason | None = None
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class CacheStore:
+    def __init__(self, *, new_cache: Callable[[], DynamicCache], offloader: Offloader,
+                 device_budget_bytes: int, host_budget_bytes: int, enabled: bool = True,
+                 policy: EvictionPolicy | None = None, ttl_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.enabled = enabled
+        self.device = DeviceTier(device_budget_bytes, policy, clock)
+        self.host = HostTier(host_budget_bytes, clock)
+        self.ttl_s = ttl_s
+        self.counters: Counter[str] = Counter()
+        self._new_cache = new_cache
+        self._offloader = offloader
+        self._clock = clock
+        self._connected: set[str] = set()
+        self._lost: OrderedDict[str, None] = OrderedDict()  # sessions whose cache was dropped
+
+    # ##### Public API #####
+
+    def lookup(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int = 0) -> CacheLookup:
+        """Find the session's cache (device, then host), crop it to what the prompt shares with it,
+        and mark it running. Without one, start from the shared prefix of the first `prefix_len`
+        prompt ids when it is cached. The last prompt token is always left to feed: its logits pick
+        the first reply token."""
+        if not self.enabled:
+            return CacheLookup("miss", 0, miss_reason="disabled")
+        source: CacheSource = "device"
+        entry = self.device.get(session_id)
+        if entry is None and session_id in self.host:
+            entry, source = self._restore(session_id), "host"
+        if entry is None:
+            return self._start_from_prefix(session_id, prompt_ids, prefix_len)
+        reusable = min(common_prefix_length(entry.token_ids, prompt_ids), len(prompt_ids) - 1)
+        if reusable <= 0:
+            self.device.pop(session_id)
+            return CacheLookup("miss", 0, miss_reason="drift")
+        entry.crop(reusable)
+        self.device.residency(session_id).running = True
+        return CacheLookup(source, reusable, entry)
+
+    def reserve(self, session_id: str, more_bytes: int) -> None:
+        """Make room on the device for a running cache to grow by `more_bytes`."""
+        self._make_room(more_bytes, keep=session_id)
+
+    def put(self, session_id: str, entry: CacheEntry) -> None:
+        """Write a session's cache back after its turn; it becomes evictable again."""
+        if not self.enabled or entry.num_tokens == 0:
+            self.drop(session_id)
+            return
+        self.device.pop(session_id)
+        self._lost.pop(session_id, None)
+        self._make_room(entry.nbytes())
+        self.device.put(session_id, entry, connected=session_id in self._connected)
+        if self.device.used_bytes() > self.device.budget_bytes:  # alone larger than the budget
+            self._offload(session_id)
+
+    def put_prefix(self, entry: CacheEntry) -> None:
+        """Share a copy of `entry` as the start of every new session whose prompt begins with its ids."""
+        if not self.enabled:
+            return
+        key = _prefix_key(entry.token_ids)
+        shared = entry.clone(self._new_cache)
+        self._make_room(shared.nbytes())
+        if self.device.used_bytes() + shared.nbytes() <= self.device.budget_bytes:
+            self.device.put(key, shared)
+
+    def touch(self, session_id: str, connected: bool) -> None:
+        """Record whether a client is connected to the session: connected caches are evicted last."""
+        (self._connected.add if connected else self._connected.discard)(session_id)
+        if (residency := self.device.residency(session_id)) is not None:
+            residency.connected = connected
+
+    def prefetch(self, session_id: str) -> bool:
+        """Bring a session's cache from the host tier back to the device ahead of its turn. A hint:
+        it never evicts a running cache, and does nothing if the cache is not in the host tier."""
+        if not self.enabled or session_id not in self.host or session_id in self.device:
+            return False
+        if not self.device.can_fit(self.host.nbytes(session_id)):
+            return False
+        self._restore(session_id)
+        return True
+
+    def drop(self, session_id: str) -> None:
+        """Drop a session's cache from every tier; its next turn recomputes."""
+        self.device.pop(session_id)
+        self.host.pop(session_id)
+
+    def forget(self, session_id: str) -> None:
+        """The session is closed: drop its cache and everything known about it."""
+        self.drop(session_id)
+        self._lost.pop(session_id, None)
+        self._connected.discard(session_id)
+
+    def evict_idle(self) -> int:
+        """Offload every cache that is not running (used when the device runs out of memory)."""
+        victims = [key for key in self.device if not self.device.residency(key).running]
+        for key in victims:
+            self._evict(key)
+        return len(victims)
+
+    def expire(self) -> list[str]:
+        """Drop the caches of disconnected sessions idle for longer than the TTL."""
+        if self.ttl_s is None:
+            return []
+        deadline = self._clock() - self.ttl_s
+        expired = [key for key in self.device
+                   if not key.startswith(_PREFIX) and self._idle_since(key) < deadline]
+        expired += [key for key in self.host.keys()
+                    if key not in self._connected and self.host.put_at(key) < deadline]
+        for key in expired:
+            self.device.pop(key)
+            self.host.pop(key)
+            self._remember_loss(key)
+            self.counters["expired"] += 1
+        return expired
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "device_bytes": self.device.used_bytes(), "device_budget_bytes": self.device.budget_bytes,
+            "device_sessions": sum(1 for key in self.device if not key.startswith(_PREFIX)),
+            "prefixes": sum(1 for key in self.device if key.startswith(_PREFIX)),
+            "host_bytes": self.host.used_bytes(), "host_budget_bytes": self.host.budget_bytes,
+            "host_sessions": len(self.host), **self.counters,
+        }
+
+    # ##### Helpers #####
+
+    def _start_from_prefix(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int) -> CacheLookup:
+        reason: MissReason = "evicted" if session_id in self._lost else "new"
+        if 0 < prefix_len < len(prompt_ids):
+            shared = self.device.get(_prefix_key(prompt_ids[:prefix_len]))
+            if shared is not None and shared.token_ids == list(prompt_ids[:prefix_len]):  # verify, never trust a hash
+                entry = shared.clone(self._new_cache)
+                self._make_room(entry.nbytes())
+                self.device.put(session_id, entry, connected=session_id in self._connected)
+                self.device.residency(session_id).running = True
+                return CacheLookup("prefix", prefix_len, entry)
+        return CacheLookup("miss", 0, miss_reason=reason)
+
+    def _restore(self, session_id: str) -> CacheEntry:
+        host_entry = self.host.pop(session_id)  # first: making room offloads others into the host tier
+        self._make_room(host_entry.nbytes)
+        entry = self._offloader.restore(host_entry, self._new_cache)
+        self.device.put(session_id, entry, connected=session_id in self._connected)
+        self.counters["restores"] += 1
+        return entry
+
+    def _make_room(self, need_bytes: int, keep: str | None = None) -> None:
+        for key in self.device.victims(need_bytes, keep=keep):
+            self._evict(key)
+
+    def _evict(self, key: str) -> None:
+        if key.startswith(_PREFIX):
+            self.device.pop(key)  # a shared prefix is cheap to recompute: dropped, not offloaded
+            self.counters["prefix_evictions"] += 1
+            return
+        self._offload(key)
+
+    def _offload(self, session_id: str) -> None:
+        entry = self.device.pop(session_id)
+        self.counters["device_evictions"] += 1
+        for dropped in self.host.put(session_id, self._offloader.offload(entry)):
+            self._remember_loss(dropped)
+            self.counters["host_evictions"] += 1
+
+    def _remember_loss(self, session_id: str) -> None:
+        self._lost[session_id] = None
+        while len(self._lost) > _REMEMBERED_LOSSES:
+            self._lost.popitem(last=False)
+
+    def _idle_since(self, key: str) -> float:
+        residency = self.device.residency(key)
+        return float("inf") if residency.running or residency.connected else residency.last_access
+
+
+def _prefix_key(token_ids: Sequence[int]) -> str:
+    return _PREFIX + xxhash.xxh3_64_hexdigest(b"".join(i.to_bytes(4, "little") for i in token_ids))

@@ -1,0 +1,43 @@
+"""`chatd kv-size`: how large one session's KV cache is for a model, and how many fit a budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from cache_store import KVGeometry, kv_bytes_per_token
+from chatd.model_loader import BUNDLED_MODELS, converted_checkpoint, default_cache_dir
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_size_table(model: str, tokens: list[int], dtypes: list[str], budget_mb: float | None,
+                  cache_dir: Path | None = None) -> str:
+    source = converted_checkpoint(model, cache_dir or default_cache_dir()) if model in BUNDLED_MODELS else model
+    config = AutoConfig.from_pretrained(source)
+    shape = KVGeometry.of(config)
+    lines = [f"{model}: {shape.layers} layers, {shape.kv_heads} KV heads (of {shape.attention_heads}), "
+             f"head_dim {shape.head_dim}"]
+    header = f"{'dtype':<9} {'bytes/token':>11} " + " ".join(f"{f'{n} tok':>12}" for n in tokens)
+    if budget_mb:
+        header += "   " + " ".join(f"{f'n@{n}':>8}" for n in tokens)
+    lines.append(header)
+    for name in dtypes:
+        per_token = kv_bytes_per_token(config, DTYPES[name])
+        row = f"{name:<9} {per_token:>11,} " + " ".join(f"{_human(per_token * n):>12}" for n in tokens)
+        if budget_mb:
+            row += "   " + " ".join(f"{int(budget_mb * 2**20 // (per_token * n)):>8,}" for n in tokens)
+        lines.append(row)
+    if budget_mb:
+        lines.append(f"n@T: sessions of T tokens that a {budget_mb:g} MB budget holds")
+    return "\n".join(lines)
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1024 or unit == "GB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes} B"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
