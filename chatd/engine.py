@@ -103,10 +103,18 @@ class Engine:
             if isinstance(command, Turn):
                 self._serve(command)
             elif isinstance(command, _CacheCommand):
-                command.action(self.cache)
+                self._housekeep(command.action)
             if time.monotonic() - expired_at >= EXPIRE_EVERY_S:
-                self.cache.expire()
+                self._housekeep(CacheStore.expire)
                 expired_at = time.monotonic()
+
+    def _housekeep(self, action: Callable[[CacheStore], object]) -> None:
+        """Cache housekeeping is best effort: a failure is logged, and the engine keeps serving."""
+        try:
+            with torch.inference_mode():
+                action(self.cache)
+        except Exception:
+            log.exception("cache housekeeping failed")
 
     def _prepare(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
