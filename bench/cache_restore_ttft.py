@@ -79,15 +79,13 @@ async def measure(args: argparse.Namespace) -> dict:
 
 
 def copy_bandwidth(entry, device: torch.device, new_cache, repeats: int = 5) -> dict:
-    """Offload and restore of one cache through the same code the tiers use (medians: the first
-    copies also pay for fresh memory pages)."""
+    """Offload (with its checksum) and restore of one cache through the same code the tiers use
+    (medians: the first copies also pay for fresh memory pages)."""
     offloader = Offloader(device)
     offloads, restores = [], []
     for _ in range(repeats):
         started = time.perf_counter()
         host = offloader.offload(entry)
-        if host.ready is not None:
-            host.ready.synchronize()
         offloads.append(time.perf_counter() - started)
         started = time.perf_counter()
         offloader.restore(host, new_cache)

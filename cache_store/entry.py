@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+if TYPE_CHECKING:
+    from cache_store.integrity import Fingerprint
 
 KVTensors = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -19,6 +23,7 @@ class CacheEntry:
 
     cache: DynamicCache
     token_ids: list[int] = field(default_factory=list)
+    fingerprint: Fingerprint | None = None  # taken at write-back, checked on reuse
 
     @property
     def num_tokens(self) -> int:
@@ -53,10 +58,12 @@ class CacheEntry:
         return sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in self.tensors())
 
     def clone(self, new_cache: Callable[[], DynamicCache]) -> CacheEntry:
-        return entry_from_tensors(new_cache, [(k.clone(), v.clone()) for k, v in self.tensors()], self.token_ids)
+        return entry_from_tensors(new_cache, [(k.clone(), v.clone()) for k, v in self.tensors()], self.token_ids,
+                                  self.fingerprint)
 
 
-def entry_from_tensors(new_cache: Callable[[], DynamicCache], tensors: KVTensors, token_ids: list[int]) -> CacheEntry:
+def entry_from_tensors(new_cache: Callable[[], DynamicCache], tensors: KVTensors, token_ids: list[int],
+                       fingerprint: Fingerprint | None = None) -> CacheEntry:
     """Adopt existing key/value tensors as a cache without copying them again."""
     cache = new_cache()
     while len(cache.layers) < len(tensors):
@@ -64,4 +71,4 @@ def entry_from_tensors(new_cache: Callable[[], DynamicCache], tensors: KVTensors
     for layer, (keys, values) in zip(cache.layers, tensors, strict=False):
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
-    return CacheEntry(cache, list(token_ids))
+    return CacheEntry(cache, list(token_ids), fingerprint)

@@ -29,6 +29,9 @@ class HostTier:
         self._put_at[key] = self._clock()
         return dropped
 
+    def get(self, key: str) -> HostEntry | None:
+        return self._entries.get(key)
+
     def pop(self, key: str) -> HostEntry | None:
         self._put_at.pop(key, None)
         return self._entries.pop(key, None)

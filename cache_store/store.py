@@ -6,6 +6,7 @@ Not thread-safe: the engine thread is its only caller.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
@@ -18,11 +19,21 @@ from transformers import DynamicCache
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry
 from cache_store.host_tier import HostTier
+from cache_store.integrity import (
+    CacheLayout,
+    Check,
+    check_finite,
+    check_identity,
+    check_tensors,
+    checksum,
+    fingerprint,
+)
 from cache_store.offload import Offloader
 from cache_store.policy import EvictionPolicy
 
 CacheSource = Literal["device", "host", "prefix", "miss"]
-MissReason = Literal["new", "evicted", "disabled", "drift"]
+MissReason = Literal["new", "evicted", "disabled", "drift", "corrupt"]
+log = logging.getLogger(__name__)
 _PREFIX = "prefix:"
 _REMEMBERED_LOSSES = 100_000
 
@@ -36,6 +47,7 @@ class CacheLookup:
     cached_tokens: int
     entry: CacheEntry | None = None
     miss_reason: MissReason | None = None
+    cleared: tuple[Check, ...] = ()  # the checks that failed, when miss_reason is "corrupt"
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -47,11 +59,13 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class CacheStore:
-    def __init__(self, *, new_cache: Callable[[], DynamicCache], offloader: Offloader,
-                 device_budget_bytes: int, host_budget_bytes: int, enabled: bool = True,
+    def __init__(self, *, new_cache: Callable[[], DynamicCache], offloader: Offloader, layout: CacheLayout,
+                 model_key: str, device_budget_bytes: int, host_budget_bytes: int, enabled: bool = True,
                  policy: EvictionPolicy | None = None, ttl_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.enabled = enabled
+        self.layout = layout
+        self.model_key = model_key
         self.device = DeviceTier(device_budget_bytes, policy, clock)
         self.host = HostTier(host_budget_bytes, clock)
         self.ttl_s = ttl_s
@@ -73,8 +87,13 @@ class CacheStore:
             return CacheLookup("miss", 0, miss_reason="disabled")
         source: CacheSource = "device"
         entry = self.device.get(session_id)
+        if entry is not None and (failed := self._check_resident(session_id, entry)):
+            return self.report_corruption(session_id, failed)
         if entry is None and session_id in self.host:
-            entry, source = self._restore(session_id), "host"
+            entry, failed = self._restore(session_id)
+            if failed:
+                return self.report_corruption(session_id, failed)
+            source = "host"
         if entry is None:
             return self._start_from_prefix(session_id, prompt_ids, prefix_len)
         reusable = min(common_prefix_length(entry.token_ids, prompt_ids), len(prompt_ids) - 1)
@@ -96,6 +115,7 @@ class CacheStore:
             return
         self.device.pop(session_id)
         self._lost.pop(session_id, None)
+        entry.fingerprint = fingerprint(entry, self.model_key, session_id, self.layout)
         self._make_room(entry.nbytes())
         self.device.put(session_id, entry, connected=session_id in self._connected)
         if self.device.used_bytes() > self.device.budget_bytes:  # alone larger than the budget
@@ -107,6 +127,7 @@ class CacheStore:
             return
         key = _prefix_key(entry.token_ids)
         shared = entry.clone(self._new_cache)
+        shared.fingerprint = fingerprint(shared, self.model_key, key, self.layout)
         self._make_room(shared.nbytes())
         if self.device.used_bytes() + shared.nbytes() <= self.device.budget_bytes:
             self.device.put(key, shared)
@@ -124,8 +145,18 @@ class CacheStore:
             return False
         if not self.device.can_fit(self.host.nbytes(session_id)):
             return False
-        self._restore(session_id)
-        return True
+        _, failed = self._restore(session_id)
+        if failed:
+            self.report_corruption(session_id, failed)
+        return not failed
+
+    def report_corruption(self, session_id: str, failed: tuple[Check, ...]) -> CacheLookup:
+        """A check failed: clear the session's cache in every tier; its turn recomputes."""
+        log.warning("session %s: cache failed the %s check; cleared, recomputing", session_id, ", ".join(failed))
+        self.drop(session_id)
+        for check in failed:
+            self.counters[f"corrupt_{check}"] += 1
+        return CacheLookup("miss", 0, miss_reason="corrupt", cleared=failed)
 
     def drop(self, session_id: str) -> None:
         """Drop a session's cache from every tier; its next turn recomputes."""
@@ -175,7 +206,11 @@ class CacheStore:
     def _start_from_prefix(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int) -> CacheLookup:
         reason: MissReason = "evicted" if session_id in self._lost else "new"
         if 0 < prefix_len < len(prompt_ids):
-            shared = self.device.get(_prefix_key(prompt_ids[:prefix_len]))
+            key = _prefix_key(prompt_ids[:prefix_len])
+            shared = self.device.get(key)
+            if shared is not None and self._check_resident(key, shared):
+                self.device.pop(key)
+                shared = None
             if shared is not None and shared.token_ids == list(prompt_ids[:prefix_len]):  # verify, never trust a hash
                 entry = shared.clone(self._new_cache)
                 self._make_room(entry.nbytes())
@@ -184,13 +219,26 @@ class CacheStore:
                 return CacheLookup("prefix", prefix_len, entry)
         return CacheLookup("miss", 0, miss_reason=reason)
 
-    def _restore(self, session_id: str) -> CacheEntry:
+    def _check_resident(self, owner: str, entry: CacheEntry) -> tuple[Check, ...]:
+        failed = (check_identity(entry.fingerprint, self.model_key, owner, entry.token_ids, self.layout)
+                  or check_tensors(entry.tensors(), entry.num_tokens, self.layout))
+        return (failed,) if failed else ()
+
+    def _restore(self, session_id: str) -> tuple[CacheEntry | None, tuple[Check, ...]]:
+        """Bring a host entry back to the device once it passes every check; else report what failed."""
         host_entry = self.host.pop(session_id)  # first: making room offloads others into the host tier
+        failed = (check_identity(host_entry.fingerprint, self.model_key, session_id, host_entry.token_ids,
+                                 self.layout)
+                  or check_tensors(host_entry.tensors, len(host_entry.token_ids), self.layout)
+                  or (checksum(host_entry.tensors) != host_entry.checksum and "checksum")
+                  or check_finite(host_entry.tensors))
+        if failed:
+            return None, (failed,)
         self._make_room(host_entry.nbytes)
         entry = self._offloader.restore(host_entry, self._new_cache)
         self.device.put(session_id, entry, connected=session_id in self._connected)
         self.counters["restores"] += 1
-        return entry
+        return entry, ()
 
     def _make_room(self, need_bytes: int, keep: str | None = None) -> None:
         for key in self.device.victims(need_bytes, keep=keep):

@@ -10,15 +10,19 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from transformers import DynamicCache
 
-from cache_store import CacheEntry, CacheLookup, CacheStore, Offloader, kv_bytes_per_token
+from cache_store import CacheEntry, CacheLayout, CacheLookup, CacheStore, KVGeometry, Offloader, kv_bytes_per_token
 from chatd.config import Settings
 from chatd.model_loader import LoadedModel
 from chatd.prompt import PromptRenderer
@@ -32,6 +36,10 @@ log = logging.getLogger(__name__)
 MB = 1024 * 1024
 CPU_DEVICE_CACHE_MB = 2048
 EXPIRE_EVERY_S = 1.0
+# Relative logit distance above which a reused cache is declared corrupt. Healthy caches measure
+# ~1e-6 in float32 and ~1e-2 in bfloat16; one flipped exponent bit in one layer measures ~1e-1 and up.
+DEEP_CHECK_TOLERANCE = 0.05
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,7 @@ class _CacheCommand:
     """Cache housekeeping, run in the engine thread in order with the turns."""
 
     action: Callable[[CacheStore], object]
+    result: Future | None = None
 
 
 _STOP = object()
@@ -57,6 +66,8 @@ class Engine:
         self.load_error: BaseException | None = None
         self.loaded: LoadedModel | None = None
         self.cache: CacheStore | None = None
+        self.deep_check_distances: deque[float] = deque(maxlen=256)
+        self._sampling = random.Random()
 
     def start(self) -> None:
         self._thread.start()
@@ -83,6 +94,12 @@ class Engine:
         """Move every cache that is not running to the host tier (to free the device, or to measure)."""
         self._commands.put(_CacheCommand(CacheStore.evict_idle))
 
+    def call(self, action: Callable[[CacheStore], T]) -> Future[T]:
+        """Run `action` on the cache store in the engine thread, between turns."""
+        result: Future[T] = Future()
+        self._commands.put(_CacheCommand(action, result))
+        return result
+
     def _run(self) -> None:
         try:
             self._prepare(self._load())
@@ -103,18 +120,24 @@ class Engine:
             if isinstance(command, Turn):
                 self._serve(command)
             elif isinstance(command, _CacheCommand):
-                self._housekeep(command.action)
+                self._housekeep(command.action, command.result)
             if time.monotonic() - expired_at >= EXPIRE_EVERY_S:
                 self._housekeep(CacheStore.expire)
                 expired_at = time.monotonic()
 
-    def _housekeep(self, action: Callable[[CacheStore], object]) -> None:
-        """Cache housekeeping is best effort: a failure is logged, and the engine keeps serving."""
+    def _housekeep(self, action: Callable[[CacheStore], object], result: Future | None = None) -> None:
+        """Cache housekeeping is best effort: a failure is logged (and handed to a caller that waits
+        for the result), and the engine keeps serving."""
         try:
             with torch.inference_mode():
-                action(self.cache)
-        except Exception:
+                value = action(self.cache)
+        except Exception as error:
             log.exception("cache housekeeping failed")
+            if result is not None:
+                result.set_exception(error)
+            return
+        if result is not None:
+            result.set_result(value)
 
     def _prepare(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
@@ -123,8 +146,11 @@ class Engine:
             lambda text: self._renderer.render([Message("system", text)], add_generation_prompt=False))
         self._bytes_per_token = kv_bytes_per_token(loaded.model.config, loaded.model.dtype)
         settings = self.settings
+        geometry = KVGeometry.of(loaded.model.config)
         self.cache = CacheStore(
             new_cache=self._new_cache, offloader=Offloader(loaded.device), enabled=settings.session_cache,
+            layout=CacheLayout(geometry.layers, geometry.kv_heads, geometry.head_dim, loaded.model.dtype),
+            model_key=loaded.identity(),
             device_budget_bytes=int(default_device_budget_mb(settings, loaded.device) * MB),
             host_budget_bytes=int(settings.host_cache_mb * MB), ttl_s=settings.session_ttl_s)
 
@@ -153,21 +179,19 @@ class Engine:
             return
         max_new_tokens = min(turn.params.max_new_tokens, loaded.max_context - len(prompt_ids))
         prefix_len = self._shared_prefix_length(turn.messages, prompt_ids)
-        lookup = self.cache.lookup(turn.session_id, prompt_ids, prefix_len)
-        entry = lookup.entry or CacheEntry(self._new_cache())
-        self.cache.reserve(turn.session_id,
-                           (len(prompt_ids) - lookup.cached_tokens + max_new_tokens) * self._bytes_per_token)
-        start = lookup.cached_tokens
-        if lookup.source == "miss" and prefix_len:
-            self._forward(entry, prompt_ids[:prefix_len])  # the system prompt, shared with later sessions
-            self.cache.put_prefix(entry)
-            start = prefix_len
+        lookup = self._checked_lookup(turn.session_id, prompt_ids, prefix_len)
+        entry, start, logits = self._prefill(turn.session_id, lookup, prompt_ids, prefix_len, max_new_tokens)
+        if lookup.cached_tokens and not bool(torch.isfinite(logits).all()):
+            # A NaN or Inf anywhere in the reused keys and values reaches these logits: the cheapest
+            # finite check there is, on every turn.
+            lookup = self.cache.report_corruption(turn.session_id, ("finite",))
+            entry, start, logits = self._prefill(turn.session_id, lookup, prompt_ids, prefix_len, max_new_tokens)
         sampler = TokenSampler(turn.params)
         stream = TextStream(loaded.tokenizer, turn.params.stop)
         generated: list[int] = []
         finish: FinishReason = "length"
 
-        token = sampler.next_token(self._forward(entry, prompt_ids[start:]))
+        token = sampler.next_token(logits)
         first_token_at = time.perf_counter()
         while True:
             if token in loaded.stop_token_ids:
@@ -194,6 +218,44 @@ class Engine:
         self.cache.put(turn.session_id, entry)
         turn.emit(self._result(turn, lookup, finish, stream.text, prompt_ids, generated,
                                started, first_token_at, finished_at))
+
+    def _checked_lookup(self, session_id: str, prompt_ids: list[int], prefix_len: int) -> CacheLookup:
+        """The cache store's lookup (with its cheap checks), plus the sampled deep check."""
+        lookup = self.cache.lookup(session_id, prompt_ids, prefix_len)
+        if (lookup.entry is None or lookup.cached_tokens < 2
+                or self._sampling.random() >= self.settings.verify_sample_rate):
+            return lookup
+        distance = self._deep_check(lookup.entry)
+        self.deep_check_distances.append(distance)
+        if distance > DEEP_CHECK_TOLERANCE:
+            log.warning("session %s: deep check distance %.4g over %.4g", session_id, distance, DEEP_CHECK_TOLERANCE)
+            return self.cache.report_corruption(session_id, ("deep",))
+        return lookup
+
+    def _deep_check(self, entry: CacheEntry) -> float:
+        """Recompute the logits of the last cached token from scratch and from the cache; return how
+        far apart they are (largest absolute difference over the largest absolute logit)."""
+        last = entry.token_ids[-1]
+        entry.crop(entry.num_tokens - 1)
+        from_cache = self._forward(entry, [last]).float()
+        from_scratch = self._forward(CacheEntry(self._new_cache()), entry.token_ids).float()
+        if not bool(torch.isfinite(from_cache).all()):
+            return float("inf")
+        return float((from_cache - from_scratch).abs().max() / from_scratch.abs().max().clamp_min(1e-6))
+
+    def _prefill(self, session_id: str, lookup: CacheLookup, prompt_ids: list[int], prefix_len: int,
+                 max_new_tokens: int) -> tuple[CacheEntry, int, torch.Tensor]:
+        """Feed the prompt tokens the cache does not cover; return the entry, where the feeding
+        started, and the logits that choose the first reply token."""
+        entry = lookup.entry or CacheEntry(self._new_cache())
+        growth = len(prompt_ids) - lookup.cached_tokens + max_new_tokens
+        self.cache.reserve(session_id, growth * self._bytes_per_token)
+        start = lookup.cached_tokens
+        if lookup.source == "miss" and prefix_len:
+            self._forward(entry, prompt_ids[:prefix_len])  # the system prompt, shared with later sessions
+            self.cache.put_prefix(entry)
+            start = prefix_len
+        return entry, start, self._forward(entry, prompt_ids[start:])
 
     def _shared_prefix_length(self, messages: list[Message], prompt_ids: list[int]) -> int:
         """Length of the system prompt's tokens at the start of the prompt, which sessions share."""
@@ -235,6 +297,7 @@ class Engine:
             cached_tokens=lookup.cached_tokens,
             cache_source=lookup.source,
             miss_reason=lookup.miss_reason,
+            cleared=list(lookup.cleared),
             token_ids=generated,
             timings={
                 "queue_ms": (started - turn.received_at) * ms,

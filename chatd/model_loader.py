@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,17 @@ class LoadedModel:
     @property
     def max_context(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    def identity(self) -> str:
+        """A digest of what a cache depends on: the model's name, config and weight metadata (names,
+        shapes, dtypes), and the tokenizer's vocabulary size and chat template."""
+        digest = xxhash.xxh3_64()
+        for part in (self.name, self.model.config.to_json_string(), str(len(self.tokenizer)),
+                     str(self.tokenizer.chat_template)):
+            digest.update(part.encode())
+        for name, parameter in self.model.named_parameters():
+            digest.update(f"{name}:{tuple(parameter.shape)}:{parameter.dtype};".encode())
+        return digest.hexdigest()
 
 
 def resolve_device(device: str) -> torch.device:

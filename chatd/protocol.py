@@ -117,7 +117,8 @@ class Timings(BaseModel):
 
 class CacheReport(BaseModel):
     source: Literal["device", "host", "prefix", "miss"]
-    miss_reason: Literal["new", "evicted", "disabled", "drift"] | None = None
+    miss_reason: Literal["new", "evicted", "disabled", "drift", "corrupt"] | None = None
+    cleared: list[str] = Field(default_factory=list)
 
 
 class ChatDone(BaseModel):

@@ -32,6 +32,7 @@ class TurnResult:
     miss_reason: str | None
     timings: dict[str, float]
     token_ids: list[int]
+    cleared: list[str] = field(default_factory=list)
 
     @classmethod
     def cancelled_before_start(cls, queue_ms: float) -> TurnResult:

@@ -7,10 +7,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from cache_store import CacheEntry, CacheStore, LRUPolicy, Offloader, common_prefix_length
+from cache_store import CacheEntry, CacheLayout, CacheStore, LRUPolicy, Offloader, common_prefix_length
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 4
 BYTES_PER_TOKEN = 2 * LAYERS * HEADS * HEAD_DIM * 4  # float32
+LAYOUT = CacheLayout(LAYERS, HEADS, HEAD_DIM, torch.float32)
 
 
 class Clock:
@@ -32,8 +33,8 @@ def make_entry(token_ids: list[int], seed: int = 0) -> CacheEntry:
 
 
 def make_store(device_tokens: int = 1000, host_tokens: int = 1000, **kwargs) -> CacheStore:
-    return CacheStore(new_cache=DynamicCache, offloader=Offloader(torch.device("cpu")),
-                      device_budget_bytes=device_tokens * BYTES_PER_TOKEN,
+    return CacheStore(new_cache=DynamicCache, offloader=Offloader(torch.device("cpu")), layout=LAYOUT,
+                      model_key="test-model", device_budget_bytes=device_tokens * BYTES_PER_TOKEN,
                       host_budget_bytes=host_tokens * BYTES_PER_TOKEN, clock=kwargs.pop("clock", Clock()), **kwargs)
 
 
