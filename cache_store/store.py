@@ -70,7 +70,7 @@ class CacheStore:
         self.host = HostTier(host_budget_bytes, clock)
         self.ttl_s = ttl_s
         self.counters: Counter[str] = Counter()
-        self._new_cache = new_cache
+        self.new_cache = new_cache
         self._offloader = offloader
         self._clock = clock
         self._connected: set[str] = set()
@@ -126,7 +126,7 @@ class CacheStore:
         if not self.enabled:
             return
         key = _prefix_key(entry.token_ids)
-        shared = entry.clone(self._new_cache)
+        shared = entry.clone(self.new_cache)
         shared.fingerprint = fingerprint(shared, self.model_key, key, self.layout)
         self._make_room(shared.nbytes())
         if self.device.used_bytes() + shared.nbytes() <= self.device.budget_bytes:
@@ -212,7 +212,7 @@ class CacheStore:
                 self.device.pop(key)
                 shared = None
             if shared is not None and shared.token_ids == list(prompt_ids[:prefix_len]):  # verify, never trust a hash
-                entry = shared.clone(self._new_cache)
+                entry = shared.clone(self.new_cache)
                 self._make_room(entry.nbytes())
                 self.device.put(session_id, entry, connected=session_id in self._connected)
                 self.device.residency(session_id).running = True
@@ -235,7 +235,7 @@ class CacheStore:
         if failed:
             return None, (failed,)
         self._make_room(host_entry.nbytes)
-        entry = self._offloader.restore(host_entry, self._new_cache)
+        entry = self._offloader.restore(host_entry, self.new_cache)
         self.device.put(session_id, entry, connected=session_id in self._connected)
         self.counters["restores"] += 1
         return entry, ()

@@ -36,9 +36,10 @@ log = logging.getLogger(__name__)
 MB = 1024 * 1024
 CPU_DEVICE_CACHE_MB = 2048
 EXPIRE_EVERY_S = 1.0
-# Relative logit distance above which a reused cache is declared corrupt. Healthy caches measure
-# ~1e-6 in float32 and ~1e-2 in bfloat16; one flipped exponent bit in one layer measures ~1e-1 and up.
-DEEP_CHECK_TOLERANCE = 0.05
+# Relative logit distance above which a reused cache is declared corrupt. With SmolLM2 in float32,
+# healthy caches measure about 1e-6 and one flipped exponent bit across one layer's keys or values
+# about 4e-2. Half precision is noisier; its bound is an estimate not yet measured on a GPU.
+DEEP_CHECK_TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}
 T = TypeVar("T")
 
 
@@ -227,8 +228,9 @@ class Engine:
             return lookup
         distance = self._deep_check(lookup.entry)
         self.deep_check_distances.append(distance)
-        if distance > DEEP_CHECK_TOLERANCE:
-            log.warning("session %s: deep check distance %.4g over %.4g", session_id, distance, DEEP_CHECK_TOLERANCE)
+        tolerance = DEEP_CHECK_TOLERANCE.get(self.loaded.model.dtype, 5e-2)
+        if distance > tolerance:
+            log.warning("session %s: deep check distance %.3g over %.3g", session_id, distance, tolerance)
             return self.cache.report_corruption(session_id, ("deep",))
         return lookup
 

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import http
+import json
 import logging
+import re
 import signal
 from collections.abc import Callable
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
+from cache_store.faults import FAULT_KINDS, TIERS, NoCache, corrupt
 from chatd.config import Settings
 from chatd.engine import Engine
 from chatd.gateway import Gateway
@@ -64,8 +67,11 @@ class ChatServer:
         if self.engine.load_error is not None:
             raise ModelLoadError(f"loading model {self.settings.model!r} failed: {self.engine.load_error}")
 
-    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        path = urlsplit(request.path).path
+    async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        url = urlsplit(request.path)
+        path = url.path
+        if (corrupt := _CORRUPT_PATH.fullmatch(path)) and request.method == "POST":
+            return await self._corrupt(connection, corrupt.group(1), parse_qs(url.query))
         if path == "/healthz":
             if self.engine.ready.is_set() and self.engine.load_error is None:
                 return connection.respond(http.HTTPStatus.OK, "ok\n")
@@ -73,6 +79,36 @@ class ChatServer:
         if path != "/ws":
             return connection.respond(http.HTTPStatus.NOT_FOUND, "not found: the websocket endpoint is /ws\n")
         return None
+
+
+    async def _corrupt(self, connection: ServerConnection, session_id: str, query: dict[str, list[str]]) -> Response:
+        """POST /admin/sessions/{id}/corrupt?kind=…&tier=…: fault injection, only when enabled."""
+        if not self.settings.enable_fault_injection:
+            return _json(connection, http.HTTPStatus.FORBIDDEN,
+                         {"error": "fault injection is disabled; start the server with --enable-fault-injection"})
+        kind, tier = query.get("kind", [""])[0], query.get("tier", ["device"])[0]
+        if kind not in FAULT_KINDS or tier not in TIERS:
+            return _json(connection, http.HTTPStatus.BAD_REQUEST,
+                         {"error": f"kind must be one of {', '.join(FAULT_KINDS)}; tier one of {', '.join(TIERS)}"})
+        if await self.sessions.get(session_id) is None:
+            return _json(connection, http.HTTPStatus.NOT_FOUND, {"error": f"no session {session_id!r}"})
+        try:
+            done = await asyncio.wrap_future(self.engine.call(lambda store: corrupt(store, session_id, kind, tier)))
+        except NoCache as error:
+            return _json(connection, http.HTTPStatus.NOT_FOUND, {"error": str(error)})
+        log.warning("fault injected into session %s (%s tier): %s", session_id, tier, done)
+        return _json(connection, http.HTTPStatus.OK,
+                     {"session_id": session_id, "kind": kind, "tier": tier, "done": done})
+
+
+_CORRUPT_PATH = re.compile(r"/admin/sessions/([^/]+)/corrupt")
+
+
+def _json(connection: ServerConnection, status: http.HTTPStatus, body: dict) -> Response:
+    response = connection.respond(status, json.dumps(body) + "\n")
+    del response.headers["Content-Type"]
+    response.headers["Content-Type"] = "application/json"
+    return response
 
 
 async def run(settings: Settings) -> None:
