@@ -29,7 +29,7 @@ class Settings(BaseSettings):
     host_cache_mb: float = Field(4096, ge=0, description="budget for caches offloaded to host memory")
     session_ttl_s: float = Field(1800.0, gt=0, description="drop a disconnected session's cache after this idle time")
     verify_sample_rate: float = Field(
-        0.01, ge=0, le=1, description="share of cache reuses whose last token's logits are recomputed from "
+        0.002, ge=0, le=1, description="share of cache reuses whose last token's logits are recomputed from "
                                       "scratch and compared (the deep consistency check)")
     enable_fault_injection: bool = Field(
         False, description="open POST /admin/sessions/{id}/corrupt for tests and chaos drills")
