@@ -76,6 +76,8 @@ class Gateway:
                 except Exception:
                     log.exception("handling %s failed", message.type)
                     await connection.send(ErrorMessage(code="internal", message=f"{message.type} failed"))
+        except ConnectionClosed:
+            pass  # the client went away mid-frame; its running turns still complete and are recorded
         finally:
             for session_id in connection.sessions:
                 self._attached[session_id] -= 1
