@@ -32,7 +32,7 @@ from cache_store.offload import Offloader
 from cache_store.policy import EvictionPolicy
 
 CacheSource = Literal["device", "host", "prefix", "miss"]
-MissReason = Literal["new", "evicted", "disabled", "drift", "corrupt"]
+MissReason = Literal["new", "cold", "evicted", "disabled", "drift", "corrupt"]
 log = logging.getLogger(__name__)
 _PREFIX = "prefix:"
 _REMEMBERED_LOSSES = 100_000

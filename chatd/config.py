@@ -33,4 +33,6 @@ class Settings(BaseSettings):
                                       "scratch and compared (the deep consistency check)")
     enable_fault_injection: bool = Field(
         False, description="open POST /admin/sessions/{id}/corrupt for tests and chaos drills")
+    redis_url: str | None = Field(None, description="keep sessions in Redis (redis://host:port/db) instead of memory")
+    session_retention_s: float = Field(7 * 24 * 3600, gt=0, description="how long Redis keeps an idle session")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")

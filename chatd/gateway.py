@@ -32,7 +32,7 @@ from chatd.protocol import (
 )
 from chatd.sampling import SamplingParams
 from chatd.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
-from sessions import Session, SessionStore
+from sessions import Session, SessionStore, StoreUnavailable, VersionConflict
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,9 @@ class Gateway:
                     continue
                 try:
                     await self.dispatch(connection, message)
+                except StoreUnavailable as error:
+                    await connection.send(ErrorMessage(turn_id=getattr(message, "turn_id", None), code="unavailable",
+                                                       message=f"{error}; try again shortly", retryable=True))
                 except Exception:
                     log.exception("handling %s failed", message.type)
                     await connection.send(ErrorMessage(code="internal", message=f"{message.type} failed"))
@@ -159,7 +162,12 @@ class Gateway:
                 await connection.send(ChatDelta(turn_id=turn.turn_id, seq=seq, delta=Delta(content=event.text)))
                 seq += 1
             if isinstance(event, TurnResult) and event.finish_reason != "cancelled":
-                session.record_turn(user_content, event.content)
+                try:
+                    await self.store.append_turn(session, user_content, event.content, event.conversation_ids)
+                except VersionConflict:
+                    self.engine.drop_session(session.session_id)
+                    event = TurnFailed("conflict", "another worker recorded a turn of this session first; "
+                                                   "this reply was not recorded")
         finally:
             # Free the session before the reply goes out, so the client's next request is never `busy`.
             del self._running[session.session_id]
@@ -197,7 +205,8 @@ def _unknown_session(session_id: str, turn_id: str | None = None) -> ErrorMessag
 
 def _reply(turn_id: str, event: TurnResult | TurnFailed) -> ChatDone | ErrorMessage:
     if isinstance(event, TurnFailed):
-        return ErrorMessage(turn_id=turn_id, code=event.code, message=event.message)
+        return ErrorMessage(turn_id=turn_id, code=event.code, message=event.message,
+                            retryable=event.code == "conflict")
     return ChatDone(
         turn_id=turn_id,
         finish_reason=event.finish_reason,

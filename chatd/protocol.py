@@ -8,7 +8,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 MAX_NEW_TOKENS_CAP = 4096
-ErrorCode = Literal["bad_request", "unknown_session", "unknown_turn", "busy", "too_long", "internal"]
+ErrorCode = Literal["bad_request", "unknown_session", "unknown_turn", "busy", "too_long", "unavailable",
+                    "conflict", "internal"]
 
 
 class _Message(BaseModel):
@@ -117,7 +118,7 @@ class Timings(BaseModel):
 
 class CacheReport(BaseModel):
     source: Literal["device", "host", "prefix", "miss"]
-    miss_reason: Literal["new", "evicted", "disabled", "drift", "corrupt"] | None = None
+    miss_reason: Literal["new", "cold", "evicted", "disabled", "drift", "corrupt"] | None = None
     cleared: list[str] = Field(default_factory=list)
 
 

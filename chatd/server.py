@@ -19,7 +19,8 @@ from chatd.config import Settings
 from chatd.engine import Engine
 from chatd.gateway import Gateway
 from chatd.model_loader import LoadedModel, load_model
-from sessions import InMemorySessionStore
+from sessions import InMemorySessionStore, SessionStore
+from sessions.redis_store import RedisSessionStore
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ class ChatServer:
         self.settings = settings
         self.engine = Engine(load or (lambda: load_model(settings.model, settings.device, settings.dtype,
                                                          settings.cache_dir)), settings)
-        self.sessions = InMemorySessionStore()
+        self.sessions: SessionStore = (RedisSessionStore(settings.redis_url, settings.session_retention_s)
+                                       if settings.redis_url else InMemorySessionStore())
         self.gateway = Gateway(self.engine, self.sessions)
         self._server: Server | None = None
 
@@ -60,6 +62,7 @@ class ChatServer:
         self._server.close()
         await self._server.wait_closed()
         await asyncio.to_thread(self.engine.stop)
+        await self.sessions.close()
 
     async def wait_ready(self) -> None:
         """Wait until the model is loaded; raise if loading failed."""

@@ -33,6 +33,7 @@ class TurnResult:
     timings: dict[str, float]
     token_ids: list[int]
     cleared: list[str] = field(default_factory=list)
+    conversation_ids: list[int] = field(default_factory=list)  # prompt and reply ids the cache covers
 
     @classmethod
     def cancelled_before_start(cls, queue_ms: float) -> TurnResult:
@@ -44,7 +45,7 @@ class TurnResult:
 
 @dataclass(frozen=True)
 class TurnFailed:
-    code: Literal["too_long", "internal"]
+    code: Literal["too_long", "conflict", "internal"]
     message: str
 
 

@@ -18,11 +18,14 @@ class Message:
 
 @dataclass
 class Session:
-    """A conversation: its system prompt and the messages of its completed turns."""
+    """A conversation: its system prompt, the messages of its completed turns, the token ids the
+    conversation has reached, and a version that counts completed turns (for writers to agree on)."""
 
     session_id: str
     system: str | None = None
     messages: list[Message] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    version: int = 0
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
 
@@ -38,8 +41,12 @@ class Session:
         """The messages a new turn renders: system prompt, history, then the new user message."""
         return self.messages_with_system() + [Message("user", user_content)]
 
-    def record_turn(self, user_content: str, reply: str) -> None:
+    def record_turn(self, user_content: str, reply: str, token_ids: list[int] | None = None) -> None:
+        """Add a completed turn; `token_ids` are the ids the conversation has reached with it."""
         self.messages += [Message("user", user_content), Message("assistant", reply)]
+        if token_ids is not None:
+            self.token_ids = list(token_ids)
+        self.version += 1
         self.updated_at = time.time()
 
 

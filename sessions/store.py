@@ -1,4 +1,4 @@
-"""Where sessions live. In memory for now; the interface is async so a networked store fits it."""
+"""Where sessions live. One async interface; in memory by default, Redis for deployments."""
 
 from __future__ import annotations
 
@@ -7,10 +7,26 @@ from typing import Protocol
 from sessions.state import Session, new_session_id
 
 
+class VersionConflict(Exception):
+    """Another writer completed a turn of the session first."""
+
+
+class StoreUnavailable(Exception):
+    """The store cannot be reached and has no local copy to answer from."""
+
+
 class SessionStore(Protocol):
     async def create(self, system: str | None) -> Session: ...
+
     async def get(self, session_id: str) -> Session | None: ...
+
+    async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int]) -> None:
+        """Record a completed turn atomically (messages, token ids, version) on `session` and in the
+        store; raise `VersionConflict` if the stored version is no longer `session.version`."""
+
     async def delete(self, session_id: str) -> bool: ...
+
+    async def close(self) -> None: ...
 
 
 class InMemorySessionStore:
@@ -27,8 +43,19 @@ class InMemorySessionStore:
     async def get(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
 
+    async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int]) -> None:
+        stored = self._sessions.get(session.session_id)
+        if stored is None or stored.version != session.version:
+            raise VersionConflict(session.session_id)
+        stored.record_turn(user_content, reply, token_ids)
+        if session is not stored:
+            session.record_turn(user_content, reply, token_ids)
+
     async def delete(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None
+
+    async def close(self) -> None:
+        self._sessions.clear()
 
     def __len__(self) -> int:
         return len(self._sessions)

@@ -26,3 +26,13 @@ def tiny(smollm2_dir) -> LoadedModel:
 @pytest.fixture(scope="session")
 def smollm2(model_cache_dir) -> LoadedModel:
     return load_model("smollm2-135m", device="cpu", dtype="float32", cache_dir=model_cache_dir)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,217 @@
+"""Sessions in Redis: they survive restarts and any worker can serve them.
+
+Keys carry a hash tag on the session id (`chatd:{id}:meta`, `…:messages`, `…:tokens`) so that one
+session's keys share a Redis Cluster slot and one transaction can update them all. Every write renews
+the retention TTL.
+
+When Redis cannot be reached, sessions this worker already holds keep chatting: their completed
+turns are recorded locally and queued, and a background task writes them, in order, when Redis
+returns. Whatever needs Redis and has no local answer raises `StoreUnavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import WatchError
+
+from sessions.state import Message, Session, new_session_id
+from sessions.store import StoreUnavailable, VersionConflict
+
+log = logging.getLogger(__name__)
+
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+LOCAL_SESSIONS = 10_000
+RETRY_FLUSH_S = 0.5
+
+
+def _key(session_id: str, part: str) -> str:
+    return f"chatd:{{{session_id}}}:{part}"
+
+
+def pack_ids(token_ids: list[int]) -> bytes:
+    """Token ids as little-endian int32: 4 bytes each, not a JSON list."""
+    return array("i", token_ids).tobytes()
+
+
+def unpack_ids(packed: bytes | None) -> list[int]:
+    ids = array("i")
+    ids.frombytes(packed or b"")
+    return ids.tolist()
+
+
+class RedisSessionStore:
+    def __init__(self, url: str, retention_s: float, timeout_s: float = 2.0):
+        self.retention_s = int(retention_s)
+        self.errors = 0  # Redis calls that failed because it could not be reached
+        self._redis = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=64,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError], health_check_interval=15)
+        self._local: OrderedDict[str, Session] = OrderedDict()
+        self._pending: deque[tuple[str, Callable[[], Awaitable[None]]]] = deque()
+        self._flusher: asyncio.Task | None = None
+
+    # ##### Public API #####
+
+    async def create(self, system: str | None) -> Session:
+        session = Session(session_id=new_session_id(), system=system)
+        try:
+            await self._write_new(session)
+        except UNREACHABLE as error:
+            self.errors += 1
+            raise StoreUnavailable("the session store (Redis) is unreachable") from error
+        self._remember(session)
+        return session
+
+    async def get(self, session_id: str) -> Session | None:
+        local = self._local.get(session_id)
+        if local is not None and self._has_pending(session_id):
+            return local  # our own queued writes are newer than what Redis has
+        try:
+            stored = await self._read(session_id)
+        except UNREACHABLE as error:
+            self.errors += 1
+            if local is not None:
+                return local
+            raise StoreUnavailable("the session store (Redis) is unreachable") from error
+        if stored is None:
+            self._local.pop(session_id, None)
+            return None
+        if local is not None and local.version == stored.version:
+            return local
+        self._remember(stored)
+        return stored
+
+    async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int]) -> None:
+        write = _Append(self, session.session_id, session.version, user_content, reply, list(token_ids), time.time())
+        if not self._pending:
+            try:
+                await write()
+            except UNREACHABLE:
+                self.errors += 1
+                self._queue(session.session_id, write)
+        else:
+            self._queue(session.session_id, write)  # keep the order of writes
+        session.record_turn(user_content, reply, token_ids)
+        self._remember(session)
+
+    async def delete(self, session_id: str) -> bool:
+        self._local.pop(session_id, None)
+        try:
+            return bool(await self._redis.delete(*(_key(session_id, part) for part in ("meta", "messages", "tokens"))))
+        except UNREACHABLE:
+            self.errors += 1
+            self._queue(session_id, lambda: self._redis.delete(
+                *(_key(session_id, part) for part in ("meta", "messages", "tokens"))))
+            return True
+
+    async def close(self) -> None:
+        """Try once more to write what is queued, then close the connection pool."""
+        if self._flusher is not None:
+            self._flusher.cancel()
+        await self._flush(give_up=True)
+        await self._redis.aclose()
+
+    @property
+    def pending_writes(self) -> int:
+        return len(self._pending)
+
+    # ##### Helpers #####
+
+    async def _write_new(self, session: Session) -> None:
+        meta = _key(session.session_id, "meta")
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(meta, mapping={"system": json.dumps(session.system), "version": 0,
+                                     "created_at": session.created_at, "updated_at": session.updated_at})
+            pipe.expire(meta, self.retention_s)
+            await pipe.execute()
+
+    async def _read(self, session_id: str) -> Session | None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(_key(session_id, "meta"))
+            pipe.lrange(_key(session_id, "messages"), 0, -1)
+            pipe.get(_key(session_id, "tokens"))
+            meta, messages, tokens = await pipe.execute()
+        if not meta:
+            return None
+        return Session(
+            session_id=session_id, system=json.loads(meta[b"system"]),
+            messages=[Message(**json.loads(m)) for m in messages], token_ids=unpack_ids(tokens),
+            version=int(meta[b"version"]), created_at=float(meta[b"created_at"]),
+            updated_at=float(meta[b"updated_at"]))
+
+    def _remember(self, session: Session) -> None:
+        self._local[session.session_id] = session
+        self._local.move_to_end(session.session_id)
+        while len(self._local) > LOCAL_SESSIONS:
+            self._local.popitem(last=False)
+
+    def _has_pending(self, session_id: str) -> bool:
+        return any(owner == session_id for owner, _ in self._pending)
+
+    def _queue(self, session_id: str, write: Callable[[], Awaitable[None]]) -> None:
+        log.warning("Redis unreachable: queued a write of session %s (%d queued)", session_id, len(self._pending) + 1)
+        self._pending.append((session_id, write))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+
+    async def _flush(self, give_up: bool = False) -> None:
+        """Write queued writes in order; wait and retry while Redis is unreachable."""
+        while self._pending:
+            session_id, write = self._pending[0]
+            try:
+                await write()
+            except UNREACHABLE:
+                self.errors += 1
+                if give_up:
+                    log.error("Redis unreachable at shutdown: %d queued writes lost", len(self._pending))
+                    return
+                await asyncio.sleep(RETRY_FLUSH_S)
+                continue
+            except VersionConflict:
+                log.error("session %s: a queued turn conflicts with another writer; it was not stored", session_id)
+            self._pending.popleft()
+        log.info("Redis reachable again: queued writes flushed")
+
+
+class _Append:
+    """One completed turn, written atomically: messages, token ids, version and times, in one
+    transaction that fails if another writer moved the version first."""
+
+    def __init__(self, store: RedisSessionStore, session_id: str, version: int, user_content: str, reply: str,
+                 token_ids: list[int], at: float):
+        self.store, self.session_id, self.version = store, session_id, version
+        self.messages = [json.dumps({"role": "user", "content": user_content}),
+                         json.dumps({"role": "assistant", "content": reply})]
+        self.tokens, self.at = pack_ids(token_ids), at
+
+    async def __call__(self) -> None:
+        keys = [_key(self.session_id, part) for part in ("meta", "messages", "tokens")]
+        try:
+            async with self.store._redis.pipeline(transaction=True) as pipe:
+                await pipe.watch(keys[0])
+                stored = await pipe.hget(keys[0], "version")
+                if stored is None or int(stored) != self.version:
+                    raise VersionConflict(f"session {self.session_id}: stored version {stored}, "
+                                          f"expected {self.version}")
+                pipe.multi()
+                pipe.rpush(keys[1], *self.messages)
+                pipe.set(keys[2], self.tokens)
+                pipe.hset(keys[0], mapping={"version": self.version + 1, "updated_at": self.at})
+                for key in keys:
+                    pipe.expire(key, self.store.retention_s)
+                await pipe.execute()
+        except WatchError:
+            raise VersionConflict(f"session {self.session_id}: another writer appended first") from None

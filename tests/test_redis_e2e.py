@@ -1,0 +1,73 @@
+"""chatd with its sessions in a real redis-server: restarts and outages lose no completed turn."""
+
+import asyncio
+
+from websockets.asyncio.client import connect
+
+from chatd.client import ChatClient, ChatError
+from chatd.config import Settings
+from chatd.server import ChatServer
+from sessions.redis_store import RedisSessionStore
+
+SYSTEM = "You are a support agent for Northwind Internet. Answer briefly."
+QUESTIONS = ["My internet is down.", "The router light is red.", "I restarted it.", "Now it is green, thanks!"]
+
+
+async def test_a_conversation_survives_a_restart_and_continues_exactly(smollm2, redis_server):
+    async with ChatServer(Settings(port=0), load=lambda: smollm2) as reference:
+        await reference.wait_ready()
+        async with ChatClient(await connect(reference.url)) as client:
+            session_id = (await client.open_session(system=SYSTEM)).session_id
+            expected = [await client.chat(session_id, question, max_new_tokens=12) for question in QUESTIONS[:1]]
+            await expected[0].result()
+            for question in QUESTIONS[1:]:
+                expected.append(await client.chat(session_id, question, max_new_tokens=12))
+                await expected[-1].result()
+
+    settings = Settings(port=0, redis_url=redis_server.url)
+    async with ChatServer(settings, load=lambda: smollm2) as first:
+        await first.wait_ready()
+        async with ChatClient(await connect(first.url)) as client:
+            session_id = (await client.open_session(system=SYSTEM)).session_id
+            for question in QUESTIONS[:3]:
+                await (await client.chat(session_id, question, max_new_tokens=12)).result()
+
+    async with ChatServer(settings, load=lambda: smollm2) as second:
+        await second.wait_ready()
+        async with ChatClient(await connect(second.url)) as client:
+            reopened = await client.open_session(session_id=session_id)
+            assert (reopened.resumed, reopened.turns) == (True, 3)
+            turn = await client.chat(session_id, QUESTIONS[3], max_new_tokens=12)
+            done = await turn.result()
+            assert (done.cache.source, done.cache.miss_reason) == ("miss", "cold")
+            assert turn.deltas == expected[3].deltas, "the whole history was there"
+            stored = await second.sessions.get(session_id)
+            assert stored.version == 4 and len(stored.token_ids) >= done.usage.prompt_tokens
+
+
+async def test_chatting_through_a_redis_outage_loses_no_turn(tiny, redis_server):
+    async with ChatServer(Settings(port=0, redis_url=redis_server.url), load=lambda: tiny) as server:
+        await server.wait_ready()
+        async with ChatClient(await connect(server.url)) as client:
+            session_id = (await client.open_session()).session_id
+            await (await client.chat(session_id, "turn 1", max_new_tokens=4)).result()
+            redis_server.stop()
+            for index in (2, 3):
+                done = await (await client.chat(session_id, f"turn {index}", max_new_tokens=4)).result()
+                assert done.cache.source == "device"
+            for attempt in ({"session_id": None}, {"session_id": "unknown-to-this-worker"}):
+                try:
+                    await client.open_session(**attempt)
+                    raise AssertionError("opening a session without Redis must fail")
+                except ChatError as error:
+                    assert (error.code, error.retryable) == ("unavailable", True)
+            redis_server.start()
+            for _ in range(100):
+                if server.sessions.pending_writes == 0:
+                    break
+                await asyncio.sleep(0.1)
+            done = await (await client.chat(session_id, "turn 4", max_new_tokens=4)).result()
+            assert done.cache.source == "device"
+    stored = await RedisSessionStore(redis_server.url, retention_s=60).get(session_id)
+    assert [m.content for m in stored.messages if m.role == "user"] == ["turn 1", "turn 2", "turn 3", "turn 4"]
+    assert stored.version == 4

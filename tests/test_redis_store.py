@@ -1,0 +1,92 @@
+"""The Redis session store against a real redis-server started by the test."""
+
+import asyncio
+
+import pytest
+import redis.asyncio as redis
+
+from sessions import Message, StoreUnavailable, VersionConflict
+from sessions.redis_store import RedisSessionStore, pack_ids, unpack_ids
+
+
+async def test_round_trip_through_a_second_store(redis_server):
+    writer = RedisSessionStore(redis_server.url, retention_s=3600)
+    session = await writer.create("Be brief.")
+    await writer.append_turn(session, "hi", "hello!", [1, 2, 3])
+    await writer.append_turn(session, "bye", "goodbye", [1, 2, 3, 4, 5])
+    reader = RedisSessionStore(redis_server.url, retention_s=3600)
+    loaded = await reader.get(session.session_id)
+    assert loaded.messages == [Message("user", "hi"), Message("assistant", "hello!"),
+                               Message("user", "bye"), Message("assistant", "goodbye")]
+    assert (loaded.system, loaded.token_ids, loaded.version, loaded.turns) == ("Be brief.", [1, 2, 3, 4, 5], 2, 2)
+    assert loaded.created_at == pytest.approx(session.created_at) and loaded.updated_at >= loaded.created_at
+    assert await reader.get("no-such-session") is None
+    for store in (writer, reader):
+        await store.close()
+
+
+async def test_keys_share_a_hash_tag_are_compact_and_expire(redis_server):
+    store = RedisSessionStore(redis_server.url, retention_s=100)
+    session = await store.create(None)
+    await store.append_turn(session, "a", "b", list(range(1000)))
+    client = redis.Redis.from_url(redis_server.url)
+    keys = sorted(k.decode() for k in await client.keys("chatd:*"))
+    assert keys == [f"chatd:{{{session.session_id}}}:{part}" for part in ("messages", "meta", "tokens")]
+    assert await client.strlen(f"chatd:{{{session.session_id}}}:tokens") == 4000, "4 bytes a token id"
+    assert all(0 < ttl <= 100 for ttl in [await client.ttl(key) for key in keys])
+    assert unpack_ids(pack_ids([0, 1, 49151, 2**31 - 1])) == [0, 1, 49151, 2**31 - 1]
+    await client.aclose()
+    await store.close()
+
+
+async def test_retention_ttl_forgets_idle_sessions(redis_server):
+    store = RedisSessionStore(redis_server.url, retention_s=1)
+    session = await store.create(None)
+    await store.append_turn(session, "a", "b", [1])
+    await asyncio.sleep(2.2)
+    other = RedisSessionStore(redis_server.url, retention_s=1)
+    assert await other.get(session.session_id) is None
+    await store.close()
+    await other.close()
+
+
+async def test_two_writers_of_one_version_conflict(redis_server):
+    first, second = (RedisSessionStore(redis_server.url, retention_s=3600) for _ in range(2))
+    created = await first.create(None)
+    mine, theirs = await first.get(created.session_id), await second.get(created.session_id)
+    await first.append_turn(mine, "from worker 1", "ok 1", [1])
+    with pytest.raises(VersionConflict):
+        await second.append_turn(theirs, "from worker 2", "ok 2", [2])
+    assert theirs.version == 0 and theirs.turns == 0, "a refused turn is not recorded locally either"
+    stored = await RedisSessionStore(redis_server.url, retention_s=3600).get(created.session_id)
+    assert (stored.version, stored.messages[0].content) == (1, "from worker 1")
+    fresh = await second.get(created.session_id)
+    await second.append_turn(fresh, "retry", "ok", [3])
+    assert fresh.version == 2
+    await first.close()
+    await second.close()
+
+
+async def test_an_outage_queues_writes_and_flushes_them_in_order(redis_server):
+    store = RedisSessionStore(redis_server.url, retention_s=3600, timeout_s=0.3)
+    session = await store.create("sys")
+    await store.append_turn(session, "turn 1", "reply 1", [1])
+    redis_server.stop()
+    assert (await store.get(session.session_id)) is session, "a session on this worker keeps working"
+    await store.append_turn(session, "turn 2", "reply 2", [1, 2])
+    await store.append_turn(session, "turn 3", "reply 3", [1, 2, 3])
+    assert store.pending_writes == 2 and store.errors >= 1
+    with pytest.raises(StoreUnavailable):
+        await store.create(None)
+    with pytest.raises(StoreUnavailable):
+        await store.get("a-session-this-worker-never-saw")
+    redis_server.start()
+    for _ in range(100):
+        if store.pending_writes == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert store.pending_writes == 0
+    stored = await RedisSessionStore(redis_server.url, retention_s=3600).get(session.session_id)
+    assert [m.content for m in stored.messages if m.role == "user"] == ["turn 1", "turn 2", "turn 3"]
+    assert (stored.version, stored.token_ids) == (3, [1, 2, 3])
+    await store.close()
