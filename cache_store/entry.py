@@ -24,6 +24,7 @@ class CacheEntry:
     cache: DynamicCache
     token_ids: list[int] = field(default_factory=list)
     fingerprint: Fingerprint | None = None  # taken at write-back, checked on reuse
+    session_version: int = 0  # the session's completed turns when this cache was written back
 
     @property
     def num_tokens(self) -> int:
@@ -58,8 +59,10 @@ class CacheEntry:
         return sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in self.tensors())
 
     def clone(self, new_cache: Callable[[], DynamicCache]) -> CacheEntry:
-        return entry_from_tensors(new_cache, [(k.clone(), v.clone()) for k, v in self.tensors()], self.token_ids,
-                                  self.fingerprint)
+        clone = entry_from_tensors(new_cache, [(k.clone(), v.clone()) for k, v in self.tensors()], self.token_ids,
+                                   self.fingerprint)
+        clone.session_version = self.session_version
+        return clone
 
 
 def entry_from_tensors(new_cache: Callable[[], DynamicCache], tensors: KVTensors, token_ids: list[int],

@@ -28,6 +28,7 @@ class HostEntry:
     token_ids: list[int]
     fingerprint: Fingerprint | None
     checksum: str
+    session_version: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -42,22 +43,29 @@ class Offloader:
     def offload(self, entry: CacheEntry) -> HostEntry:
         if self._stream is None:
             tensors = [(k.clone(), v.clone()) for k, v in entry.tensors()]
-            return HostEntry(tensors, list(entry.token_ids), entry.fingerprint, checksum(tensors))
+            return HostEntry(tensors, list(entry.token_ids), entry.fingerprint, checksum(tensors),
+                             entry.session_version)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         tensors = []
         with torch.cuda.stream(self._stream):
             for keys, values in entry.tensors():
                 tensors.append((self._to_pinned(keys), self._to_pinned(values)))
         self._stream.synchronize()  # the checksum needs the bytes on the host
-        return HostEntry(tensors, list(entry.token_ids), entry.fingerprint, checksum(tensors))
+        return HostEntry(tensors, list(entry.token_ids), entry.fingerprint, checksum(tensors), entry.session_version)
 
     def restore(self, host: HostEntry, new_cache: Callable[[], DynamicCache]) -> CacheEntry:
         if self._stream is None:
-            return entry_from_tensors(new_cache, [(k.clone(), v.clone()) for k, v in host.tensors], host.token_ids,
-                                      host.fingerprint)
+            tensors = [(k.clone(), v.clone()) for k, v in host.tensors]
+        else:
+            tensors = self._to_device(host.tensors)
+        entry = entry_from_tensors(new_cache, tensors, host.token_ids, host.fingerprint)
+        entry.session_version = host.session_version
+        return entry
+
+    def _to_device(self, host_tensors: KVTensors) -> KVTensors:
         with torch.cuda.stream(self._stream):
             tensors = [(k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True))
-                       for k, v in host.tensors]
+                       for k, v in host_tensors]
         restored = torch.cuda.Event()
         restored.record(self._stream)
         compute = torch.cuda.current_stream(self.device)
@@ -65,7 +73,7 @@ class Offloader:
         for keys, values in tensors:  # allocated on the copy stream, used on the compute stream
             keys.record_stream(compute)
             values.record_stream(compute)
-        return entry_from_tensors(new_cache, tensors, host.token_ids, host.fingerprint)
+        return tensors
 
     def _to_pinned(self, tensor: torch.Tensor) -> torch.Tensor:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)

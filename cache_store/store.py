@@ -32,7 +32,7 @@ from cache_store.offload import Offloader
 from cache_store.policy import EvictionPolicy
 
 CacheSource = Literal["device", "host", "prefix", "miss"]
-MissReason = Literal["new", "cold", "evicted", "disabled", "drift", "corrupt"]
+MissReason = Literal["new", "cold", "evicted", "disabled", "drift", "corrupt", "stale"]
 log = logging.getLogger(__name__)
 _PREFIX = "prefix:"
 _REMEMBERED_LOSSES = 100_000
@@ -78,13 +78,18 @@ class CacheStore:
 
     # ##### Public API #####
 
-    def lookup(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int = 0) -> CacheLookup:
+    def lookup(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int = 0,
+               session_version: int = 0) -> CacheLookup:
         """Find the session's cache (device, then host), crop it to what the prompt shares with it,
         and mark it running. Without one, start from the shared prefix of the first `prefix_len`
         prompt ids when it is cached. The last prompt token is always left to feed: its logits pick
         the first reply token."""
         if not self.enabled:
             return CacheLookup("miss", 0, miss_reason="disabled")
+        if self._older_than(session_id, session_version):
+            # Another worker completed turns of this session since this cache was written.
+            self.drop(session_id)
+            return CacheLookup("miss", 0, miss_reason="stale")
         source: CacheSource = "device"
         entry = self.device.get(session_id)
         if entry is not None and (failed := self._check_resident(session_id, entry)):
@@ -108,14 +113,16 @@ class CacheStore:
         """Make room on the device for a running cache to grow by `more_bytes`."""
         self._make_room(more_bytes, keep=session_id)
 
-    def put(self, session_id: str, entry: CacheEntry) -> None:
-        """Write a session's cache back after its turn; it becomes evictable again."""
+    def put(self, session_id: str, entry: CacheEntry, session_version: int = 0) -> None:
+        """Write a session's cache back after its turn; it becomes evictable again. `session_version`
+        counts the completed turns the cache includes."""
         if not self.enabled or entry.num_tokens == 0:
             self.drop(session_id)
             return
         self.device.pop(session_id)
         self._lost.pop(session_id, None)
         entry.fingerprint = fingerprint(entry, self.model_key, session_id, self.layout)
+        entry.session_version = session_version
         self._make_room(entry.nbytes())
         self.device.put(session_id, entry, connected=session_id in self._connected)
         if self.device.used_bytes() > self.device.budget_bytes:  # alone larger than the budget
@@ -218,6 +225,10 @@ class CacheStore:
                 self.device.residency(session_id).running = True
                 return CacheLookup("prefix", prefix_len, entry)
         return CacheLookup("miss", 0, miss_reason=reason)
+
+    def _older_than(self, session_id: str, session_version: int) -> bool:
+        entry = self.device.get(session_id) or self.host.get(session_id)
+        return entry is not None and entry.session_version < session_version
 
     def _check_resident(self, owner: str, entry: CacheEntry) -> tuple[Check, ...]:
         failed = (check_identity(entry.fingerprint, self.model_key, owner, entry.token_ids, self.layout)

@@ -181,7 +181,7 @@ class Engine:
             return
         max_new_tokens = min(turn.params.max_new_tokens, loaded.max_context - len(prompt_ids))
         prefix_len = self._shared_prefix_length(turn.messages, prompt_ids)
-        lookup = self._checked_lookup(turn.session_id, turn.messages, prompt_ids, prefix_len)
+        lookup = self._checked_lookup(turn.session_id, turn.messages, prompt_ids, prefix_len, turn.session_version)
         entry, start, logits = self._prefill(turn.session_id, lookup, prompt_ids, prefix_len, max_new_tokens)
         if lookup.cached_tokens and not bool(torch.isfinite(logits).all()):
             # A NaN or Inf anywhere in the reused keys and values reaches these logits: the cheapest
@@ -217,15 +217,15 @@ class Engine:
 
         if finish == "cancelled":
             entry.crop(start)  # the turn is not recorded: roll its tokens back
-        self.cache.put(turn.session_id, entry)
+        self.cache.put(turn.session_id, entry, turn.session_version + (finish != "cancelled"))
         result = self._result(turn, lookup, finish, stream.text, prompt_ids, generated,
                               started, first_token_at, finished_at)
         turn.emit(dataclasses.replace(result, conversation_ids=list(entry.token_ids)))
 
     def _checked_lookup(self, session_id: str, messages: list[Message], prompt_ids: list[int],
-                        prefix_len: int) -> CacheLookup:
+                        prefix_len: int, version: int) -> CacheLookup:
         """The cache store's lookup (with its cheap checks), plus the sampled deep check."""
-        lookup = self.cache.lookup(session_id, prompt_ids, prefix_len)
+        lookup = self.cache.lookup(session_id, prompt_ids, prefix_len, version)
         if lookup.miss_reason == "new" and any(m.role == "assistant" for m in messages):
             lookup = dataclasses.replace(lookup, miss_reason="cold")  # history, but no cache here yet
         if (lookup.entry is None or lookup.cached_tokens < 2

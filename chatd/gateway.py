@@ -32,7 +32,7 @@ from chatd.protocol import (
 )
 from chatd.sampling import SamplingParams
 from chatd.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
-from sessions import Session, SessionStore, StoreUnavailable, VersionConflict
+from sessions import Lease, Session, SessionBusy, SessionStore, StoreUnavailable, VersionConflict
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,16 @@ class Gateway:
             await connection.send(ErrorMessage(turn_id=turn_id, code="bad_request",
                                                message=f"turn_id {turn_id!r} is already running"))
             return
+        try:
+            lease = await self.store.lease(session.session_id)
+        except SessionBusy as error:
+            await connection.send(ErrorMessage(turn_id=turn_id, code="busy", retryable=True, message=str(error)))
+            return
+        try:
+            session = await self.store.get(session.session_id) or session  # fresh: another worker may have written
+        except BaseException:
+            await lease.release()
+            raise
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TurnEvent] = asyncio.Queue()
         turn = Turn(
@@ -144,17 +154,18 @@ class Gateway:
             messages=session.prompt_messages(message.content),
             params=SamplingParams(**message.params.model_dump()),
             emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+            session_version=session.version,
         )
         self._running[session.session_id] = turn
         connection.turns[turn_id] = turn
         self._attach(connection, session.session_id)
         self.engine.submit(turn)
-        task = asyncio.create_task(self._forward(connection, session, turn, message.content, events))
+        task = asyncio.create_task(self._forward(connection, session, turn, message.content, events, lease))
         self._forwarders.add(task)
         task.add_done_callback(self._forwarders.discard)
 
     async def _forward(self, connection: Connection, session: Session, turn: Turn, user_content: str,
-                       events: asyncio.Queue[TurnEvent]) -> None:
+                       events: asyncio.Queue[TurnEvent], lease: Lease) -> None:
         """Relay one turn's events to its client; record the turn in the session when it completes."""
         seq = 0
         try:
@@ -163,7 +174,7 @@ class Gateway:
                 seq += 1
             if isinstance(event, TurnResult) and event.finish_reason != "cancelled":
                 try:
-                    await self.store.append_turn(session, user_content, event.content, event.conversation_ids)
+                    await self.store.append_turn(session, user_content, event.content, event.conversation_ids, lease)
                 except VersionConflict:
                     self.engine.drop_session(session.session_id)
                     event = TurnFailed("conflict", "another worker recorded a turn of this session first; "
@@ -172,6 +183,7 @@ class Gateway:
             # Free the session before the reply goes out, so the client's next request is never `busy`.
             del self._running[session.session_id]
             del connection.turns[turn.turn_id]
+            await lease.release()
         await connection.send(_reply(turn.turn_id, event))
 
     async def cancel_turn(self, connection: Connection, message: ChatCancel) -> None:

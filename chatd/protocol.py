@@ -118,7 +118,7 @@ class Timings(BaseModel):
 
 class CacheReport(BaseModel):
     source: Literal["device", "host", "prefix", "miss"]
-    miss_reason: Literal["new", "cold", "evicted", "disabled", "drift", "corrupt"] | None = None
+    miss_reason: Literal["new", "cold", "evicted", "disabled", "drift", "corrupt", "stale"] | None = None
     cleared: list[str] = Field(default_factory=list)
 
 

@@ -62,6 +62,7 @@ class Turn:
     messages: list[Message]
     params: SamplingParams
     emit: Callable[[TurnEvent], None]
+    session_version: int = 0  # completed turns the messages include; an older cache is stale
     received_at: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from array import array
 from collections import OrderedDict, deque
@@ -27,17 +28,34 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
 from sessions.state import Message, Session, new_session_id
-from sessions.store import StoreUnavailable, VersionConflict
+from sessions.store import Lease, LocalLease, SessionBusy, StoreUnavailable, VersionConflict
 
 log = logging.getLogger(__name__)
 
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 LOCAL_SESSIONS = 10_000
 RETRY_FLUSH_S = 0.5
+LEASE_TTL_MS = 30_000
+LEASE_WAIT_S = 2.0
+# Take the lease if free, and only then advance the session's fence: returns the new fence or nil.
+_ACQUIRE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local fence = redis.call('INCR', KEYS[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  return fence
+end
+return nil
+"""
+_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 def _key(session_id: str, part: str) -> str:
     return f"chatd:{{{session_id}}}:{part}"
+
+
+def _all_keys(session_id: str) -> list[str]:
+    return [_key(session_id, part) for part in ("meta", "messages", "tokens", "lease", "fence")]
 
 
 def pack_ids(token_ids: list[int]) -> bytes:
@@ -94,8 +112,31 @@ class RedisSessionStore:
         self._remember(stored)
         return stored
 
-    async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int]) -> None:
-        write = _Append(self, session.session_id, session.version, user_content, reply, list(token_ids), time.time())
+    async def lease(self, session_id: str) -> Lease:
+        """Take `chatd:{id}:lease` (renewed while held) and a new fence number; wait up to
+        LEASE_WAIT_S for another worker's turn to end. With Redis unreachable, a session this worker
+        holds keeps chatting without a lease (its writes are queued anyway)."""
+        token = secrets.token_hex(8)
+        deadline = asyncio.get_running_loop().time() + LEASE_WAIT_S
+        while True:
+            try:
+                fence = await self._redis.eval(_ACQUIRE, 2, _key(session_id, "lease"), _key(session_id, "fence"),
+                                               token, LEASE_TTL_MS, int(self.retention_s * 1000))
+            except UNREACHABLE as error:
+                self.errors += 1
+                if session_id in self._local:
+                    return LocalLease()
+                raise StoreUnavailable("the session store (Redis) is unreachable") from error
+            if fence is not None:
+                return _RedisLease(self, session_id, token, int(fence))
+            if asyncio.get_running_loop().time() >= deadline:
+                raise SessionBusy(f"session {session_id} is running a turn on another worker")
+            await asyncio.sleep(0.05)
+
+    async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int],
+                          lease: Lease | None = None) -> None:
+        write = _Append(self, session.session_id, session.version, user_content, reply, list(token_ids), time.time(),
+                        lease.fence if lease is not None else None)
         if not self._pending:
             try:
                 await write()
@@ -110,11 +151,10 @@ class RedisSessionStore:
     async def delete(self, session_id: str) -> bool:
         self._local.pop(session_id, None)
         try:
-            return bool(await self._redis.delete(*(_key(session_id, part) for part in ("meta", "messages", "tokens"))))
+            return bool(await self._redis.delete(*_all_keys(session_id)))
         except UNREACHABLE:
             self.errors += 1
-            self._queue(session_id, lambda: self._redis.delete(
-                *(_key(session_id, part) for part in ("meta", "messages", "tokens"))))
+            self._queue(session_id, lambda: self._redis.delete(*_all_keys(session_id)))
             return True
 
     async def close(self) -> None:
@@ -186,13 +226,34 @@ class RedisSessionStore:
         log.info("Redis reachable again: queued writes flushed")
 
 
+class _RedisLease:
+    def __init__(self, store: RedisSessionStore, session_id: str, token: str, fence: int):
+        self.store, self.session_id, self.token, self.fence = store, session_id, token, fence
+        self._renewer = asyncio.create_task(self._renew())
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(LEASE_TTL_MS / 3000)
+            try:
+                await self.store._redis.eval(_RENEW, 1, _key(self.session_id, "lease"), self.token, LEASE_TTL_MS)
+            except UNREACHABLE:
+                self.store.errors += 1
+
+    async def release(self) -> None:
+        self._renewer.cancel()
+        try:
+            await self.store._redis.eval(_RELEASE, 1, _key(self.session_id, "lease"), self.token)
+        except UNREACHABLE:
+            self.store.errors += 1  # it expires by itself
+
+
 class _Append:
     """One completed turn, written atomically: messages, token ids, version and times, in one
     transaction that fails if another writer moved the version first."""
 
     def __init__(self, store: RedisSessionStore, session_id: str, version: int, user_content: str, reply: str,
-                 token_ids: list[int], at: float):
-        self.store, self.session_id, self.version = store, session_id, version
+                 token_ids: list[int], at: float, fence: int | None):
+        self.store, self.session_id, self.version, self.fence = store, session_id, version, fence
         self.messages = [json.dumps({"role": "user", "content": user_content}),
                          json.dumps({"role": "assistant", "content": reply})]
         self.tokens, self.at = pack_ids(token_ids), at
@@ -201,11 +262,14 @@ class _Append:
         keys = [_key(self.session_id, part) for part in ("meta", "messages", "tokens")]
         try:
             async with self.store._redis.pipeline(transaction=True) as pipe:
-                await pipe.watch(keys[0])
+                fence_key = _key(self.session_id, "fence")
+                await pipe.watch(keys[0], fence_key)
                 stored = await pipe.hget(keys[0], "version")
                 if stored is None or int(stored) != self.version:
                     raise VersionConflict(f"session {self.session_id}: stored version {stored}, "
                                           f"expected {self.version}")
+                if self.fence is not None and int(await pipe.get(fence_key) or 0) != self.fence:
+                    raise VersionConflict(f"session {self.session_id}: the lease was lost to a newer holder")
                 pipe.multi()
                 pipe.rpush(keys[1], *self.messages)
                 pipe.set(keys[2], self.tokens)

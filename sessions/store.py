@@ -15,14 +15,41 @@ class StoreUnavailable(Exception):
     """The store cannot be reached and has no local copy to answer from."""
 
 
+class SessionBusy(Exception):
+    """Another worker holds the session's lease: it is running a turn of it."""
+
+
+class Lease(Protocol):
+    """The right to run one turn of a session. `fence` grows with every lease of the session; a
+    write carrying an older fence than the store's is refused."""
+
+    fence: int | None
+
+    async def release(self) -> None: ...
+
+
+class LocalLease:
+    """Within one process the gateway already runs one turn per session at a time."""
+
+    fence = None
+
+    async def release(self) -> None:
+        return None
+
+
 class SessionStore(Protocol):
     async def create(self, system: str | None) -> Session: ...
 
     async def get(self, session_id: str) -> Session | None: ...
 
-    async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int]) -> None:
+    async def lease(self, session_id: str) -> Lease:
+        """Take the session's turn lease, waiting briefly; raise `SessionBusy` if another worker keeps it."""
+
+    async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int],
+                          lease: Lease | None = None) -> None:
         """Record a completed turn atomically (messages, token ids, version) on `session` and in the
-        store; raise `VersionConflict` if the stored version is no longer `session.version`."""
+        store; raise `VersionConflict` if the stored version is no longer `session.version` or the
+        lease was lost."""
 
     async def delete(self, session_id: str) -> bool: ...
 
@@ -43,7 +70,11 @@ class InMemorySessionStore:
     async def get(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
 
-    async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int]) -> None:
+    async def lease(self, session_id: str) -> Lease:
+        return LocalLease()
+
+    async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int],
+                          lease: Lease | None = None) -> None:
         stored = self._sessions.get(session.session_id)
         if stored is None or stored.version != session.version:
             raise VersionConflict(session.session_id)

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import redis.asyncio as redis
 
-from sessions import Message, StoreUnavailable, VersionConflict
+from sessions import Message, SessionBusy, StoreUnavailable, VersionConflict
 from sessions.redis_store import RedisSessionStore, pack_ids, unpack_ids
 
 
@@ -90,3 +90,39 @@ async def test_an_outage_queues_writes_and_flushes_them_in_order(redis_server):
     assert [m.content for m in stored.messages if m.role == "user"] == ["turn 1", "turn 2", "turn 3"]
     assert (stored.version, stored.token_ids) == (3, [1, 2, 3])
     await store.close()
+
+
+async def test_a_lease_excludes_other_workers_and_a_lost_lease_cannot_write(redis_server):
+    first, second = (RedisSessionStore(redis_server.url, retention_s=3600) for _ in range(2))
+    session = await first.create(None)
+    held = await first.lease(session.session_id)
+    with pytest.raises(SessionBusy):
+        await second.lease(session.session_id)
+    # The holder stalls past its lease (simulated by the key expiring); another worker takes over.
+    client = redis.Redis.from_url(redis_server.url)
+    await client.delete(f"chatd:{{{session.session_id}}}:lease")
+    newer = await second.lease(session.session_id)
+    assert newer.fence > held.fence
+    mine = await first.get(session.session_id)
+    with pytest.raises(VersionConflict, match="lease"):
+        await first.append_turn(mine, "late", "write", [1], held)
+    theirs = await second.get(session.session_id)
+    await second.append_turn(theirs, "current", "write", [1], newer)
+    await newer.release()
+    await held.release()  # releasing a lease that is no longer ours leaves the new holder's alone
+    assert (await second.get(session.session_id)).version == 1
+    await client.aclose()
+    for store in (first, second):
+        await store.close()
+
+
+async def test_a_lease_is_waited_for_briefly(redis_server):
+    first, second = (RedisSessionStore(redis_server.url, retention_s=3600) for _ in range(2))
+    session = await first.create(None)
+    held = await first.lease(session.session_id)
+    asyncio.get_running_loop().call_later(0.3, lambda: asyncio.ensure_future(held.release()))
+    taken = await second.lease(session.session_id)
+    assert taken.fence == held.fence + 1
+    await taken.release()
+    for store in (first, second):
+        await store.close()
