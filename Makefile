@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test test-deps lint bench clean
 
 install: $(INSTALLED)
 
@@ -19,7 +19,13 @@ $(INSTALLED): pyproject.toml
 run: $(INSTALLED)
 	$(BIN)/chatd serve $(ARGS)
 
-test: $(INSTALLED)
+# The multi-worker test puts Debian's nginx in front of chatd; install it where we can.
+test-deps:
+	@command -v nginx >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null; }; } || \
+		echo "nginx not installed: the nginx test will be skipped"
+
+test: $(INSTALLED) test-deps
 	$(BIN)/ruff check chatd cache_store sessions tests bench
 	$(BIN)/python -m pytest $(ARGS)
 

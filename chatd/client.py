@@ -16,6 +16,7 @@ import secrets
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
 
 from chatd.protocol import ChatDone, SessionReady
 
@@ -110,13 +111,23 @@ class ChatClient:
         return reply
 
     async def _read(self) -> None:
-        """Route each server message to the turn it belongs to, or to the request/reply queue."""
-        async for frame in self._websocket:
-            message = json.loads(frame)
-            stream = self._turns.get(message.get("turn_id") or "")
-            if stream is None:
-                self._replies.put_nowait(message)
-                continue
-            stream._events.put_nowait(message)
-            if message["type"] in ("chat.done", "error"):
-                del self._turns[stream.turn_id]
+        """Route each server message to the turn it belongs to, or to the request/reply queue. When
+        the connection is lost, whatever still waits gets a retryable `disconnected` error."""
+        try:
+            async for frame in self._websocket:
+                message = json.loads(frame)
+                stream = self._turns.get(message.get("turn_id") or "")
+                if stream is None:
+                    self._replies.put_nowait(message)
+                    continue
+                stream._events.put_nowait(message)
+                if message["type"] in ("chat.done", "error"):
+                    del self._turns[stream.turn_id]
+        except ConnectionClosed:
+            pass
+        lost = {"type": "error", "code": "disconnected", "message": "the connection to the server was lost",
+                "retryable": True}
+        for stream in self._turns.values():
+            stream._events.put_nowait(lost)
+        self._turns.clear()
+        self._replies.put_nowait(lost)

@@ -35,4 +35,5 @@ class Settings(BaseSettings):
         False, description="open POST /admin/sessions/{id}/corrupt for tests and chaos drills")
     redis_url: str | None = Field(None, description="keep sessions in Redis (redis://host:port/db) instead of memory")
     session_retention_s: float = Field(7 * 24 * 3600, gt=0, description="how long Redis keeps an idle session")
+    lease_ttl_s: float = Field(15.0, gt=0, description="how long a worker that died mid-turn keeps a session locked")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")

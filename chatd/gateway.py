@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
+import socket
 from collections import Counter
 
 from websockets.asyncio.server import ServerConnection
@@ -35,6 +37,7 @@ from chatd.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
 from sessions import Lease, Session, SessionBusy, SessionStore, StoreUnavailable, VersionConflict
 
 log = logging.getLogger(__name__)
+WORKER = f"{socket.gethostname()}:{os.getpid()}"
 
 
 class Connection:
@@ -112,14 +115,15 @@ class Gateway:
         if message.session_id is None:
             session = await self.store.create(message.system)
             self._attach(connection, session.session_id)
-            await connection.send(SessionReady(session_id=session.session_id, turns=0, resumed=False))
+            await connection.send(SessionReady(session_id=session.session_id, turns=0, resumed=False, worker=WORKER))
             return
         session = await self.store.get(message.session_id)
         if session is None:
             await connection.send(_unknown_session(message.session_id))
             return
         self._attach(connection, session.session_id)
-        await connection.send(SessionReady(session_id=session.session_id, turns=session.turns, resumed=True))
+        await connection.send(SessionReady(session_id=session.session_id, turns=session.turns, resumed=True,
+                                           worker=WORKER))
 
     async def start_turn(self, connection: Connection, message: ChatRequest) -> None:
         turn_id = message.turn_id or secrets.token_urlsafe(8)

@@ -88,6 +88,7 @@ class SessionReady(BaseModel):
     session_id: str
     turns: int
     resumed: bool
+    worker: str  # which chatd process serves the session (host:pid), for routing and debugging
 
 
 class Delta(BaseModel):

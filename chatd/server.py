@@ -39,8 +39,9 @@ class ChatServer:
         self.settings = settings
         self.engine = Engine(load or (lambda: load_model(settings.model, settings.device, settings.dtype,
                                                          settings.cache_dir)), settings)
-        self.sessions: SessionStore = (RedisSessionStore(settings.redis_url, settings.session_retention_s)
-                                       if settings.redis_url else InMemorySessionStore())
+        self.sessions: SessionStore = (
+            RedisSessionStore(settings.redis_url, settings.session_retention_s, lease_ttl_s=settings.lease_ttl_s)
+            if settings.redis_url else InMemorySessionStore())
         self.gateway = Gateway(self.engine, self.sessions)
         self._server: Server | None = None
 

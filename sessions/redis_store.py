@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 LOCAL_SESSIONS = 10_000
 RETRY_FLUSH_S = 0.5
-LEASE_TTL_MS = 30_000
 LEASE_WAIT_S = 2.0
 # Take the lease if free, and only then advance the session's fence: returns the new fence or nil.
 _ACQUIRE = """
@@ -70,8 +69,9 @@ def unpack_ids(packed: bytes | None) -> list[int]:
 
 
 class RedisSessionStore:
-    def __init__(self, url: str, retention_s: float, timeout_s: float = 2.0):
+    def __init__(self, url: str, retention_s: float, timeout_s: float = 2.0, lease_ttl_s: float = 15.0):
         self.retention_s = int(retention_s)
+        self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.errors = 0  # Redis calls that failed because it could not be reached
         self._redis = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=64,
@@ -121,7 +121,7 @@ class RedisSessionStore:
         while True:
             try:
                 fence = await self._redis.eval(_ACQUIRE, 2, _key(session_id, "lease"), _key(session_id, "fence"),
-                                               token, LEASE_TTL_MS, int(self.retention_s * 1000))
+                                               token, self.lease_ttl_ms, int(self.retention_s * 1000))
             except UNREACHABLE as error:
                 self.errors += 1
                 if session_id in self._local:
@@ -233,9 +233,10 @@ class _RedisLease:
 
     async def _renew(self) -> None:
         while True:
-            await asyncio.sleep(LEASE_TTL_MS / 3000)
+            await asyncio.sleep(self.store.lease_ttl_ms / 3000)
             try:
-                await self.store._redis.eval(_RENEW, 1, _key(self.session_id, "lease"), self.token, LEASE_TTL_MS)
+                await self.store._redis.eval(_RENEW, 1, _key(self.session_id, "lease"), self.token,
+                                             self.store.lease_ttl_ms)
             except UNREACHABLE:
                 self.store.errors += 1
 

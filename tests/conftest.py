@@ -24,6 +24,15 @@ def tiny(smollm2_dir) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_checkpoint(tiny, tmp_path_factory) -> Path:
+    """The tiny model saved as a local checkpoint, as a user's own model would be."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny.model.save_pretrained(path)
+    tiny.tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm2(model_cache_dir) -> LoadedModel:
     return load_model("smollm2-135m", device="cpu", dtype="float32", cache_dir=model_cache_dir)
 

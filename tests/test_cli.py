@@ -7,19 +7,9 @@ import signal
 import subprocess
 import sys
 
-import pytest
 from websockets.asyncio.client import connect
 
 from chatd.client import ChatClient
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tiny, tmp_path_factory):
-    """The tiny model saved as a local checkpoint, as a user's own model would be."""
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny.model.save_pretrained(path)
-    tiny.tokenizer.save_pretrained(path)
-    return path
 
 
 def chatd(*args: str) -> subprocess.Popen:

@@ -1,0 +1,149 @@
+"""The deployment as shipped: the compose file and Dockerfile name files that exist, and the nginx
+configuration routes sessions across real chatd worker processes sharing a real Redis."""
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from websockets.asyncio.client import connect
+
+from chatd.client import ChatClient, ChatError
+from sessions.redis_store import RedisSessionStore
+from tests.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_compose_file_parses_and_names_files_that_exist():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"redis", "chatd-1", "chatd-2", "nginx"} <= set(services)
+    assert "redis-cli" in services["redis"]["healthcheck"]["test"]
+    for worker in ("chatd-1", "chatd-2"):
+        assert services[worker]["environment"]["CHATD_REDIS_URL"].startswith("redis://redis:")
+        assert services[worker]["depends_on"]["redis"]["condition"] == "service_healthy"
+        devices = services[worker]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and devices[0]["count"] == 1
+        assert (ROOT / services[worker]["build"] / "Dockerfile").exists()
+    for volume in services["nginx"]["volumes"]:
+        assert (ROOT / volume.split(":")[0]).exists()
+    for source in re.findall(r"^COPY (\S+)", (ROOT / "Dockerfile").read_text(), re.MULTILINE):
+        assert (ROOT / source).exists(), source
+    nginx_conf = (ROOT / "deploy/nginx/chatd.conf").read_text()
+    for upstream in ("chatd-1", "chatd-2"):
+        assert f"server {upstream}:8765" in nginx_conf
+    assert "hash $arg_session_id consistent;" in nginx_conf
+
+
+class Worker:
+    """`chatd serve` as its own process, as deployed."""
+
+    def __init__(self, checkpoint: Path, redis_url: str):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "chatd", "serve", "--model", str(checkpoint), "--port", "0", "--device", "cpu",
+             "--redis-url", redis_url, "--lease-ttl-s", "2", "--log-level", "warning"],
+            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        line = self.process.stdout.readline()
+        self.port = int(re.search(r"ws://127\.0\.0\.1:(\d+)/ws", line).group(1))
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+
+@pytest.fixture
+def workers(tiny_checkpoint, redis_server):
+    started = [Worker(tiny_checkpoint, redis_server.url) for _ in range(2)]
+    yield started
+    for worker in started:
+        if worker.process.poll() is None:
+            worker.process.terminate()
+            worker.process.wait(10)
+
+
+@pytest.fixture
+def nginx(workers, tmp_path):
+    """Debian's nginx with the shipped configuration, its upstreams pointed at the two workers."""
+    binary = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if binary is None:
+        pytest.skip("nginx is not installed (make test installs Debian's nginx-light where it can)")
+    port = free_port()
+    shipped = (ROOT / "deploy/nginx/chatd.conf").read_text()
+    for index, worker in enumerate(workers, start=1):
+        shipped = shipped.replace(f"server chatd-{index}:8765", f"server 127.0.0.1:{worker.port}")
+    (tmp_path / "chatd.conf").write_text(shipped.replace("listen 80;", f"listen 127.0.0.1:{port};"))
+    temp_paths = " ".join(f"{kind}_temp_path {tmp_path}/{kind};" for kind in ("client_body", "proxy", "fastcgi",
+                                                                            "uwsgi", "scgi"))
+    (tmp_path / "nginx.conf").write_text(
+        f"daemon off; worker_processes 1; pid {tmp_path}/nginx.pid; error_log {tmp_path}/error.log;\n"
+        f"events {{ worker_connections 128; }}\n"
+        f"http {{ access_log off; {temp_paths} include {tmp_path}/chatd.conf; }}\n")
+    process = subprocess.Popen([binary, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
+                               stderr=subprocess.PIPE)
+    for _ in range(100):
+        try:
+            with __import__("socket").create_connection(("127.0.0.1", port), timeout=0.2):
+                break
+        except OSError:
+            import time
+            time.sleep(0.05)
+    yield f"ws://127.0.0.1:{port}/ws"
+    process.terminate()
+    process.wait(10)
+
+
+async def one_turn(url: str, session_id: str, content: str, **params):
+    """A fresh connection through the proxy for every turn, as a reconnecting widget would."""
+    async with ChatClient(await connect(f"{url}?session_id={session_id}")) as client:
+        ready = await client.open_session(session_id=session_id)
+        for _ in range(50):  # a lease left by a killed worker expires within its TTL
+            try:
+                return ready, await (await client.chat(session_id, content, **params)).result()
+            except ChatError as error:
+                if error.code != "busy":
+                    raise
+                await asyncio.sleep(0.2)
+        raise AssertionError("the session stayed busy")
+
+
+async def test_nginx_routes_a_session_to_one_worker_and_fails_over(nginx, workers):
+    async with ChatClient(await connect(nginx)) as client:
+        session_id = (await client.open_session(system="Be brief.")).session_id
+    served_by, sources = set(), []
+    for index in range(3):
+        ready, done = await one_turn(nginx, session_id, f"question {index}", max_new_tokens=4)
+        served_by.add(ready.worker)
+        sources.append(done.cache.source)
+    assert len(served_by) == 1 and sources[1:] == ["device", "device"], "every connection hit the same worker"
+    pid = int(served_by.pop().rsplit(":", 1)[1])
+    victim = next(worker for worker in workers if worker.process.pid == pid)
+    victim.kill()
+    ready, done = await one_turn(nginx, session_id, "are you still there?", max_new_tokens=4)
+    assert int(ready.worker.rsplit(":", 1)[1]) != pid and ready.turns == 3
+    assert (done.cache.source, done.cache.miss_reason) == ("miss", "cold")
+
+
+async def test_a_worker_killed_mid_turn_leaves_every_completed_turn_and_no_trace(workers, redis_server):
+    first, second = (f"ws://127.0.0.1:{worker.port}/ws" for worker in workers)
+    async with ChatClient(await connect(first)) as client:
+        session_id = (await client.open_session()).session_id
+        for index in range(2):
+            await (await client.chat(session_id, f"completed {index}", max_new_tokens=4)).result()
+        interrupted = await client.chat(session_id, "interrupted turn", max_new_tokens=400)
+        await anext(interrupted)
+        workers[0].kill()
+        with pytest.raises(ChatError) as lost:
+            await interrupted.result()
+        assert (lost.value.code, lost.value.retryable) == ("disconnected", True)
+    ready, done = await one_turn(second, session_id, "after the crash", max_new_tokens=4)
+    assert ready.turns == 2 and done.usage.completion_tokens == 4
+    stored = await RedisSessionStore(redis_server.url, retention_s=60).get(session_id)
+    assert [m.content for m in stored.messages if m.role == "user"] == ["completed 0", "completed 1",
+                                                                         "after the crash"]
