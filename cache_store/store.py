@@ -6,6 +6,7 @@ Not thread-safe: the engine thread is its only caller.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -16,6 +17,7 @@ from typing import Literal
 import xxhash
 from transformers import DynamicCache
 
+from cache_store.cost_model import CostModel, RemoteDecision
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry
 from cache_store.host_tier import HostTier
@@ -28,10 +30,11 @@ from cache_store.integrity import (
     checksum,
     fingerprint,
 )
-from cache_store.offload import Offloader
+from cache_store.offload import HostEntry, Offloader
 from cache_store.policy import EvictionPolicy
+from cache_store.remote_tier import RemoteHeader, RemoteTier, Throughput
 
-CacheSource = Literal["device", "host", "prefix", "miss"]
+CacheSource = Literal["device", "host", "remote", "prefix", "miss"]
 MissReason = Literal["new", "cold", "evicted", "disabled", "drift", "corrupt", "stale"]
 log = logging.getLogger(__name__)
 _PREFIX = "prefix:"
@@ -48,6 +51,7 @@ class CacheLookup:
     entry: CacheEntry | None = None
     miss_reason: MissReason | None = None
     cleared: tuple[Check, ...] = ()  # the checks that failed, when miss_reason is "corrupt"
+    remote: RemoteDecision | None = None  # when a remote cache existed: fetched or recomputed, and why
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -62,8 +66,10 @@ class CacheStore:
     def __init__(self, *, new_cache: Callable[[], DynamicCache], offloader: Offloader, layout: CacheLayout,
                  model_key: str, device_budget_bytes: int, host_budget_bytes: int, enabled: bool = True,
                  policy: EvictionPolicy | None = None, ttl_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 remote: RemoteTier | None = None, clock: Callable[[], float] = time.monotonic):
         self.enabled = enabled
+        self.remote = remote
+        self.cost = CostModel(remote.throughput if remote else Throughput())
         self.layout = layout
         self.model_key = model_key
         self.device = DeviceTier(device_budget_bytes, policy, clock)
@@ -99,15 +105,26 @@ class CacheStore:
             if failed:
                 return self.report_corruption(session_id, failed)
             source = "host"
+        decision = None
+        header = self.remote.head(session_id) if entry is None and self.remote is not None else None
+        if header is not None and header.session_version < session_version:
+            self.remote.delete(session_id)
+            return CacheLookup("miss", 0, miss_reason="stale")
+        if header is not None:
+            entry, decision, failed = self._from_remote(session_id, header)
+            if failed:
+                return self.report_corruption(session_id, failed)
+            if entry is not None:
+                source = "remote"
         if entry is None:
-            return self._start_from_prefix(session_id, prompt_ids, prefix_len)
+            return dataclasses.replace(self._start_from_prefix(session_id, prompt_ids, prefix_len), remote=decision)
         reusable = min(common_prefix_length(entry.token_ids, prompt_ids), len(prompt_ids) - 1)
         if reusable <= 0:
             self.device.pop(session_id)
             return CacheLookup("miss", 0, miss_reason="drift")
         entry.crop(reusable)
         self.device.residency(session_id).running = True
-        return CacheLookup(source, reusable, entry)
+        return CacheLookup(source, reusable, entry, remote=decision)
 
     def reserve(self, session_id: str, more_bytes: int) -> None:
         """Make room on the device for a running cache to grow by `more_bytes`."""
@@ -125,6 +142,8 @@ class CacheStore:
         entry.session_version = session_version
         self._make_room(entry.nbytes())
         self.device.put(session_id, entry, connected=session_id in self._connected)
+        if self.remote is not None:
+            self.remote.put(session_id, self._offloader.offload(entry))  # written in the background
         if self.device.used_bytes() > self.device.budget_bytes:  # alone larger than the budget
             self._offload(session_id)
 
@@ -169,6 +188,8 @@ class CacheStore:
         """Drop a session's cache from every tier; its next turn recomputes."""
         self.device.pop(session_id)
         self.host.pop(session_id)
+        if self.remote is not None:
+            self.remote.delete(session_id)
 
     def forget(self, session_id: str) -> None:
         """The session is closed: drop its cache and everything known about it."""
@@ -226,6 +247,21 @@ class CacheStore:
                 return CacheLookup("prefix", prefix_len, entry)
         return CacheLookup("miss", 0, miss_reason=reason)
 
+    def _from_remote(self, session_id: str, header: RemoteHeader
+                     ) -> tuple[CacheEntry | None, RemoteDecision, tuple[Check, ...]]:
+        """The session's cache from the remote tier, when fetching it is estimated to be faster than
+        recomputing it; it passes every restore check before use."""
+        decision = self.cost.decide(header.nbytes, header.fingerprint.num_tokens)
+        if decision.choice == "recompute":
+            return None, decision, ()
+        host_entry = self.remote.fetch(header)
+        if host_entry is None:
+            return None, decision, ()
+        if failed := self._check_host_entry(session_id, host_entry):
+            return None, decision, failed
+        self.counters["remote_restores"] += 1
+        return self._adopt(session_id, host_entry), decision, ()
+
     def _older_than(self, session_id: str, session_version: int) -> bool:
         entry = self.device.get(session_id) or self.host.get(session_id)
         return entry is not None and entry.session_version < session_version
@@ -238,18 +274,23 @@ class CacheStore:
     def _restore(self, session_id: str) -> tuple[CacheEntry | None, tuple[Check, ...]]:
         """Bring a host entry back to the device once it passes every check; else report what failed."""
         host_entry = self.host.pop(session_id)  # first: making room offloads others into the host tier
-        failed = (check_identity(host_entry.fingerprint, self.model_key, session_id, host_entry.token_ids,
-                                 self.layout)
+        if failed := self._check_host_entry(session_id, host_entry):
+            return None, failed
+        self.counters["restores"] += 1
+        return self._adopt(session_id, host_entry), ()
+
+    def _check_host_entry(self, owner: str, host_entry: HostEntry) -> tuple[Check, ...]:
+        failed = (check_identity(host_entry.fingerprint, self.model_key, owner, host_entry.token_ids, self.layout)
                   or check_tensors(host_entry.tensors, len(host_entry.token_ids), self.layout)
                   or (checksum(host_entry.tensors) != host_entry.checksum and "checksum")
                   or check_finite(host_entry.tensors))
-        if failed:
-            return None, (failed,)
+        return (failed,) if failed else ()
+
+    def _adopt(self, session_id: str, host_entry: HostEntry) -> CacheEntry:
         self._make_room(host_entry.nbytes)
         entry = self._offloader.restore(host_entry, self.new_cache)
         self.device.put(session_id, entry, connected=session_id in self._connected)
-        self.counters["restores"] += 1
-        return entry, ()
+        return entry
 
     def _make_room(self, need_bytes: int, keep: str | None = None) -> None:
         for key in self.device.victims(need_bytes, keep=keep):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from chatd.model_loader import default_cache_dir
@@ -35,5 +35,14 @@ class Settings(BaseSettings):
         False, description="open POST /admin/sessions/{id}/corrupt for tests and chaos drills")
     redis_url: str | None = Field(None, description="keep sessions in Redis (redis://host:port/db) instead of memory")
     session_retention_s: float = Field(7 * 24 * 3600, gt=0, description="how long Redis keeps an idle session")
+    remote_kv: bool = Field(False, description="also keep every session's cache in Redis, shared by all workers "
+                                               "(needs --redis-url)")
+    remote_kv_ttl_s: float = Field(3600.0, gt=0, description="how long Redis keeps a session's cache")
     lease_ttl_s: float = Field(15.0, gt=0, description="how long a worker that died mid-turn keeps a session locked")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
+
+    @model_validator(mode="after")
+    def _remote_kv_needs_redis(self) -> Settings:
+        if self.remote_kv and not self.redis_url:
+            raise ValueError("--remote-kv needs --redis-url")
+        return self

@@ -24,6 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from cache_store import CacheEntry, CacheLayout, CacheLookup, CacheStore, KVGeometry, Offloader, kv_bytes_per_token
+from cache_store.remote_tier import RemoteTier
 from chatd.config import Settings
 from chatd.model_loader import LoadedModel
 from chatd.prompt import PromptRenderer
@@ -77,6 +78,8 @@ class Engine:
     def stop(self) -> None:
         self._commands.put(_STOP)
         self._thread.join()
+        if self.cache is not None and self.cache.remote is not None:
+            self.cache.remote.close()
 
     def submit(self, turn: Turn) -> None:
         self._commands.put(turn)
@@ -149,12 +152,22 @@ class Engine:
         self._bytes_per_token = kv_bytes_per_token(loaded.model.config, loaded.model.dtype)
         settings = self.settings
         geometry = KVGeometry.of(loaded.model.config)
+        remote = RemoteTier(settings.redis_url, settings.remote_kv_ttl_s) if settings.remote_kv else None
         self.cache = CacheStore(
             new_cache=self._new_cache, offloader=Offloader(loaded.device), enabled=settings.session_cache,
             layout=CacheLayout(geometry.layers, geometry.kv_heads, geometry.head_dim, loaded.model.dtype),
             model_key=loaded.identity(),
             device_budget_bytes=int(default_device_budget_mb(settings, loaded.device) * MB),
-            host_budget_bytes=int(settings.host_cache_mb * MB), ttl_s=settings.session_ttl_s)
+            host_budget_bytes=int(settings.host_cache_mb * MB), ttl_s=settings.session_ttl_s, remote=remote)
+        if remote is not None:
+            remote.probe()
+            self._measure_prefill()
+
+    def _measure_prefill(self, tokens: int = 256) -> None:
+        """Seed the cost model's prefill rate with one prefill of `tokens` tokens."""
+        ids = torch.randint(100, self.loaded.tokenizer.vocab_size, (min(tokens, self.loaded.max_context - 1),))
+        with torch.inference_mode():
+            self._timed_prefill(CacheEntry(self._new_cache()), ids.tolist())
 
     def _new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.loaded.model.config)
@@ -259,10 +272,19 @@ class Engine:
         self.cache.reserve(session_id, growth * self._bytes_per_token)
         start = lookup.cached_tokens
         if lookup.source == "miss" and prefix_len:
-            self._forward(entry, prompt_ids[:prefix_len])  # the system prompt, shared with later sessions
+            self._timed_prefill(entry, prompt_ids[:prefix_len])  # the system prompt, shared with later sessions
             self.cache.put_prefix(entry)
             start = prefix_len
-        return entry, start, self._forward(entry, prompt_ids[start:])
+        return entry, start, self._timed_prefill(entry, prompt_ids[start:])
+
+    def _timed_prefill(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
+        """A prefill whose speed feeds the cost model (fetch a remote cache, or recompute?)."""
+        started = time.perf_counter()
+        logits = self._forward(entry, token_ids)
+        if self.loaded.device.type == "cuda":
+            torch.cuda.synchronize(self.loaded.device)
+        self.cache.cost.record_prefill(len(token_ids), time.perf_counter() - started)
+        return logits
 
     def _shared_prefix_length(self, messages: list[Message], prompt_ids: list[int]) -> int:
         """Length of the system prompt's tokens at the start of the prompt, which sessions share."""
@@ -305,6 +327,7 @@ class Engine:
             cache_source=lookup.source,
             miss_reason=lookup.miss_reason,
             cleared=list(lookup.cleared),
+            remote=dataclasses.asdict(lookup.remote) if lookup.remote else None,
             token_ids=generated,
             timings={
                 "queue_ms": (started - turn.received_at) * ms,

@@ -230,5 +230,6 @@ def _reply(turn_id: str, event: TurnResult | TurnFailed) -> ChatDone | ErrorMess
         usage=Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                     cached_tokens=event.cached_tokens),
         timings=Timings(**{name: round(value, 3) for name, value in event.timings.items()}),
-        cache=CacheReport(source=event.cache_source, miss_reason=event.miss_reason, cleared=event.cleared),
+        cache=CacheReport(source=event.cache_source, miss_reason=event.miss_reason, cleared=event.cleared,
+                          remote=event.remote),
     )

@@ -117,10 +117,19 @@ class Timings(BaseModel):
     tokens_per_s: float
 
 
+class RemoteReport(BaseModel):
+    """Why a cache found in the remote tier was fetched or not: the two estimates compared."""
+
+    choice: Literal["fetch", "recompute"]
+    fetch_ms: float | None
+    prefill_ms: float | None
+
+
 class CacheReport(BaseModel):
-    source: Literal["device", "host", "prefix", "miss"]
+    source: Literal["device", "host", "remote", "prefix", "miss"]
     miss_reason: Literal["new", "cold", "evicted", "disabled", "drift", "corrupt", "stale"] | None = None
     cleared: list[str] = Field(default_factory=list)
+    remote: RemoteReport | None = None
 
 
 class ChatDone(BaseModel):

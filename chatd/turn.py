@@ -34,6 +34,7 @@ class TurnResult:
     token_ids: list[int]
     cleared: list[str] = field(default_factory=list)
     conversation_ids: list[int] = field(default_factory=list)  # prompt and reply ids the cache covers
+    remote: dict | None = None  # the fetch-or-recompute decision, when a remote cache existed
 
     @classmethod
     def cancelled_before_start(cls, queue_ms: float) -> TurnResult:

@@ -79,9 +79,9 @@ async def test_a_turn_streams_deltas_in_order_and_reports_usage(server):
                                             "tokens_per_s"}
             assert 0 < done["timings"]["ttft_ms"] <= done["timings"]["total_ms"]
             if turn == 0:
-                assert done["cache"] == {"source": "miss", "miss_reason": "new", "cleared": []}
+                assert done["cache"] == {"source": "miss", "miss_reason": "new", "cleared": [], "remote": None}
             else:
-                assert done["cache"] == {"source": "device", "miss_reason": None, "cleared": []}
+                assert done["cache"] == {"source": "device", "miss_reason": None, "cleared": [], "remote": None}
                 assert 0 < done["usage"]["cached_tokens"] < done["usage"]["prompt_tokens"]
 
 

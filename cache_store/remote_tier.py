@@ -1,0 +1,192 @@
+"""Caches serialized to Redis, shared by every worker: a session can move to another worker (or
+survive a restart) without recomputing its history, when fetching is cheaper than recomputing.
+
+Each cache is two keys with one TTL: `chatd:{id}:kv` holds the bytes (the token ids as int32, then
+every layer's keys and values), `chatd:{id}:kvmeta` a JSON header (format version, fingerprint,
+session version, shapes, dtype, checksum). The bytes are written before the header, so a reader
+that finds a header finds its bytes unless they expired; a header whose bytes are gone is deleted
+and counts as a miss. Writes happen on a background thread, latest snapshot first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import queue
+import threading
+import time
+from array import array
+from dataclasses import dataclass
+
+import redis
+import torch
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from cache_store.integrity import CacheLayout, Fingerprint
+from cache_store.offload import HostEntry
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+PROBE_BYTES = 4 * 2**20
+
+
+@dataclass(frozen=True)
+class RemoteHeader:
+    session_id: str
+    fingerprint: Fingerprint
+    session_version: int
+    shapes: list[list[int]]
+    dtype: torch.dtype
+    checksum: str
+    nbytes: int
+
+
+class Throughput:
+    """A moving average of bytes per second, measured on real transfers."""
+
+    def __init__(self) -> None:
+        self.bytes_per_s: float | None = None
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        if nbytes < 64 * 1024 or seconds <= 0:
+            return  # too small to say anything about bandwidth
+        rate = nbytes / seconds
+        self.bytes_per_s = rate if self.bytes_per_s is None else 0.7 * self.bytes_per_s + 0.3 * rate
+
+
+def _key(session_id: str, part: str) -> str:
+    return f"chatd:{{{session_id}}}:{part}"
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+class RemoteTier:
+    def __init__(self, url: str, ttl_s: float, timeout_s: float = 5.0):
+        self.ttl_s = int(ttl_s)
+        self.throughput = Throughput()
+        self.errors = 0
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._writes: queue.Queue[str | None] = queue.Queue()
+        self._latest: dict[str, HostEntry] = {}
+        self._lock = threading.Lock()
+        self._writer = threading.Thread(target=self._write_loop, name="chatd-remote-kv", daemon=True)
+        self._writer.start()
+
+    def probe(self) -> None:
+        """Measure the Redis throughput once at start, so the first decision is not a guess."""
+        key = f"chatd:probe:{id(self)}"
+        payload = bytes(PROBE_BYTES)
+        try:
+            started = time.perf_counter()
+            self._redis.set(key, payload, ex=60)
+            self._redis.get(key)
+            self.throughput.record(2 * PROBE_BYTES, time.perf_counter() - started)
+            self._redis.delete(key)
+        except UNREACHABLE:
+            self.errors += 1
+
+    def put(self, session_id: str, entry: HostEntry) -> None:
+        """Queue a snapshot for writing; only the newest snapshot of a session is written."""
+        with self._lock:
+            fresh = session_id not in self._latest
+            self._latest[session_id] = entry
+        if fresh:
+            self._writes.put(session_id)
+
+    def head(self, session_id: str) -> RemoteHeader | None:
+        try:
+            raw = self._redis.get(_key(session_id, "kvmeta"))
+        except UNREACHABLE:
+            self.errors += 1
+            return None
+        if raw is None:
+            return None
+        try:
+            meta = json.loads(raw)
+            if meta["format"] != FORMAT_VERSION:
+                return None
+            stamp = meta["fingerprint"]
+            layout = CacheLayout(**{**stamp["layout"], "dtype": _dtype(stamp["layout"]["dtype"])})
+            return RemoteHeader(session_id, Fingerprint(**{**stamp, "layout": layout}), meta["session_version"],
+                                meta["shapes"], _dtype(meta["dtype"]), meta["checksum"], meta["nbytes"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            log.warning("session %s: unreadable remote cache header; deleting it", session_id)
+            self.delete(session_id)
+            return None
+
+    def fetch(self, header: RemoteHeader) -> HostEntry | None:
+        """The cache behind `header`, or None if its bytes are gone (the header is then deleted)."""
+        try:
+            started = time.perf_counter()
+            blob = self._redis.get(_key(header.session_id, "kv"))
+            self.throughput.record(len(blob or b""), time.perf_counter() - started)
+        except UNREACHABLE:
+            self.errors += 1
+            return None
+        if blob is None:
+            log.warning("session %s: remote cache header without bytes; deleting it", header.session_id)
+            self.delete(header.session_id)
+            return None
+        return _deserialize(header, blob)
+
+    def delete(self, session_id: str) -> None:
+        try:
+            self._redis.delete(_key(session_id, "kvmeta"), _key(session_id, "kv"))
+        except UNREACHABLE:
+            self.errors += 1
+
+    def close(self) -> None:
+        self._writes.put(None)
+        self._writer.join(timeout=30)
+        self._redis.close()
+
+    def _write_loop(self) -> None:
+        while (session_id := self._writes.get()) is not None:
+            with self._lock:
+                entry = self._latest.pop(session_id)
+            try:
+                self._write(session_id, entry)
+            except UNREACHABLE:
+                self.errors += 1
+                log.warning("session %s: Redis unreachable; its cache was not written to the remote tier", session_id)
+
+    def _write(self, session_id: str, entry: HostEntry) -> None:
+        tensors = [t for pair in entry.tensors for t in pair]
+        blob = array("i", entry.token_ids).tobytes() + b"".join(
+            t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+        stamp = dataclasses.asdict(entry.fingerprint)
+        stamp["layout"]["dtype"] = str(entry.fingerprint.layout.dtype)
+        meta = {"format": FORMAT_VERSION, "fingerprint": stamp, "session_version": entry.session_version,
+                "shapes": [list(t.shape) for t in tensors], "dtype": str(tensors[0].dtype),
+                "checksum": entry.checksum, "nbytes": len(blob)}
+        started = time.perf_counter()
+        self._redis.set(_key(session_id, "kv"), blob, ex=self.ttl_s)  # bytes first, then the header
+        self._redis.set(_key(session_id, "kvmeta"), json.dumps(meta), ex=self.ttl_s)
+        self.throughput.record(len(blob), time.perf_counter() - started)
+
+
+def _deserialize(header: RemoteHeader, blob: bytes) -> HostEntry:
+    """Split the blob back into token ids and tensors as the header describes them; a blob shorter or
+    longer than that still yields tensors, for the checks to refuse."""
+    num_tokens = header.fingerprint.num_tokens
+    ids = array("i")
+    ids.frombytes(blob[:4 * num_tokens])
+    data = torch.frombuffer(bytearray(blob[4 * num_tokens:]), dtype=torch.uint8)
+    element = torch.empty((), dtype=header.dtype).element_size()
+    tensors, offset = [], 0
+    for shape in header.shapes:
+        size = element * int(torch.Size(shape).numel())
+        chunk = data[offset:offset + size]
+        if chunk.numel() < size:  # truncated: keep what is there, in a shape the checks will refuse
+            shape = [1, shape[1], chunk.numel() // (element * shape[1] * shape[3]), shape[3]]
+            chunk = chunk[:element * int(torch.Size(shape).numel())]
+        tensors.append(chunk.view(header.dtype).reshape(shape))
+        offset += size
+    pairs = list(zip(tensors[0::2], tensors[1::2], strict=True))
+    return HostEntry(pairs, ids.tolist(), header.fingerprint, header.checksum, header.session_version)

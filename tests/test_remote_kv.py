@@ -1,0 +1,113 @@
+"""The remote KV tier in a real redis-server: a cache written by one worker is restored by another
+and passes every check; damaged blobs are caught and recomputed; the cost model decides."""
+
+import asyncio
+import json
+
+import pytest
+import redis.asyncio as redis
+from websockets.asyncio.client import connect
+
+from cache_store.cost_model import CostModel
+from cache_store.remote_tier import Throughput
+from chatd.client import ChatClient
+from chatd.config import Settings
+from chatd.server import ChatServer
+
+QUESTIONS = ["My parcel is late.", "It was sent on Monday.", "Where is it now?"]
+
+
+async def wait_for_remote(url: str, session_id: str, version: int) -> None:
+    client = redis.Redis.from_url(url)
+    for _ in range(200):
+        raw = await client.get(f"chatd:{{{session_id}}}:kvmeta")
+        if raw and json.loads(raw)["session_version"] >= version:
+            break
+        await asyncio.sleep(0.02)
+    else:
+        raise AssertionError("the remote cache was never written")
+    await client.aclose()
+
+
+async def conversation(tiny, redis_server, damage=None):
+    """Two turns on worker A, optional damage to the remote copy, the third turn on worker B."""
+    settings = Settings(port=0, redis_url=redis_server.url, remote_kv=True)
+    async with ChatServer(settings, load=lambda: tiny) as a, ChatServer(settings, load=lambda: tiny) as b, \
+            ChatServer(Settings(port=0), load=lambda: tiny) as alone:
+        for server in (a, b, alone):
+            await server.wait_ready()
+        async with ChatClient(await connect(a.url)) as on_a, ChatClient(await connect(b.url)) as on_b, \
+                ChatClient(await connect(alone.url)) as reference:
+            session_id = (await on_a.open_session(system="Be brief.")).session_id
+            reference_id = (await reference.open_session(system="Be brief.")).session_id
+            other_id = (await on_a.open_session(system="Another customer.")).session_id
+            for question in ("Hello there", "Me again"):  # as many turns as the session: the same version
+                await (await on_a.chat(other_id, question, max_new_tokens=5)).result()
+            for question in QUESTIONS[:2]:
+                await (await on_a.chat(session_id, question, max_new_tokens=6)).result()
+                await (await reference.chat(reference_id, question, max_new_tokens=6)).result()
+            await wait_for_remote(redis_server.url, session_id, 2)
+            await wait_for_remote(redis_server.url, other_id, 2)
+            if damage:
+                client = redis.Redis.from_url(redis_server.url)
+                await damage(client, session_id, other_id)
+                await client.aclose()
+            turn = await on_b.chat(session_id, QUESTIONS[2], max_new_tokens=6)
+            done = await turn.result()
+            expected = await reference.chat(reference_id, QUESTIONS[2], max_new_tokens=6)
+            await expected.result()
+            assert turn.deltas == expected.deltas
+            return done
+
+
+async def test_a_cache_written_by_one_worker_is_restored_by_another(tiny, redis_server):
+    done = await conversation(tiny, redis_server)
+    assert done.cache.source == "remote" and done.usage.cached_tokens > 0
+    assert done.cache.remote.choice == "fetch"
+    assert done.cache.remote.fetch_ms is not None and done.cache.remote.prefill_ms is not None
+
+
+async def truncate(client, session_id, _):
+    key = f"chatd:{{{session_id}}}:kv"
+    await client.set(key, (await client.get(key))[:-100])
+
+
+async def swap_in_other(client, session_id, other_id):
+    for part in ("kv", "kvmeta"):
+        await client.set(f"chatd:{{{session_id}}}:{part}", await client.get(f"chatd:{{{other_id}}}:{part}"))
+
+
+async def flip_a_byte(client, session_id, _):
+    key = f"chatd:{{{session_id}}}:kv"
+    blob = bytearray(await client.get(key))
+    blob[len(blob) // 2] ^= 0x01
+    await client.set(key, bytes(blob))
+
+
+@pytest.mark.parametrize(("damage", "check"), [(truncate, "length"), (swap_in_other, "fingerprint"),
+                                               (flip_a_byte, "checksum")])
+async def test_a_damaged_remote_cache_is_caught_and_recomputed(tiny, redis_server, damage, check):
+    done = await conversation(tiny, redis_server, damage)
+    assert (done.cache.source, done.cache.miss_reason, done.cache.cleared) == ("miss", "corrupt", [check])
+
+
+async def test_a_header_whose_bytes_are_gone_is_a_miss_and_is_deleted(tiny, redis_server):
+    async def lose_bytes(client, session_id, _):
+        await client.delete(f"chatd:{{{session_id}}}:kv")
+
+    done = await conversation(tiny, redis_server, lose_bytes)
+    assert (done.cache.source, done.cache.miss_reason) == ("miss", "cold")
+
+
+def test_the_cost_model_picks_the_faster_path():
+    throughput = Throughput()
+    model = CostModel(throughput)
+    assert model.decide(10**8, 2048).choice == "fetch", "nothing measured yet: fetch and measure"
+    throughput.record(10**9, 1.0)  # 1 GB/s
+    model.record_prefill(2048, 4.0)  # 512 tokens/s, a CPU
+    cpu = model.decide(94_000_000, 2048)
+    assert (cpu.choice, round(cpu.fetch_ms), round(cpu.prefill_ms)) == ("fetch", 94, 4000)
+    model.prefill_tokens_per_s = 200_000.0  # a GPU with a small model
+    assert model.decide(94_000_000, 2048).choice == "recompute"
+    model.record_prefill(1, 0.001)
+    assert model.prefill_tokens_per_s == 200_000.0, "decode steps do not count as prefill"
