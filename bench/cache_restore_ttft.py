@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import synthetic_history
 
 from cache_store import Offloader
 from chatd.client import ChatClient
@@ -26,21 +27,8 @@ from chatd.config import Settings
 from chatd.model_loader import load_model
 from chatd.prompt import PromptRenderer
 from chatd.server import ChatServer
-from sessions import Message
 
 HERE = Path(__file__).parent
-REPLY = ("Thank you, I have noted that. I checked your line and your account, and I can see the issue. "
-         "Here is what we will do next, step by step, so that your service works again as soon as possible.")
-
-
-def synthetic_history(scenario: dict, renderer: PromptRenderer, tokens: int) -> list[Message]:
-    """Alternate the scenario's customer lines with a canned agent reply until `tokens` is reached."""
-    messages: list[Message] = []
-    system = [Message("system", scenario["system"])]
-    while len(renderer.render(system + messages, add_generation_prompt=False)) < tokens:
-        question = scenario["turns"][len(messages) // 2 % len(scenario["turns"])]
-        messages += [Message("user", question), Message("assistant", REPLY)]
-    return messages
 
 
 async def measure(args: argparse.Namespace) -> dict:

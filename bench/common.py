@@ -1,0 +1,19 @@
+"""Helpers shared by the benchmark scripts (run them from the repository root)."""
+
+from __future__ import annotations
+
+from chatd.prompt import PromptRenderer
+from sessions import Message
+
+REPLY = ("Thank you, I have noted that. I checked your line and your account, and I can see the issue. "
+         "Here is what we will do next, step by step, so that your service works again as soon as possible.")
+
+
+def synthetic_history(scenario: dict, renderer: PromptRenderer, tokens: int) -> list[Message]:
+    """Alternate the scenario's customer lines with a canned agent reply until `tokens` is reached."""
+    messages: list[Message] = []
+    system = [Message("system", scenario["system"])]
+    while len(renderer.render(system + messages, add_generation_prompt=False)) < tokens:
+        question = scenario["turns"][len(messages) // 2 % len(scenario["turns"])]
+        messages += [Message("user", question), Message("assistant", REPLY)]
+    return messages
