@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 PROBE_BYTES = 4 * 2**20
+BACK_OFF_S = 5.0  # after a failure, turns skip the remote tier this long instead of waiting on Redis
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,11 @@ def _dtype(name: str) -> torch.dtype:
 
 
 class RemoteTier:
-    def __init__(self, url: str, ttl_s: float, timeout_s: float = 5.0):
+    def __init__(self, url: str, ttl_s: float, timeout_s: float = 1.0):
         self.ttl_s = int(ttl_s)
         self.throughput = Throughput()
         self.errors = 0
+        self._down_until = 0.0
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._writes: queue.Queue[str | None] = queue.Queue()
         self._latest: dict[str, HostEntry] = {}
@@ -100,10 +102,12 @@ class RemoteTier:
             self._writes.put(session_id)
 
     def head(self, session_id: str) -> RemoteHeader | None:
+        if time.monotonic() < self._down_until:
+            return None
         try:
             raw = self._redis.get(_key(session_id, "kvmeta"))
         except UNREACHABLE:
-            self.errors += 1
+            self._failed()
             return None
         if raw is None:
             return None
@@ -127,7 +131,7 @@ class RemoteTier:
             blob = self._redis.get(_key(header.session_id, "kv"))
             self.throughput.record(len(blob or b""), time.perf_counter() - started)
         except UNREACHABLE:
-            self.errors += 1
+            self._failed()
             return None
         if blob is None:
             log.warning("session %s: remote cache header without bytes; deleting it", header.session_id)
@@ -136,10 +140,18 @@ class RemoteTier:
         return _deserialize(header, blob)
 
     def delete(self, session_id: str) -> None:
+        """Best effort: a header left behind is refused later by its version or fingerprint."""
+        if time.monotonic() < self._down_until:
+            return
         try:
             self._redis.delete(_key(session_id, "kvmeta"), _key(session_id, "kv"))
         except UNREACHABLE:
-            self.errors += 1
+            self._failed()
+
+    def _failed(self) -> None:
+        self.errors += 1
+        self._down_until = time.monotonic() + BACK_OFF_S
+        log.warning("remote KV tier: Redis unreachable; skipping it for %.0f s", BACK_OFF_S)
 
     def close(self) -> None:
         self._writes.put(None)

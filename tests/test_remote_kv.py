@@ -9,7 +9,7 @@ import redis.asyncio as redis
 from websockets.asyncio.client import connect
 
 from cache_store.cost_model import CostModel
-from cache_store.remote_tier import Throughput
+from cache_store.remote_tier import RemoteTier, Throughput
 from chatd.client import ChatClient
 from chatd.config import Settings
 from chatd.server import ChatServer
@@ -111,3 +111,27 @@ def test_the_cost_model_picks_the_faster_path():
     assert model.decide(94_000_000, 2048).choice == "recompute"
     model.record_prefill(1, 0.001)
     assert model.prefill_tokens_per_s == 200_000.0, "decode steps do not count as prefill"
+
+
+async def test_turns_go_on_without_stalling_while_the_remote_tier_is_down(tiny, redis_server):
+    settings = Settings(port=0, redis_url=redis_server.url, remote_kv=True)
+    async with ChatServer(settings, load=lambda: tiny) as server:
+        await server.wait_ready()
+        async with ChatClient(await connect(server.url)) as client:
+            session_id = (await client.open_session()).session_id
+            await (await client.chat(session_id, "hello", max_new_tokens=3)).result()
+            redis_server.stop()
+            server.engine.drop_session(session_id)  # only Redis could help now
+            done = await (await client.chat(session_id, "still there?", max_new_tokens=3)).result()
+            assert done.cache.source == "miss" and done.usage.completion_tokens == 3
+            assert server.engine.cache.remote.errors >= 1
+            redis_server.start()
+
+
+def test_after_a_failure_the_remote_tier_is_skipped_instead_of_waited_on():
+    from tests.redis_server import free_port
+
+    remote = RemoteTier(f"redis://127.0.0.1:{free_port()}/0", ttl_s=60)  # nothing listens there
+    assert remote.head("s") is None and remote.errors == 1
+    assert remote.head("s") is None and remote.errors == 1, "the second lookup did not try Redis"
+    remote.close()
