@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import synthetic_history
+from common import synthetic_history, write_result
 
 from cache_store import Offloader
 from chatd.client import ChatClient
@@ -104,9 +104,7 @@ def main() -> None:
     print(f"  copy of a {result['cache_tokens']}-token cache ({result['cache_mb']:.1f} MB): offload "
           f"{result['offload_ms']:.1f} ms ({result['offload_gb_s']:.2f} GB/s), restore {result['restore_ms']:.1f} ms "
           f"({result['restore_gb_s']:.2f} GB/s)")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.output}", file=sys.stderr)
+    write_result(args.output, result)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ the TTFT of a turn that reuses the cache (prefill of a typical new message on to
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import write_result
 
 from cache_store import CacheEntry, CacheLayout, KVGeometry, Offloader
 from cache_store.integrity import check_finite, check_identity, check_tensors, checksum, fingerprint
@@ -91,9 +90,7 @@ def main() -> None:
           f"= {100 * restore_ms / ttft_ms:.1f}% of TTFT")
     print(f"  deep check when sampled: {deep_ms:.0f} ms = {deep_ms / ttft_ms:.1f}x TTFT; at the default rate "
           f"{rate:g}: {rate * deep_ms:.1f} ms per reuse on average = {100 * rate * deep_ms / ttft_ms:.1f}% of TTFT")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.output}", file=sys.stderr)
+    write_result(args.output, result)
 
 
 if __name__ == "__main__":

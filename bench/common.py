@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 from chatd.prompt import PromptRenderer
 from sessions import Message
 
@@ -17,3 +21,10 @@ def synthetic_history(scenario: dict, renderer: PromptRenderer, tokens: int) -> 
         question = scenario["turns"][len(messages) // 2 % len(scenario["turns"])]
         messages += [Message("user", question), Message("assistant", REPLY)]
     return messages
+
+
+def write_result(path: Path, result: object) -> None:
+    """Write a benchmark's JSON result next to the others (bench/results/ is not committed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}", file=sys.stderr)

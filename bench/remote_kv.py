@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 import redis.asyncio as redis
-from common import synthetic_history
+from common import synthetic_history, write_result
 
 from chatd.client import ChatClient
 from chatd.config import Settings
@@ -97,9 +97,7 @@ def main() -> None:
         print(f"{row['history_tokens']:>6} {row['ttft_remote_ms']:>10.1f}ms {row['ttft_recompute_ms']:>13.1f}ms "
               f"{row['ttft_recompute_ms'] / row['ttft_remote_ms']:>5.1f}x  {row['choice']} "
               f"({row['estimated_fetch_ms']:.1f} ms / {row['estimated_prefill_ms']:.1f} ms)")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(rows, indent=2))
-    print(f"wrote {args.output}", file=sys.stderr)
+    write_result(args.output, rows)
 
 
 if __name__ == "__main__":

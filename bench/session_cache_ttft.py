@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import write_result
 from transformers import DynamicCache
 
 from chatd.client import ChatClient
@@ -133,11 +134,9 @@ def main() -> None:
         print(f"{r['turn']:>4} {r['prompt_tokens']:>6} {r['cached_tokens']:>6} {r['ttft_cached_ms']:>8.1f} "
               f"{r['ttft_uncached_ms']:>8.1f} {r['server_ratio']:>5.1f}x {r['raw_incremental_ms']:>8.1f} "
               f"{r['raw_full_ms']:>8.1f} {r['raw_ratio']:>8.1f}x {str(r['same_reply']):>5}")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"scenario": scenario["name"], "repeats": args.repeats,
+    write_result(args.output, {"scenario": scenario["name"], "repeats": args.repeats,
                                        "max_new_tokens": args.max_new_tokens, "torch_threads": torch.get_num_threads(),
-                                       "turns": rows}, indent=2))
-    print(f"wrote {args.output}", file=sys.stderr)
+                                       "turns": rows})
 
 
 if __name__ == "__main__":

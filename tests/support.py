@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from websockets.asyncio.client import connect
 
+from chatd.client import ChatClient
 from chatd.config import Settings
 from chatd.engine import Engine
 from chatd.model_loader import LoadedModel, stop_token_ids
 from chatd.sampling import SamplingParams
+from chatd.server import ChatServer
 from chatd.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
 from sessions import Session
 
@@ -30,6 +33,19 @@ def tiny_model(tokenizer_dir) -> LoadedModel:
     model = LlamaForCausalLM(config).to(torch.float64).eval()
     return LoadedModel(name="tiny", model=model, tokenizer=tokenizer, device=torch.device("cpu"),
                        stop_token_ids=stop_token_ids(tokenizer, model))
+
+
+@asynccontextmanager
+async def two_workers_and_a_reference(loaded: LoadedModel, settings: Settings):
+    """Two servers sharing `settings` (one Redis), a third alone in memory to compare with, and a
+    client on each: (on_a, on_b, reference, servers)."""
+    async with ChatServer(settings, load=lambda: loaded) as a, ChatServer(settings, load=lambda: loaded) as b, \
+            ChatServer(Settings(port=0), load=lambda: loaded) as alone:
+        for server in (a, b, alone):
+            await server.wait_ready()
+        async with ChatClient(await connect(a.url)) as on_a, ChatClient(await connect(b.url)) as on_b, \
+                ChatClient(await connect(alone.url)) as reference:
+            yield on_a, on_b, reference, (a, b, alone)
 
 
 @contextmanager

@@ -8,6 +8,7 @@ from chatd.client import ChatClient, ChatError
 from chatd.config import Settings
 from chatd.server import ChatServer
 from sessions.redis_store import RedisSessionStore
+from tests.support import two_workers_and_a_reference
 
 SYSTEM = "You are a support agent for Northwind Internet. Answer briefly."
 QUESTIONS = ["My internet is down.", "The router light is red.", "I restarted it.", "Now it is green, thanks!"]
@@ -75,36 +76,31 @@ async def test_chatting_through_a_redis_outage_loses_no_turn(tiny, redis_server)
 
 async def test_two_workers_share_sessions_and_a_stale_cache_is_dropped(tiny, redis_server):
     settings = Settings(port=0, redis_url=redis_server.url)
-    async with ChatServer(settings, load=lambda: tiny) as a, ChatServer(settings, load=lambda: tiny) as b, \
-            ChatServer(Settings(port=0), load=lambda: tiny) as alone:
-        for server in (a, b, alone):
-            await server.wait_ready()
-        async with ChatClient(await connect(a.url)) as on_a, ChatClient(await connect(b.url)) as on_b, \
-                ChatClient(await connect(alone.url)) as reference:
-            session_id = (await on_a.open_session(system="Be brief.")).session_id
-            reference_id = (await reference.open_session(system="Be brief.")).session_id
-            plan = [(on_a, "device or miss"), (on_b, "cold"), (on_a, "stale"), (on_a, "device")]
-            for index, (client, expected) in enumerate(plan):
-                turn = await client.chat(session_id, f"question {index}", max_new_tokens=6)
-                done = await turn.result()
-                same = await reference.chat(reference_id, f"question {index}", max_new_tokens=6)
-                await same.result()
-                assert turn.deltas == same.deltas, f"turn {index + 1}"
-                if expected in ("cold", "stale"):
-                    assert (done.cache.source, done.cache.miss_reason) == ("miss", expected)
-                elif expected == "device":
-                    assert done.cache.source == "device"
-            assert (await on_b.open_session(session_id=session_id)).turns == 4
+    async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, _):
+        session_id = (await on_a.open_session(system="Be brief.")).session_id
+        reference_id = (await reference.open_session(system="Be brief.")).session_id
+        plan = [(on_a, "device or miss"), (on_b, "cold"), (on_a, "stale"), (on_a, "device")]
+        for index, (client, expected) in enumerate(plan):
+            turn = await client.chat(session_id, f"question {index}", max_new_tokens=6)
+            done = await turn.result()
+            same = await reference.chat(reference_id, f"question {index}", max_new_tokens=6)
+            await same.result()
+            assert turn.deltas == same.deltas, f"turn {index + 1}"
+            if expected in ("cold", "stale"):
+                assert (done.cache.source, done.cache.miss_reason) == ("miss", expected)
+            elif expected == "device":
+                assert done.cache.source == "device"
+        assert (await on_b.open_session(session_id=session_id)).turns == 4
 
-            # Another worker holding the lease makes this one answer busy (after a short wait).
-            other_worker = RedisSessionStore(redis_server.url, retention_s=60)
-            lease = await other_worker.lease(session_id)
-            with_lease_taken = await on_a.chat(session_id, "are you there?", max_new_tokens=2)
-            try:
-                await with_lease_taken.result()
-                raise AssertionError("expected busy")
-            except ChatError as error:
-                assert (error.code, error.retryable) == ("busy", True)
-            await lease.release()
-            await other_worker.close()
-            assert (await (await on_a.chat(session_id, "now?", max_new_tokens=2)).result()).usage.completion_tokens == 2
+        # Another worker holding the lease makes this one answer busy (after a short wait).
+        other_worker = RedisSessionStore(redis_server.url, retention_s=60)
+        lease = await other_worker.lease(session_id)
+        with_lease_taken = await on_a.chat(session_id, "are you there?", max_new_tokens=2)
+        try:
+            await with_lease_taken.result()
+            raise AssertionError("expected busy")
+        except ChatError as error:
+            assert (error.code, error.retryable) == ("busy", True)
+        await lease.release()
+        await other_worker.close()
+        assert (await (await on_a.chat(session_id, "now?", max_new_tokens=2)).result()).usage.completion_tokens == 2

@@ -13,6 +13,7 @@ from cache_store.remote_tier import RemoteTier, Throughput
 from chatd.client import ChatClient
 from chatd.config import Settings
 from chatd.server import ChatServer
+from tests.support import two_workers_and_a_reference
 
 QUESTIONS = ["My parcel is late.", "It was sent on Monday.", "Where is it now?"]
 
@@ -32,32 +33,27 @@ async def wait_for_remote(url: str, session_id: str, version: int) -> None:
 async def conversation(tiny, redis_server, damage=None):
     """Two turns on worker A, optional damage to the remote copy, the third turn on worker B."""
     settings = Settings(port=0, redis_url=redis_server.url, remote_kv=True)
-    async with ChatServer(settings, load=lambda: tiny) as a, ChatServer(settings, load=lambda: tiny) as b, \
-            ChatServer(Settings(port=0), load=lambda: tiny) as alone:
-        for server in (a, b, alone):
-            await server.wait_ready()
-        async with ChatClient(await connect(a.url)) as on_a, ChatClient(await connect(b.url)) as on_b, \
-                ChatClient(await connect(alone.url)) as reference:
-            session_id = (await on_a.open_session(system="Be brief.")).session_id
-            reference_id = (await reference.open_session(system="Be brief.")).session_id
-            other_id = (await on_a.open_session(system="Another customer.")).session_id
-            for question in ("Hello there", "Me again"):  # as many turns as the session: the same version
-                await (await on_a.chat(other_id, question, max_new_tokens=5)).result()
-            for question in QUESTIONS[:2]:
-                await (await on_a.chat(session_id, question, max_new_tokens=6)).result()
-                await (await reference.chat(reference_id, question, max_new_tokens=6)).result()
-            await wait_for_remote(redis_server.url, session_id, 2)
-            await wait_for_remote(redis_server.url, other_id, 2)
-            if damage:
-                client = redis.Redis.from_url(redis_server.url)
-                await damage(client, session_id, other_id)
-                await client.aclose()
-            turn = await on_b.chat(session_id, QUESTIONS[2], max_new_tokens=6)
-            done = await turn.result()
-            expected = await reference.chat(reference_id, QUESTIONS[2], max_new_tokens=6)
-            await expected.result()
-            assert turn.deltas == expected.deltas
-            return done
+    async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, _):
+        session_id = (await on_a.open_session(system="Be brief.")).session_id
+        reference_id = (await reference.open_session(system="Be brief.")).session_id
+        other_id = (await on_a.open_session(system="Another customer.")).session_id
+        for question in ("Hello there", "Me again"):  # as many turns as the session: the same version
+            await (await on_a.chat(other_id, question, max_new_tokens=5)).result()
+        for question in QUESTIONS[:2]:
+            await (await on_a.chat(session_id, question, max_new_tokens=6)).result()
+            await (await reference.chat(reference_id, question, max_new_tokens=6)).result()
+        await wait_for_remote(redis_server.url, session_id, 2)
+        await wait_for_remote(redis_server.url, other_id, 2)
+        if damage:
+            client = redis.Redis.from_url(redis_server.url)
+            await damage(client, session_id, other_id)
+            await client.aclose()
+        turn = await on_b.chat(session_id, QUESTIONS[2], max_new_tokens=6)
+        done = await turn.result()
+        expected = await reference.chat(reference_id, QUESTIONS[2], max_new_tokens=6)
+        await expected.result()
+        assert turn.deltas == expected.deltas
+        return done
 
 
 async def test_a_cache_written_by_one_worker_is_restored_by_another(tiny, redis_server):
