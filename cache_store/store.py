@@ -86,10 +86,10 @@ class CacheStore:
 
     def lookup(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int = 0,
                session_version: int = 0) -> CacheLookup:
-        """Find the session's cache (device, then host), crop it to what the prompt shares with it,
-        and mark it running. Without one, start from the shared prefix of the first `prefix_len`
-        prompt ids when it is cached. The last prompt token is always left to feed: its logits pick
-        the first reply token."""
+        """Find the session's cache (device, host, then remote), check it, crop it to what the prompt
+        shares with it, and mark it running. Without one, start from the shared prefix of the first
+        `prefix_len` prompt ids when it is cached. A cache older than `session_version` is stale. The
+        last prompt token is always left to feed: its logits pick the first reply token."""
         if not self.enabled:
             return CacheLookup("miss", 0, miss_reason="disabled")
         if self._older_than(session_id, session_version):
@@ -120,7 +120,7 @@ class CacheStore:
             return dataclasses.replace(self._start_from_prefix(session_id, prompt_ids, prefix_len), remote=decision)
         reusable = min(common_prefix_length(entry.token_ids, prompt_ids), len(prompt_ids) - 1)
         if reusable <= 0:
-            self.device.pop(session_id)
+            self.drop(session_id)  # nothing in it is of use, in any tier
             return CacheLookup("miss", 0, miss_reason="drift")
         entry.crop(reusable)
         self.device.residency(session_id).running = True

@@ -165,7 +165,7 @@ class Engine:
 
     def _measure_prefill(self, tokens: int = 256) -> None:
         """Seed the cost model's prefill rate with one prefill of `tokens` tokens."""
-        ids = torch.randint(100, self.loaded.tokenizer.vocab_size, (min(tokens, self.loaded.max_context - 1),))
+        ids = torch.randint(100, self.loaded.model.config.vocab_size, (min(tokens, self.loaded.max_context - 1),))
         with torch.inference_mode():
             self._timed_prefill(CacheEntry(self._new_cache()), ids.tolist())
 
