@@ -1,4 +1,4 @@
-"""The `chatd` command: serve, chat, kv-size."""
+"""The `chatd` command: serve, chat, bench, kv-size."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -39,6 +40,22 @@ def main(argv: list[str] | None = None) -> None:
     kv_size.add_argument("--dtype", nargs="+", default=["float32", "float16"],
                          choices=["float32", "float16", "bfloat16"])
     kv_size.add_argument("--budget-mb", type=float, default=None, help="also show how many sessions fit this budget")
+    bench = commands.add_parser("bench", help="simulated customers against one or two servers")
+    target = bench.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="bench a running server")
+    target.add_argument("--serve", metavar="FLAGS", help="start a server with these `chatd serve` flags and bench it")
+    target.add_argument("--compare", nargs=2, metavar=("FLAGS_A", "FLAGS_B"),
+                        help="start two servers with these flags and run the same workload on each")
+    bench.add_argument("--customers", type=int, default=8)
+    bench.add_argument("--turns", type=int, default=6)
+    bench.add_argument("--think-s", type=float, default=1.0, help="mean pause between a customer's turns")
+    bench.add_argument("--max-new-tokens", type=int, default=32)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--rounds", type=int, default=1, help="workloads per configuration, alternating")
+    bench.add_argument("--scenarios", type=Path, default=None,
+                       help="folder of scenario files (default: bench/scenarios)")
+    bench.add_argument("--output", type=Path, default=Path("bench/results/chatd-bench.json"),
+                       help="JSON result; the plot goes next to it as .png")
     args = parser.parse_args(argv)
 
     if args.command == "serve":
@@ -57,6 +74,11 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(run(settings))
         except ModelLoadError as error:
             sys.exit(f"chatd: {error}")
+    elif args.command == "bench":
+        from chatd import bench as bench_command
+
+        args.scenarios = args.scenarios or bench_command.DEFAULT_SCENARIOS
+        bench_command.main(args)
     elif args.command == "kv-size":
         from chatd.kv_size import kv_size_table
 

@@ -1,0 +1,235 @@
+"""`chatd bench`: simulated customers chatting over websockets, measured the way they feel it.
+
+Each customer opens a session and plays a scripted multi-turn conversation (scenarios under
+bench/scenarios/), pausing between turns as a person would. TTFT is measured at the client, from
+sending the request to the first delta. With --compare, two server configurations run the same
+workload one after the other and every figure is shown side by side with its ratio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from chatd.client import ChatClient, ChatError
+
+DEFAULT_SCENARIOS = Path(__file__).resolve().parent.parent / "bench" / "scenarios"
+
+
+@dataclass
+class TurnSample:
+    customer: int
+    turn: int  # 1-based
+    ttft_ms: float | None = None
+    inter_token_ms: list[float] = field(default_factory=list)
+    e2e_ms: float = 0.0
+    completion_tokens: int = 0
+    cache_source: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Workload:
+    scenarios: list[dict]
+    customers: int
+    turns: int
+    think_s: float
+    max_new_tokens: int
+    seed: int
+
+
+def load_scenarios(folder: Path) -> list[dict]:
+    scenarios = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
+    if not scenarios:
+        raise SystemExit(f"chatd bench: no scenarios (*.json) in {folder}")
+    return scenarios
+
+
+async def play_customer(url: str, workload: Workload, index: int, samples: list[TurnSample], progress: tqdm) -> None:
+    scenario = workload.scenarios[index % len(workload.scenarios)]
+    pauses = random.Random(workload.seed * 1000 + index)
+    async with await ChatClient.connect(url) as client:
+        session_id = (await client.open_session(system=scenario["system"])).session_id
+        for turn in range(1, workload.turns + 1):
+            sample = TurnSample(customer=index, turn=turn)
+            content = scenario["turns"][(turn - 1) % len(scenario["turns"])]
+            sent = time.perf_counter()
+            stream = await client.chat(session_id, content, max_new_tokens=workload.max_new_tokens)
+            arrivals = []
+            async for _ in stream:
+                arrivals.append(time.perf_counter())
+            try:
+                done = await stream.result()
+                sample.cache_source, sample.completion_tokens = done.cache.source, done.usage.completion_tokens
+            except ChatError as error:
+                sample.error = error.code
+            if arrivals:
+                sample.ttft_ms = 1000 * (arrivals[0] - sent)
+                sample.inter_token_ms = [1000 * (b - a) for a, b in zip(arrivals, arrivals[1:], strict=False)]
+            sample.e2e_ms = 1000 * (time.perf_counter() - sent)
+            samples.append(sample)
+            progress.update(1)
+            if turn < workload.turns and workload.think_s > 0:
+                await asyncio.sleep(workload.think_s * pauses.uniform(0.5, 1.5))
+
+
+async def run_workload(url: str, workload: Workload, label: str) -> tuple[list[TurnSample], float]:
+    """Every customer's whole conversation, all at once; the samples and the wall time."""
+    samples: list[TurnSample] = []
+    with tqdm(total=workload.customers * workload.turns, desc=label, unit="turn", file=sys.stderr) as progress:
+        started = time.perf_counter()
+        await asyncio.gather(*(play_customer(url, workload, index, samples, progress)
+                               for index in range(workload.customers)))
+        return samples, time.perf_counter() - started
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def summarize(samples: list[TurnSample], wall_s: float) -> dict:
+    ok = [s for s in samples if s.error is None]
+    by_turn = {}
+    for turn in sorted({s.turn for s in ok}):
+        ttfts = [s.ttft_ms for s in ok if s.turn == turn and s.ttft_ms is not None]
+        by_turn[turn] = {"p50": _percentile(ttfts, 50), "p95": _percentile(ttfts, 95), "n": len(ttfts)}
+    late = [s.ttft_ms for s in ok if s.turn >= 3 and s.ttft_ms is not None]
+    gaps = [gap for s in ok for gap in s.inter_token_ms]
+    e2e = [s.e2e_ms for s in ok]
+    sources, errors = {}, {}
+    for s in samples:
+        if s.error:
+            errors[s.error] = errors.get(s.error, 0) + 1
+        else:
+            sources[s.cache_source] = sources.get(s.cache_source, 0) + 1
+    return {
+        "ttft_ms_by_turn": by_turn,
+        "ttft_ms_turn3_plus": {"p50": _percentile(late, 50), "p95": _percentile(late, 95)},
+        "inter_token_ms": {"p50": _percentile(gaps, 50), "p95": _percentile(gaps, 95)},
+        "e2e_ms": {"p50": _percentile(e2e, 50), "p95": _percentile(e2e, 95)},
+        "tokens_per_s": sum(s.completion_tokens for s in ok) / wall_s if wall_s > 0 else 0.0,
+        "cache_sources": sources,
+        "errors": errors,
+    }
+
+
+class ServerProcess:
+    """`chatd serve` with the given flags on a free port, for as long as the benchmark runs."""
+
+    def __init__(self, flags: str):
+        command = [sys.executable, "-m", "chatd", "serve", "--port", "0", "--log-level", "warning",
+                   *shlex.split(flags)]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        line = self.process.stdout.readline()
+        match = re.search(r"ws://\S+/ws", line)
+        if not match:
+            self.process.kill()
+            raise SystemExit(f"chatd bench: the server with flags {flags!r} did not start")
+        self.url = match.group(0)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+
+
+FIGURES = [("TTFT p50, turns 3+ (ms)", ("ttft_ms_turn3_plus", "p50")),
+           ("TTFT p95, turns 3+ (ms)", ("ttft_ms_turn3_plus", "p95")),
+           ("inter-token p50 (ms)", ("inter_token_ms", "p50")), ("inter-token p95 (ms)", ("inter_token_ms", "p95")),
+           ("end-to-end p50 (ms)", ("e2e_ms", "p50")), ("end-to-end p95 (ms)", ("e2e_ms", "p95")),
+           ("tokens/s (aggregate)", ("tokens_per_s",))]
+
+
+def _figure(result: dict, path: tuple[str, ...]) -> float | None:
+    value = result
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def report(results: list[dict]) -> str:
+    header = f"{'':<26}" + "".join(f"{r['label']:>12}" for r in results)
+    header += "   A/B" if len(results) == 2 else ""
+    lines = [header]
+    for name, path in FIGURES:
+        values = [_figure(r, path) for r in results]
+        row = f"{name:<26}" + "".join(f"{v:>12.1f}" if v is not None else f"{'-':>12}" for v in values)
+        if len(values) == 2 and all(values) and values[1]:
+            row += f"  {values[0] / values[1]:>5.2f}x"
+        lines.append(row)
+    for r in results:
+        lines.append(f"{r['label']}: TTFT p50 by turn " + ", ".join(
+            f"{turn}: {stats['p50']:.0f}" for turn, stats in r["ttft_ms_by_turn"].items() if stats["p50"] is not None)
+            + f" ms; cache sources {r['cache_sources']}; errors {r['errors'] or 'none'}")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for result in results:
+        turns = [int(t) for t in result["ttft_ms_by_turn"]]
+        p50 = [stats["p50"] for stats in result["ttft_ms_by_turn"].values()]
+        p95 = [stats["p95"] for stats in result["ttft_ms_by_turn"].values()]
+        line, = axes.plot(turns, p50, marker="o", label=f"{result['label']} p50")
+        axes.plot(turns, p95, linestyle="--", color=line.get_color(), label=f"{result['label']} p95")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_xlabel("turn of the conversation")
+    axes.set_ylabel("time to first token (ms)")
+    axes.set_title("TTFT by turn index")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(args) -> None:
+    workload = Workload(load_scenarios(args.scenarios), args.customers, args.turns, args.think_s,
+                        args.max_new_tokens, args.seed)
+    flag_sets = args.compare or ([args.serve] if args.serve is not None else [])
+    servers = [ServerProcess(flags) for flags in flag_sets]
+    targets = [(args.url, "server")] if args.url else [(server.url, label) for server, label
+                                                      in zip(servers, "AB" if len(servers) == 2 else ["server"],
+                                                             strict=True)]
+    described = {label: (args.url or flags or "(defaults)") for (_, label), flags
+                 in zip(targets, flag_sets or [args.url], strict=True)}
+    runs = {label: ([], 0.0) for _, label in targets}
+    try:
+        for _ in range(args.rounds):  # alternate, so that drift of the machine affects both alike
+            for url, label in targets:
+                samples, wall_s = asyncio.run(run_workload(url, workload, label))
+                runs[label] = (runs[label][0] + samples, runs[label][1] + wall_s)
+    finally:
+        for server in servers:
+            server.stop()
+    results = [{"label": label, "config": described[label], "wall_s": wall_s, **summarize(samples, wall_s),
+                "samples": [asdict(s) for s in samples]} for label, (samples, wall_s) in runs.items()]
+    for result in results:
+        print(f"{result['label']}: {result['config']}")
+    print(report(results))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"workload": {k: v for k, v in asdict(workload).items() if k != "scenarios"},
+                                       "scenarios": [s["name"] for s in workload.scenarios], "results": results},
+                                      indent=2))
+    plot(results, args.output.with_suffix(".png"))
+    print(f"wrote {args.output} and {args.output.with_suffix('.png')}", file=sys.stderr)

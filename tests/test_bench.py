@@ -1,0 +1,26 @@
+"""`chatd bench` as a user runs it: two real servers, simulated customers, a report, JSON and a plot."""
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_compares_two_configurations(tiny_checkpoint, tmp_path):
+    output = tmp_path / "result.json"
+    model = f"--model {tiny_checkpoint} --device cpu"
+    run = subprocess.run(
+        [sys.executable, "-m", "chatd", "bench", "--compare", model, f"{model} --no-session-cache",
+         "--customers", "3", "--turns", "3", "--think-s", "0.05", "--max-new-tokens", "4", "--rounds", "2",
+         "--output", str(output)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "TTFT p50, turns 3+ (ms)" in run.stdout and "A/B" in run.stdout
+    assert f"B: {model} --no-session-cache" in run.stdout
+    result = json.loads(output.read_text())
+    cached, uncached = result["results"]
+    for config in (cached, uncached):
+        assert len(config["samples"]) == 3 * 3 * 2 and config["errors"] == {}
+        assert sorted(config["ttft_ms_by_turn"]) == ["1", "2", "3"]
+        assert config["tokens_per_s"] > 0 and config["inter_token_ms"]["p50"] > 0
+    assert cached["cache_sources"].get("device", 0) >= 3 * 2 * 2, "turns 2 and 3 of every customer"
+    assert set(uncached["cache_sources"]) == {"miss"}
+    assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
