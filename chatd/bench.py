@@ -2,8 +2,8 @@
 
 Each customer opens a session and plays a scripted multi-turn conversation (scenarios under
 bench/scenarios/), pausing between turns as a person would. TTFT is measured at the client, from
-sending the request to the first delta. With --compare, two server configurations run the same
-workload one after the other and every figure is shown side by side with its ratio.
+sending the request to the first delta. With --compare, two server configurations (--a, --b) run the
+same workload in turn and every figure is shown side by side with its ratio.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def plot(results: list[dict], path: Path) -> None:
 def main(args) -> None:
     workload = Workload(load_scenarios(args.scenarios), args.customers, args.turns, args.think_s,
                         args.max_new_tokens, args.seed)
-    flag_sets = args.compare or ([args.serve] if args.serve is not None else [])
+    flag_sets = [args.a, args.b] if args.compare else ([args.serve] if args.serve is not None else [])
     servers = [ServerProcess(flags) for flags in flag_sets]
     targets = [(args.url, "server")] if args.url else [(server.url, label) for server, label
                                                       in zip(servers, "AB" if len(servers) == 2 else ["server"],

@@ -44,8 +44,11 @@ def main(argv: list[str] | None = None) -> None:
     target = bench.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="bench a running server")
     target.add_argument("--serve", metavar="FLAGS", help="start a server with these `chatd serve` flags and bench it")
-    target.add_argument("--compare", nargs=2, metavar=("FLAGS_A", "FLAGS_B"),
-                        help="start two servers with these flags and run the same workload on each")
+    target.add_argument("--compare", action="store_true",
+                        help="start two servers, with the flags of --a and --b, and run the same workload on each")
+    bench.add_argument("--a", default="", metavar="FLAGS", help="`chatd serve` flags of configuration A "
+                       "(write --a=FLAGS when FLAGS starts with a dash)")
+    bench.add_argument("--b", default="", metavar="FLAGS", help="`chatd serve` flags of configuration B")
     bench.add_argument("--customers", type=int, default=8)
     bench.add_argument("--turns", type=int, default=6)
     bench.add_argument("--think-s", type=float, default=1.0, help="mean pause between a customer's turns")

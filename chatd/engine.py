@@ -70,6 +70,8 @@ class Engine:
         self.loaded: LoadedModel | None = None
         self.cache: CacheStore | None = None
         self.deep_check_distances: deque[float] = deque(maxlen=256)
+        self._waiting = 0
+        self._waiting_lock = threading.Lock()
         self._sampling = random.Random()
 
     def start(self) -> None:
@@ -81,7 +83,14 @@ class Engine:
         if self.cache is not None and self.cache.remote is not None:
             self.cache.remote.close()
 
+    @property
+    def waiting(self) -> int:
+        """Turns submitted that the engine has not started yet."""
+        return self._waiting
+
     def submit(self, turn: Turn) -> None:
+        with self._waiting_lock:
+            self._waiting += 1
         self._commands.put(turn)
 
     def drop_session(self, session_id: str) -> None:
@@ -123,6 +132,8 @@ class Engine:
             if command is _STOP:
                 return
             if isinstance(command, Turn):
+                with self._waiting_lock:
+                    self._waiting -= 1
                 self._serve(command)
             elif isinstance(command, _CacheCommand):
                 self._housekeep(command.action, command.result)

@@ -58,9 +58,10 @@ class Connection:
 
 
 class Gateway:
-    def __init__(self, engine: Engine, store: SessionStore):
+    def __init__(self, engine: Engine, store: SessionStore, max_waiting: int = 64):
         self.engine = engine
         self.store = store
+        self.max_waiting = max_waiting
         self._running: dict[str, Turn] = {}  # session id -> its running turn: one at a time per session
         self._attached: Counter[str] = Counter()  # session id -> connections using it
         self._forwarders: set[asyncio.Task] = set()
@@ -139,6 +140,11 @@ class Gateway:
         if turn_id in connection.turns:
             await connection.send(ErrorMessage(turn_id=turn_id, code="bad_request",
                                                message=f"turn_id {turn_id!r} is already running"))
+            return
+        if self.engine.waiting >= self.max_waiting:  # admission control: refuse now rather than queue forever
+            await connection.send(ErrorMessage(
+                turn_id=turn_id, code="busy", retryable=True,
+                message=f"the server is at capacity ({self.engine.waiting} turns waiting); retry shortly"))
             return
         try:
             lease = await self.store.lease(session.session_id)

@@ -42,7 +42,7 @@ class ChatServer:
         self.sessions: SessionStore = (
             RedisSessionStore(settings.redis_url, settings.session_retention_s, lease_ttl_s=settings.lease_ttl_s)
             if settings.redis_url else InMemorySessionStore())
-        self.gateway = Gateway(self.engine, self.sessions)
+        self.gateway = Gateway(self.engine, self.sessions, settings.max_waiting)
         self._server: Server | None = None
 
     @property

@@ -9,7 +9,7 @@ def test_bench_compares_two_configurations(tiny_checkpoint, tmp_path):
     output = tmp_path / "result.json"
     model = f"--model {tiny_checkpoint} --device cpu"
     run = subprocess.run(
-        [sys.executable, "-m", "chatd", "bench", "--compare", model, f"{model} --no-session-cache",
+        [sys.executable, "-m", "chatd", "bench", "--compare", f"--a={model}", f"--b={model} --no-session-cache",
          "--customers", "3", "--turns", "3", "--think-s", "0.05", "--max-new-tokens", "4", "--rounds", "2",
          "--output", str(output)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

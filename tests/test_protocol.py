@@ -187,3 +187,28 @@ async def test_healthz_is_503_while_loading_then_200(tiny):
         await running.wait_ready()
         assert await asyncio.to_thread(http_status, base + "/healthz") == 200
         assert await asyncio.to_thread(http_status, base + "/elsewhere") == 404
+
+
+async def test_beyond_max_waiting_a_request_is_busy_at_once(tiny):
+    release = threading.Event()
+
+    def slow_load():
+        release.wait(30)
+        return tiny
+
+    async with ChatServer(Settings(port=0, max_waiting=2), load=slow_load) as running:
+        async with ChatClient(await connect(running.url)) as client:
+            sessions = [(await client.open_session()).session_id for _ in range(3)]
+            queued = [await client.chat(session_id, "hello", max_new_tokens=2) for session_id in sessions[:2]]
+            for _ in range(100):
+                if running.engine.waiting == 2:
+                    break
+                await asyncio.sleep(0.01)
+            with pytest.raises(ChatError) as busy:
+                await (await client.chat(sessions[2], "hello", max_new_tokens=2)).result()
+            assert (busy.value.code, busy.value.retryable) == ("busy", True) and "capacity" in busy.value.message
+            release.set()
+            for turn in queued:
+                assert (await turn.result()).usage.completion_tokens == 2
+            assert running.engine.waiting == 0
+            assert (await (await client.chat(sessions[2], "again", max_new_tokens=2)).result()).finish_reason == "length"
