@@ -211,4 +211,5 @@ async def test_beyond_max_waiting_a_request_is_busy_at_once(tiny):
             for turn in queued:
                 assert (await turn.result()).usage.completion_tokens == 2
             assert running.engine.waiting == 0
-            assert (await (await client.chat(sessions[2], "again", max_new_tokens=2)).result()).finish_reason == "length"
+            again = await (await client.chat(sessions[2], "again", max_new_tokens=2)).result()
+            assert again.finish_reason == "length"
