@@ -23,6 +23,7 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default_factory=default_cache_dir,
                             description="where bundled models are converted once")
     session_cache: bool = Field(True, description="reuse each session's KV cache between turns")
+    max_batch: int = Field(16, ge=1, description="turns decoded together in one batched step (like max_num_seqs)")
     max_waiting: int = Field(64, ge=1, description="turns waiting for the engine beyond which a new request is "
                                                    "answered busy at once")
     device_cache_mb: float | None = Field(

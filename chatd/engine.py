@@ -14,7 +14,7 @@ import queue
 import random
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -25,12 +25,14 @@ from transformers import DynamicCache
 
 from cache_store import CacheEntry, CacheLayout, CacheLookup, CacheStore, KVGeometry, Offloader, kv_bytes_per_token
 from cache_store.remote_tier import RemoteTier
+from chatd.batch import decode_step
 from chatd.config import Settings
 from chatd.model_loader import LoadedModel
 from chatd.prompt import PromptRenderer
+from chatd.running_turn import RunningTurn
 from chatd.sampling import TokenSampler
 from chatd.text_stream import TextStream
-from chatd.turn import FinishReason, TokenText, Turn, TurnFailed, TurnResult
+from chatd.turn import FinishReason, Turn, TurnFailed, TurnResult
 from sessions import Message
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class _CacheCommand:
 
     action: Callable[[CacheStore], object]
     result: Future | None = None
+    session_id: str | None = None  # waits while this session's turn runs
 
 
 _STOP = object()
@@ -70,6 +73,10 @@ class Engine:
         self.loaded: LoadedModel | None = None
         self.cache: CacheStore | None = None
         self.deep_check_distances: deque[float] = deque(maxlen=256)
+        self._queued: deque[Turn] = deque()  # submitted, not started: admitted oldest first
+        self._running: list[RunningTurn] = []  # the decode batch
+        self.batch_sizes: Counter[int] = Counter()  # decode steps by batch size
+        self._deferred: list[_CacheCommand] = []
         self._waiting = 0
         self._waiting_lock = threading.Lock()
         self._sampling = random.Random()
@@ -95,23 +102,24 @@ class Engine:
 
     def drop_session(self, session_id: str) -> None:
         """Free a session's cache once the turns queued before this call have finished."""
-        self._commands.put(_CacheCommand(lambda store: store.forget(session_id)))
+        self._commands.put(_CacheCommand(lambda store: store.forget(session_id), session_id=session_id))
 
     def session_connected(self, session_id: str, connected: bool) -> None:
         self._commands.put(_CacheCommand(lambda store: store.touch(session_id, connected)))
 
     def prefetch(self, session_id: str) -> None:
         """Hint that a turn of this session is coming: restore its cache to the device now."""
-        self._commands.put(_CacheCommand(lambda store: store.prefetch(session_id)))
+        self._commands.put(_CacheCommand(lambda store: store.prefetch(session_id), session_id=session_id))
 
     def offload_idle(self) -> None:
         """Move every cache that is not running to the host tier (to free the device, or to measure)."""
         self._commands.put(_CacheCommand(CacheStore.evict_idle))
 
-    def call(self, action: Callable[[CacheStore], T]) -> Future[T]:
-        """Run `action` on the cache store in the engine thread, between turns."""
+    def call(self, action: Callable[[CacheStore], T], session_id: str | None = None) -> Future[T]:
+        """Run `action` on the cache store in the engine thread, between decode steps (and, with a
+        `session_id`, once no turn of that session is running)."""
         result: Future[T] = Future()
-        self._commands.put(_CacheCommand(action, result))
+        self._commands.put(_CacheCommand(action, result, session_id))
         return result
 
     def _run(self) -> None:
@@ -124,22 +132,81 @@ class Engine:
             return
         self.ready.set()
         expired_at = time.monotonic()
-        while True:
-            try:
-                command = self._commands.get(timeout=EXPIRE_EVERY_S)
-            except queue.Empty:
-                command = None
-            if command is _STOP:
-                return
-            if isinstance(command, Turn):
-                with self._waiting_lock:
-                    self._waiting -= 1
-                self._serve(command)
-            elif isinstance(command, _CacheCommand):
-                self._housekeep(command.action, command.result)
+        while self._take_commands(block=not self._running):
+            self._admit()
+            if self._running:
+                self._decode_step()
             if time.monotonic() - expired_at >= EXPIRE_EVERY_S:
                 self._housekeep(CacheStore.expire)
                 expired_at = time.monotonic()
+
+    def _take_commands(self, block: bool) -> bool:
+        """Queue new turns (FIFO) and run cache housekeeping; False once asked to stop. Waits for a
+        command only when no turn is running."""
+        try:
+            command = self._commands.get(timeout=EXPIRE_EVERY_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            command = None
+        while command is not None:
+            if command is _STOP:
+                return False
+            if isinstance(command, Turn):
+                self._queued.append(command)
+            else:
+                self._deferred.append(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                command = None
+        running = {r.turn.session_id for r in self._running}
+        ready = [c for c in self._deferred if c.session_id not in running]
+        self._deferred = [c for c in self._deferred if c.session_id in running]
+        for command in ready:
+            self._housekeep(command.action, command.result)
+        return True
+
+    def _admit(self) -> None:
+        """Start waiting turns, oldest first, while the batch has room: each is prefilled and gets its
+        first token before it joins the decode batch."""
+        while self._queued and len(self._running) < self.settings.max_batch:
+            turn = self._queued.popleft()
+            with self._waiting_lock:
+                self._waiting -= 1
+            try:
+                with torch.inference_mode():
+                    running = self._start(turn)
+            except Exception as error:
+                self._fail(turn, error)
+                continue
+            if running is not None:
+                self._running.append(running)
+
+    def _decode_step(self) -> None:
+        """Advance every running turn by one token, in one forward pass."""
+        batch = self._running
+        self.batch_sizes[len(batch)] += 1
+        try:
+            with torch.inference_mode():
+                if len(batch) == 1:
+                    logits = self._forward(batch[0].entry, [batch[0].next_input])[None]
+                else:
+                    logits = self._forward_batch(batch)
+        except Exception as error:
+            for running in batch:
+                self._fail(running.turn, error)
+            self._running = []
+            return
+        self._running = []
+        for running, row in zip(batch, logits, strict=True):
+            if finish := running.accept(running.sampler.next_token(row), self.loaded.stop_token_ids):
+                self._finish(running, finish)
+            else:
+                self._running.append(running)
+
+    def _fail(self, turn: Turn, error: Exception) -> None:
+        log.error("turn %s of session %s failed", turn.turn_id, turn.session_id, exc_info=error)
+        self.cache.drop(turn.session_id)  # never keep a cache a failed turn may have half-written
+        turn.emit(TurnFailed("internal", f"the turn failed: {type(error).__name__}"))
 
     def _housekeep(self, action: Callable[[CacheStore], object], result: Future | None = None) -> None:
         """Cache housekeeping is best effort: a failure is logged (and handed to a caller that waits
@@ -183,26 +250,18 @@ class Engine:
     def _new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.loaded.model.config)
 
-    def _serve(self, turn: Turn) -> None:
-        try:
-            with torch.inference_mode():
-                self.run_turn(turn)
-        except Exception as error:
-            log.exception("turn %s of session %s failed", turn.turn_id, turn.session_id)
-            self.cache.drop(turn.session_id)  # never keep a cache a failed turn may have half-written
-            turn.emit(TurnFailed("internal", f"the turn failed: {type(error).__name__}"))
-
-    def run_turn(self, turn: Turn) -> None:
+    def _start(self, turn: Turn) -> RunningTurn | None:
+        """Render, look up, prefill and sample the first token; None if the turn already ended."""
         started = time.perf_counter()
         loaded = self.loaded
         if turn.cancelled.is_set():
             turn.emit(TurnResult.cancelled_before_start(queue_ms=(started - turn.received_at) * 1000.0))
-            return
+            return None
         prompt_ids = self._renderer.render(turn.messages)
         if len(prompt_ids) >= loaded.max_context:
             turn.emit(TurnFailed("too_long", f"the conversation is {len(prompt_ids)} tokens; "
                                              f"the model's context is {loaded.max_context}"))
-            return
+            return None
         max_new_tokens = min(turn.params.max_new_tokens, loaded.max_context - len(prompt_ids))
         prefix_len = self._shared_prefix_length(turn.messages, prompt_ids)
         lookup = self._checked_lookup(turn.session_id, turn.messages, prompt_ids, prefix_len, turn.session_version)
@@ -212,39 +271,22 @@ class Engine:
             # finite check there is, on every turn.
             lookup = self.cache.report_corruption(turn.session_id, ("finite",))
             entry, start, logits = self._prefill(turn.session_id, lookup, prompt_ids, prefix_len, max_new_tokens)
-        sampler = TokenSampler(turn.params)
-        stream = TextStream(loaded.tokenizer, turn.params.stop)
-        generated: list[int] = []
-        finish: FinishReason = "length"
+        running = RunningTurn(turn, lookup, entry, start, prompt_ids, max_new_tokens, TokenSampler(turn.params),
+                              TextStream(loaded.tokenizer, turn.params.stop), started)
+        token = running.sampler.next_token(logits)
+        running.first_token_at = time.perf_counter()
+        if finish := running.accept(token, loaded.stop_token_ids):
+            self._finish(running, finish)
+            return None
+        return running
 
-        token = sampler.next_token(logits)
-        first_token_at = time.perf_counter()
-        while True:
-            if token in loaded.stop_token_ids:
-                finish = "stop"
-                break
-            generated.append(token)
-            if text := stream.push(token):
-                turn.emit(TokenText(text))
-            if stream.stopped:
-                finish = "stop"
-                break
-            if len(generated) >= max_new_tokens:
-                break
-            if turn.cancelled.is_set():
-                finish = "cancelled"
-                break
-            token = sampler.next_token(self._forward(entry, [token]))
-        if text := stream.finish():
-            turn.emit(TokenText(text))
-        finished_at = time.perf_counter()
-
+    def _finish(self, running: RunningTurn, finish: FinishReason) -> None:
+        """Write the cache back (rolled back first if cancelled) and report the result."""
+        turn, entry = running.turn, running.entry
         if finish == "cancelled":
-            entry.crop(start)  # the turn is not recorded: roll its tokens back
+            entry.crop(running.start)  # the turn is not recorded: roll its tokens back
         self.cache.put(turn.session_id, entry, turn.session_version + (finish != "cancelled"))
-        result = self._result(turn, lookup, finish, stream.text, prompt_ids, generated,
-                              started, first_token_at, finished_at)
-        turn.emit(dataclasses.replace(result, conversation_ids=list(entry.token_ids)))
+        turn.emit(running.result(finish))
 
     def _checked_lookup(self, session_id: str, messages: list[Message], prompt_ids: list[int],
                         prefix_len: int, version: int) -> CacheLookup:
@@ -317,38 +359,26 @@ class Engine:
             log.warning("out of device memory: offloaded %d idle caches, retrying once", evicted)
             return self._model_step(entry, token_ids)
 
+    def _forward_batch(self, batch: list[RunningTurn]) -> torch.Tensor:
+        """One decode step for several turns; on CUDA out-of-memory, offload idle caches and retry once."""
+        entries, tokens = [r.entry for r in batch], [r.next_input for r in batch]
+        lengths = [e.num_tokens for e in entries]
+        try:
+            return decode_step(self.loaded.model, entries, tokens, self.loaded.device, self._new_cache)
+        except torch.cuda.OutOfMemoryError:
+            for entry, length in zip(entries, lengths, strict=True):
+                entry.crop(length)
+            evicted = self.cache.evict_idle()
+            torch.cuda.empty_cache()
+            log.warning("out of device memory in a batch of %d: offloaded %d idle caches, retrying once",
+                        len(batch), evicted)
+            return decode_step(self.loaded.model, entries, tokens, self.loaded.device, self._new_cache)
+
     def _model_step(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)
         output = self.loaded.model(input_ids=input_ids, cache=entry.cache, use_cache=True, logits_to_keep=1)
         entry.extend(token_ids)
         return output.logits[0, -1]
-
-    @staticmethod
-    def _result(turn: Turn, lookup: CacheLookup, finish: FinishReason, content: str,
-                prompt_ids: list[int], generated: list[int], started: float,
-                first_token_at: float, finished_at: float) -> TurnResult:
-        decode_s = finished_at - first_token_at
-        ms = 1000.0
-        return TurnResult(
-            finish_reason=finish,
-            content=content,
-            prompt_tokens=len(prompt_ids),
-            completion_tokens=len(generated),
-            cached_tokens=lookup.cached_tokens,
-            cache_source=lookup.source,
-            miss_reason=lookup.miss_reason,
-            cleared=list(lookup.cleared),
-            remote=dataclasses.asdict(lookup.remote) if lookup.remote else None,
-            token_ids=generated,
-            timings={
-                "queue_ms": (started - turn.received_at) * ms,
-                "ttft_ms": (first_token_at - turn.received_at) * ms,
-                "prefill_ms": (first_token_at - started) * ms,
-                "decode_ms": decode_s * ms,
-                "total_ms": (finished_at - turn.received_at) * ms,
-                "tokens_per_s": (len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0,
-            },
-        )
 
 
 def default_device_budget_mb(settings: Settings, device: torch.device) -> float:

@@ -97,7 +97,8 @@ class ChatServer:
         if await self.sessions.get(session_id) is None:
             return _json(connection, http.HTTPStatus.NOT_FOUND, {"error": f"no session {session_id!r}"})
         try:
-            done = await asyncio.wrap_future(self.engine.call(lambda store: corrupt(store, session_id, kind, tier)))
+            done = await asyncio.wrap_future(
+                self.engine.call(lambda store: corrupt(store, session_id, kind, tier), session_id=session_id))
         except NoCache as error:
             return _json(connection, http.HTTPStatus.NOT_FOUND, {"error": str(error)})
         log.warning("fault injected into session %s (%s tier): %s", session_id, tier, done)

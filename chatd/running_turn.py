@@ -1,0 +1,66 @@
+"""A turn the engine is decoding: everything it needs between two decode steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from cache_store import CacheEntry, CacheLookup
+from chatd.sampling import TokenSampler
+from chatd.text_stream import TextStream
+from chatd.turn import FinishReason, TokenText, Turn, TurnResult
+
+
+@dataclass
+class RunningTurn:
+    turn: Turn
+    lookup: CacheLookup
+    entry: CacheEntry
+    start: int  # where this turn's feeding started: a cancel rolls the cache back to it
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampler: TokenSampler
+    stream: TextStream
+    started: float
+    first_token_at: float = 0.0
+    generated: list[int] = field(default_factory=list)
+    next_input: int | None = None  # the token to feed at the next decode step
+
+    def accept(self, token: int, stop_token_ids: frozenset[int]) -> FinishReason | None:
+        """Take one sampled token: stream its text and say whether the turn ends here."""
+        if token in stop_token_ids:
+            return "stop"
+        self.generated.append(token)
+        if text := self.stream.push(token):
+            self.turn.emit(TokenText(text))
+        if self.stream.stopped:
+            return "stop"
+        if len(self.generated) >= self.max_new_tokens:
+            return "length"
+        if self.turn.cancelled.is_set():
+            return "cancelled"
+        self.next_input = token
+        return None
+
+    def result(self, finish: FinishReason) -> TurnResult:
+        if text := self.stream.finish():
+            self.turn.emit(TokenText(text))
+        finished_at = time.perf_counter()
+        decode_s = finished_at - self.first_token_at
+        generated, lookup, ms = self.generated, self.lookup, 1000.0
+        return TurnResult(
+            finish_reason=finish, content=self.stream.text, prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(generated), cached_tokens=lookup.cached_tokens, cache_source=lookup.source,
+            miss_reason=lookup.miss_reason, token_ids=list(generated), cleared=list(lookup.cleared),
+            remote=dataclasses.asdict(lookup.remote) if lookup.remote else None,
+            conversation_ids=list(self.entry.token_ids),
+            timings={
+                "queue_ms": (self.started - self.turn.received_at) * ms,
+                "ttft_ms": (self.first_token_at - self.turn.received_at) * ms,
+                "prefill_ms": (self.first_token_at - self.started) * ms,
+                "decode_ms": decode_s * ms,
+                "total_ms": (finished_at - self.turn.received_at) * ms,
+                "tokens_per_s": (len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0,
+            },
+        )

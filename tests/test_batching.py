@@ -1,0 +1,81 @@
+"""Batched decoding across sessions (tiny model): the same tokens as one turn at a time, FIFO
+admission, and a cancel that leaves the rest of the batch alone."""
+
+import threading
+
+from chatd.sampling import SamplingParams
+from chatd.turn import TokenText, Turn, TurnResult
+from sessions import Session
+from tests.support import run_turn, running_engine
+
+QUESTIONS = ["Where is my parcel?", "My invoice is wrong.", "I need a new password.", "Cancel my order 12.",
+             "Is the shop open on Sunday?", "Do you ship to Norway?"]
+
+
+def run_together(engine, sessions, contents, lengths, on_text=None) -> list[TurnResult]:
+    """Submit one turn per session at once (reply lengths `lengths`); wait for all; record them."""
+    results, finished, turns = {}, threading.Event(), []
+
+    def emitter(index):
+        def emit(event):
+            if isinstance(event, TokenText):
+                if on_text:
+                    on_text(turns[index])
+                return
+            results[index] = event
+            if len(results) == len(sessions):
+                finished.set()
+        return emit
+
+    for index, (session, content, length) in enumerate(zip(sessions, contents, lengths, strict=True)):
+        turns.append(Turn(turn_id=f"t{index}", session_id=session.session_id,
+                          messages=session.prompt_messages(content), params=SamplingParams(max_new_tokens=length),
+                          emit=emitter(index), session_version=session.version))
+    for turn in turns:
+        engine.submit(turn)
+    assert finished.wait(120)
+    ordered = [results[i] for i in range(len(sessions))]
+    for session, content, result in zip(sessions, contents, ordered, strict=True):
+        if result.finish_reason != "cancelled":
+            session.record_turn(content, result.content, result.conversation_ids)
+    return ordered
+
+
+def test_batched_turns_generate_exactly_what_one_at_a_time_does(tiny):
+    with running_engine(tiny, max_batch=4) as batched, running_engine(tiny, max_batch=1) as serial:
+        together = [Session(f"b{i}", system="Be brief.") for i in range(6)]
+        alone = [Session(f"s{i}", system="Be brief.") for i in range(6)]
+        lengths = [8 + 3 * i for i in range(6)]  # sessions join and leave the batch at different steps
+        for round_index in range(2):
+            contents = [f"{q} (round {round_index})" for q in QUESTIONS]
+            got = run_together(batched, together, contents, lengths)
+            for session, content, length, result in zip(alone, contents, lengths, got, strict=True):
+                expected, _ = run_turn(serial, session, content, max_new_tokens=length)
+                assert result.token_ids == expected.token_ids
+                assert result.cached_tokens == expected.cached_tokens
+        assert max(batched.batch_sizes) == 4, "the batch filled up to --max-batch"
+        assert set(serial.batch_sizes) == {1}
+
+
+def test_a_cancel_leaves_the_rest_of_the_batch_alone(tiny):
+    with running_engine(tiny, max_batch=4) as batched, running_engine(tiny, max_batch=1) as serial:
+        sessions = [Session(f"b{i}") for i in range(3)]
+
+        def cancel_the_middle_one(turn):
+            if turn.turn_id == "t1":
+                turn.cancel()
+
+        got = run_together(batched, sessions, QUESTIONS[:3], [20] * 3, on_text=cancel_the_middle_one)
+        assert [r.finish_reason for r in got] == ["length", "cancelled", "length"]
+        for index in (0, 2):
+            expected, _ = run_turn(serial, Session(f"s{index}"), QUESTIONS[index], max_new_tokens=20)
+            assert got[index].token_ids == expected.token_ids
+        assert batched.cache.device.get("b1") is None, "a cancelled first turn leaves no cache"
+        assert batched.cache.device.get("b0").is_consistent()
+
+
+def test_admission_is_first_in_first_out(tiny):
+    with running_engine(tiny, max_batch=1) as engine:
+        got = run_together(engine, [Session(f"s{i}") for i in range(4)], QUESTIONS[:4], [6] * 4)
+        queue_times = [r.timings["queue_ms"] for r in got]
+        assert queue_times == sorted(queue_times), "each turn waited longer than the one submitted before it"
