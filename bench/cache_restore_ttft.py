@@ -58,7 +58,7 @@ async def measure(args: argparse.Namespace) -> dict:
                     prompt_tokens.append(done.usage.prompt_tokens)
                 print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
         entry = server.engine.cache.device.get(session.session_id)
-        copy = copy_bandwidth(entry, loaded.device, server.engine._new_cache)
+        copy = copy_bandwidth(entry, loaded.device, server.engine.runner.new_cache)
     medians = {source: statistics.median(values) for source, values in samples.items()}
     return {"device": str(loaded.device), "dtype": str(loaded.model.dtype), "torch_threads": torch.get_num_threads(),
             "prompt_tokens": [min(prompt_tokens), max(prompt_tokens)], "ttft_ms": samples,

@@ -22,6 +22,7 @@ from common import write_result
 from cache_store import CacheEntry, CacheLayout, KVGeometry, Offloader
 from cache_store.integrity import check_finite, check_identity, check_tensors, checksum, fingerprint
 from chatd.config import Settings
+from chatd.deep_check import deep_check_distance
 from chatd.engine import Engine
 from chatd.model_loader import load_model
 
@@ -55,23 +56,23 @@ def main() -> None:
     history = torch.randint(100, 40_000, (args.history_tokens,)).tolist()
     new_tokens = torch.randint(100, 40_000, (NEW_MESSAGE_TOKENS,)).tolist()
     with torch.inference_mode():
-        entry = CacheEntry(engine._new_cache())
-        engine._forward(entry, history)
+        entry = CacheEntry(engine.runner.new_cache())
+        engine.runner.forward(entry, history)
         stamp = fingerprint(entry, "model", "session", layout)
 
         def reuse_turn() -> None:  # what a device hit costs until the first token: prefill the new message
             entry.crop(args.history_tokens)
-            engine._forward(entry, new_tokens)
+            engine.runner.forward(entry, new_tokens)
 
         ttft_ms = median_ms(reuse_turn, max(5, args.repeats // 4))
         entry.crop(args.history_tokens)
         cheap_ms = median_ms(lambda: (check_identity(stamp, "model", "session", entry.token_ids, layout),
                                       check_tensors(entry.tensors(), entry.num_tokens, layout)), args.repeats)
-        logits = engine._forward(CacheEntry(engine._new_cache()), new_tokens)
+        logits = engine.runner.forward(CacheEntry(engine.runner.new_cache()), new_tokens)
         logits_finite_ms = median_ms(lambda: bool(torch.isfinite(logits).all()), args.repeats)
         host = Offloader(loaded.device).offload(entry)
         restore_ms = median_ms(lambda: (checksum(host.tensors), check_finite(host.tensors)), args.repeats)
-        deep_ms = median_ms(lambda: engine._deep_check(entry), 3)
+        deep_ms = median_ms(lambda: deep_check_distance(entry, engine.runner.forward, engine.runner.new_cache), 3)
     engine.stop()
 
     rate = Settings().verify_sample_rate

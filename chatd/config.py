@@ -5,10 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+import torch
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from chatd.model_loader import default_cache_dir
+
+CPU_DEVICE_CACHE_MB = 2048
 
 
 class Settings(BaseSettings):
@@ -24,6 +27,8 @@ class Settings(BaseSettings):
                             description="where bundled models are converted once")
     session_cache: bool = Field(True, description="reuse each session's KV cache between turns")
     max_batch: int = Field(16, ge=1, description="turns decoded together in one batched step (like max_num_seqs)")
+    prefill_chunk: int = Field(256, ge=1, description="prompt tokens fed per engine step, between decode steps "
+                                                      "of the other turns")
     max_waiting: int = Field(64, ge=1, description="turns waiting for the engine beyond which a new request is "
                                                    "answered busy at once")
     device_cache_mb: float | None = Field(
@@ -43,6 +48,15 @@ class Settings(BaseSettings):
     remote_kv_ttl_s: float = Field(3600.0, gt=0, description="how long Redis keeps a session's cache")
     lease_ttl_s: float = Field(15.0, gt=0, description="how long a worker that died mid-turn keeps a session locked")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
+
+    def device_budget_mb(self, device: torch.device) -> float:
+        """The configured budget, or half the free memory of a CUDA device, or a fixed size on CPU."""
+        if self.device_cache_mb is not None:
+            return self.device_cache_mb
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return max(1.0, free / 2 / 2**20)
+        return CPU_DEVICE_CACHE_MB
 
     @model_validator(mode="after")
     def _remote_kv_needs_redis(self) -> Settings:

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-from transformers import DynamicCache
 
 from cache_store import CacheEntry, CacheLayout, CacheLookup, CacheStore, KVGeometry, Offloader, kv_bytes_per_token
 from cache_store.remote_tier import RemoteTier
-from chatd.batch import decode_step
 from chatd.config import Settings
+from chatd.deep_check import DEEP_CHECK_TOLERANCE, deep_check_distance
 from chatd.model_loader import LoadedModel
+from chatd.model_runner import ModelRunner
 from chatd.prompt import PromptRenderer
 from chatd.running_turn import RunningTurn
 from chatd.sampling import TokenSampler
@@ -38,12 +38,7 @@ from sessions import Message
 log = logging.getLogger(__name__)
 
 MB = 1024 * 1024
-CPU_DEVICE_CACHE_MB = 2048
 EXPIRE_EVERY_S = 1.0
-# Relative logit distance above which a reused cache is declared corrupt. With SmolLM2 in float32,
-# healthy caches measure about 1e-6 and one flipped exponent bit across one layer's keys or values
-# about 4e-2. Half precision is noisier; its bound is an estimate not yet measured on a GPU.
-DEEP_CHECK_TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}
 T = TypeVar("T")
 
 
@@ -72,9 +67,12 @@ class Engine:
         self.load_error: BaseException | None = None
         self.loaded: LoadedModel | None = None
         self.cache: CacheStore | None = None
+        self.runner: ModelRunner | None = None
         self.deep_check_distances: deque[float] = deque(maxlen=256)
         self._queued: deque[Turn] = deque()  # submitted, not started: admitted oldest first
+        self._prefilling: deque[RunningTurn] = deque()  # admitted, prompt being fed chunk by chunk
         self._running: list[RunningTurn] = []  # the decode batch
+        self.prefill_chunks = 0
         self.batch_sizes: Counter[int] = Counter()  # decode steps by batch size
         self._deferred: list[_CacheCommand] = []
         self._waiting = 0
@@ -132,8 +130,10 @@ class Engine:
             return
         self.ready.set()
         expired_at = time.monotonic()
-        while self._take_commands(block=not self._running):
+        while self._take_commands(block=not (self._running or self._prefilling)):
             self._admit()
+            if self._prefilling:
+                self._prefill_step()
             if self._running:
                 self._decode_step()
             if time.monotonic() - expired_at >= EXPIRE_EVERY_S:
@@ -158,7 +158,7 @@ class Engine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 command = None
-        running = {r.turn.session_id for r in self._running}
+        running = {r.turn.session_id for r in (*self._running, *self._prefilling)}
         ready = [c for c in self._deferred if c.session_id not in running]
         self._deferred = [c for c in self._deferred if c.session_id in running]
         for command in ready:
@@ -166,20 +166,74 @@ class Engine:
         return True
 
     def _admit(self) -> None:
-        """Start waiting turns, oldest first, while the batch has room: each is prefilled and gets its
-        first token before it joins the decode batch."""
-        while self._queued and len(self._running) < self.settings.max_batch:
+        """Start waiting turns, oldest first, while the batch has room: each is looked up and then
+        prefilled chunk by chunk before it joins the decode batch."""
+        while self._queued and len(self._running) + len(self._prefilling) < self.settings.max_batch:
             turn = self._queued.popleft()
             with self._waiting_lock:
                 self._waiting -= 1
             try:
                 with torch.inference_mode():
-                    running = self._start(turn)
+                    running = self._prepare_turn(turn)
             except Exception as error:
                 self._fail(turn, error)
                 continue
             if running is not None:
-                self._running.append(running)
+                self._prefilling.append(running)
+
+    def _prefill_step(self) -> None:
+        """Feed one chunk of the oldest prefilling turn's prompt (so that a long prompt shares the
+        engine with the decode steps of the others); on its last chunk, sample its first token."""
+        running = self._prefilling[0]
+        if running.turn.cancelled.is_set():
+            self._prefilling.popleft()
+            if running.lookup is None:  # its cache was never touched
+                running.turn.emit(TurnResult.cancelled_before_start(
+                    queue_ms=(time.perf_counter() - running.turn.received_at) * 1000.0))
+                return
+            running.first_token_at = time.perf_counter()
+            self._finish(running, "cancelled")
+            return
+        try:
+            with torch.inference_mode():
+                if running.lookup is None:  # as late as possible: turns ahead may have shared a prefix
+                    turn = running.turn
+                    self._begin_prefill(running, self._checked_lookup(
+                        turn.session_id, turn.messages, running.prompt_ids, running.prefix_len, turn.session_version))
+                first_logits = self._prefill_chunk(running)
+        except Exception as error:
+            self._prefilling.popleft()
+            self._fail(running.turn, error)
+            return
+        if first_logits is None:
+            return
+        self._prefilling.popleft()
+        if running.lookup.cached_tokens and not bool(torch.isfinite(first_logits).all()):
+            # A NaN or Inf anywhere in the reused keys and values reaches these logits: the cheapest
+            # finite check there is, on every turn. Start over from scratch.
+            self._begin_prefill(running, self.cache.report_corruption(running.turn.session_id, ("finite",)))
+            self._prefilling.appendleft(running)
+            return
+        token = running.sampler.next_token(first_logits)
+        running.first_token_at = time.perf_counter()
+        if finish := running.accept(token, self.loaded.stop_token_ids):
+            self._finish(running, finish)
+        else:
+            self._running.append(running)
+
+    def _prefill_chunk(self, running: RunningTurn) -> torch.Tensor | None:
+        """Feed the next chunk; return the logits after the prompt's last token, or None before it."""
+        if running.share_prefix:
+            chunk = running.pending[:running.prefix_len]  # the system prompt alone, shared with later sessions
+        else:
+            chunk = running.pending[:self.settings.prefill_chunk]
+        logits = self.runner.timed_prefill(running.entry, chunk)
+        running.pending = running.pending[len(chunk):]
+        if running.share_prefix:
+            self.cache.put_prefix(running.entry)
+            running.share_prefix, running.start = False, running.prefix_len
+        self.prefill_chunks += 1
+        return None if running.pending else logits
 
     def _decode_step(self) -> None:
         """Advance every running turn by one token, in one forward pass."""
@@ -188,9 +242,9 @@ class Engine:
         try:
             with torch.inference_mode():
                 if len(batch) == 1:
-                    logits = self._forward(batch[0].entry, [batch[0].next_input])[None]
+                    logits = self.runner.forward(batch[0].entry, [batch[0].next_input])[None]
                 else:
-                    logits = self._forward_batch(batch)
+                    logits = self.runner.forward_batch([r.entry for r in batch], [r.next_input for r in batch])
         except Exception as error:
             for running in batch:
                 self._fail(running.turn, error)
@@ -231,11 +285,13 @@ class Engine:
         settings = self.settings
         geometry = KVGeometry.of(loaded.model.config)
         remote = RemoteTier(settings.redis_url, settings.remote_kv_ttl_s) if settings.remote_kv else None
+        self.runner = ModelRunner(loaded, make_room=lambda: self.cache.evict_idle(),
+                                  on_prefill=lambda tokens, seconds: self.cache.cost.record_prefill(tokens, seconds))
         self.cache = CacheStore(
-            new_cache=self._new_cache, offloader=Offloader(loaded.device), enabled=settings.session_cache,
+            new_cache=self.runner.new_cache, offloader=Offloader(loaded.device), enabled=settings.session_cache,
             layout=CacheLayout(geometry.layers, geometry.kv_heads, geometry.head_dim, loaded.model.dtype),
             model_key=loaded.identity(),
-            device_budget_bytes=int(default_device_budget_mb(settings, loaded.device) * MB),
+            device_budget_bytes=int(settings.device_budget_mb(loaded.device) * MB),
             host_budget_bytes=int(settings.host_cache_mb * MB), ttl_s=settings.session_ttl_s, remote=remote)
         if remote is not None:
             remote.probe()
@@ -245,40 +301,32 @@ class Engine:
         """Seed the cost model's prefill rate with one prefill of `tokens` tokens."""
         ids = torch.randint(100, self.loaded.model.config.vocab_size, (min(tokens, self.loaded.max_context - 1),))
         with torch.inference_mode():
-            self._timed_prefill(CacheEntry(self._new_cache()), ids.tolist())
+            self.runner.timed_prefill(CacheEntry(self.runner.new_cache()), ids.tolist())
 
-    def _new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.loaded.model.config)
-
-    def _start(self, turn: Turn) -> RunningTurn | None:
-        """Render, look up, prefill and sample the first token; None if the turn already ended."""
+    def _prepare_turn(self, turn: Turn) -> RunningTurn | None:
+        """Render the prompt; None if it cannot fit (a cancel is seen when its prefill would start)."""
         started = time.perf_counter()
         loaded = self.loaded
-        if turn.cancelled.is_set():
-            turn.emit(TurnResult.cancelled_before_start(queue_ms=(started - turn.received_at) * 1000.0))
-            return None
         prompt_ids = self._renderer.render(turn.messages)
         if len(prompt_ids) >= loaded.max_context:
             turn.emit(TurnFailed("too_long", f"the conversation is {len(prompt_ids)} tokens; "
                                              f"the model's context is {loaded.max_context}"))
             return None
-        max_new_tokens = min(turn.params.max_new_tokens, loaded.max_context - len(prompt_ids))
         prefix_len = self._shared_prefix_length(turn.messages, prompt_ids)
-        lookup = self._checked_lookup(turn.session_id, turn.messages, prompt_ids, prefix_len, turn.session_version)
-        entry, start, logits = self._prefill(turn.session_id, lookup, prompt_ids, prefix_len, max_new_tokens)
-        if lookup.cached_tokens and not bool(torch.isfinite(logits).all()):
-            # A NaN or Inf anywhere in the reused keys and values reaches these logits: the cheapest
-            # finite check there is, on every turn.
-            lookup = self.cache.report_corruption(turn.session_id, ("finite",))
-            entry, start, logits = self._prefill(turn.session_id, lookup, prompt_ids, prefix_len, max_new_tokens)
-        running = RunningTurn(turn, lookup, entry, start, prompt_ids, max_new_tokens, TokenSampler(turn.params),
-                              TextStream(loaded.tokenizer, turn.params.stop), started)
-        token = running.sampler.next_token(logits)
-        running.first_token_at = time.perf_counter()
-        if finish := running.accept(token, loaded.stop_token_ids):
-            self._finish(running, finish)
-            return None
-        return running
+        return RunningTurn(turn, prompt_ids, prefix_len, min(turn.params.max_new_tokens,
+                                                             loaded.max_context - len(prompt_ids)),
+                           TokenSampler(turn.params), TextStream(loaded.tokenizer, turn.params.stop), started)
+
+    def _begin_prefill(self, running: RunningTurn, lookup: CacheLookup) -> None:
+        """Take the cache the lookup found (or a new one), make room for the turn's growth, and line
+        up the prompt tokens it does not cover."""
+        running.lookup = lookup
+        running.entry = lookup.entry or CacheEntry(self.runner.new_cache())
+        running.start = lookup.cached_tokens
+        running.pending = running.prompt_ids[lookup.cached_tokens:]
+        running.share_prefix = lookup.source == "miss" and running.prefix_len > 0
+        growth = len(running.pending) + running.max_new_tokens
+        self.cache.reserve(running.turn.session_id, growth * self._bytes_per_token)
 
     def _finish(self, running: RunningTurn, finish: FinishReason) -> None:
         """Write the cache back (rolled back first if cancelled) and report the result."""
@@ -297,7 +345,7 @@ class Engine:
         if (lookup.entry is None or lookup.cached_tokens < 2
                 or self._sampling.random() >= self.settings.verify_sample_rate):
             return lookup
-        distance = self._deep_check(lookup.entry)
+        distance = deep_check_distance(lookup.entry, self.runner.forward, self.runner.new_cache)
         self.deep_check_distances.append(distance)
         tolerance = DEEP_CHECK_TOLERANCE.get(self.loaded.model.dtype, 5e-2)
         if distance > tolerance:
@@ -305,87 +353,9 @@ class Engine:
             return self.cache.report_corruption(session_id, ("deep",))
         return lookup
 
-    def _deep_check(self, entry: CacheEntry) -> float:
-        """Recompute the logits of the last cached token from scratch and from the cache; return how
-        far apart they are (largest absolute difference over the largest absolute logit)."""
-        last = entry.token_ids[-1]
-        entry.crop(entry.num_tokens - 1)
-        from_cache = self._forward(entry, [last]).float()
-        from_scratch = self._forward(CacheEntry(self._new_cache()), entry.token_ids).float()
-        if not bool(torch.isfinite(from_cache).all()):
-            return float("inf")
-        return float((from_cache - from_scratch).abs().max() / from_scratch.abs().max().clamp_min(1e-6))
-
-    def _prefill(self, session_id: str, lookup: CacheLookup, prompt_ids: list[int], prefix_len: int,
-                 max_new_tokens: int) -> tuple[CacheEntry, int, torch.Tensor]:
-        """Feed the prompt tokens the cache does not cover; return the entry, where the feeding
-        started, and the logits that choose the first reply token."""
-        entry = lookup.entry or CacheEntry(self._new_cache())
-        growth = len(prompt_ids) - lookup.cached_tokens + max_new_tokens
-        self.cache.reserve(session_id, growth * self._bytes_per_token)
-        start = lookup.cached_tokens
-        if lookup.source == "miss" and prefix_len:
-            self._timed_prefill(entry, prompt_ids[:prefix_len])  # the system prompt, shared with later sessions
-            self.cache.put_prefix(entry)
-            start = prefix_len
-        return entry, start, self._timed_prefill(entry, prompt_ids[start:])
-
-    def _timed_prefill(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
-        """A prefill whose speed feeds the cost model (fetch a remote cache, or recompute?)."""
-        started = time.perf_counter()
-        logits = self._forward(entry, token_ids)
-        if self.loaded.device.type == "cuda":
-            torch.cuda.synchronize(self.loaded.device)
-        self.cache.cost.record_prefill(len(token_ids), time.perf_counter() - started)
-        return logits
-
     def _shared_prefix_length(self, messages: list[Message], prompt_ids: list[int]) -> int:
         """Length of the system prompt's tokens at the start of the prompt, which sessions share."""
         if not messages or messages[0].role != "system":
             return 0
         system_ids = self._system_ids(messages[0].content)
         return len(system_ids) if prompt_ids[:len(system_ids)] == system_ids else 0
-
-    def _forward(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
-        """Append `token_ids` to the session's cache; return the logits after the last of them.
-        On CUDA out-of-memory, offload every idle cache and try once more."""
-        length = entry.num_tokens
-        try:
-            return self._model_step(entry, token_ids)
-        except torch.cuda.OutOfMemoryError:
-            entry.crop(length)  # some layers may already hold the new tokens
-            evicted = self.cache.evict_idle()
-            torch.cuda.empty_cache()
-            log.warning("out of device memory: offloaded %d idle caches, retrying once", evicted)
-            return self._model_step(entry, token_ids)
-
-    def _forward_batch(self, batch: list[RunningTurn]) -> torch.Tensor:
-        """One decode step for several turns; on CUDA out-of-memory, offload idle caches and retry once."""
-        entries, tokens = [r.entry for r in batch], [r.next_input for r in batch]
-        lengths = [e.num_tokens for e in entries]
-        try:
-            return decode_step(self.loaded.model, entries, tokens, self.loaded.device, self._new_cache)
-        except torch.cuda.OutOfMemoryError:
-            for entry, length in zip(entries, lengths, strict=True):
-                entry.crop(length)
-            evicted = self.cache.evict_idle()
-            torch.cuda.empty_cache()
-            log.warning("out of device memory in a batch of %d: offloaded %d idle caches, retrying once",
-                        len(batch), evicted)
-            return decode_step(self.loaded.model, entries, tokens, self.loaded.device, self._new_cache)
-
-    def _model_step(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)
-        output = self.loaded.model(input_ids=input_ids, cache=entry.cache, use_cache=True, logits_to_keep=1)
-        entry.extend(token_ids)
-        return output.logits[0, -1]
-
-
-def default_device_budget_mb(settings: Settings, device: torch.device) -> float:
-    """The configured budget, or half the free memory of a CUDA device, or a fixed size on CPU."""
-    if settings.device_cache_mb is not None:
-        return settings.device_cache_mb
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(1, free // 2 // MB)
-    return CPU_DEVICE_CACHE_MB

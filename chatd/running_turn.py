@@ -15,14 +15,17 @@ from chatd.turn import FinishReason, TokenText, Turn, TurnResult
 @dataclass
 class RunningTurn:
     turn: Turn
-    lookup: CacheLookup
-    entry: CacheEntry
-    start: int  # where this turn's feeding started: a cancel rolls the cache back to it
     prompt_ids: list[int]
+    prefix_len: int  # the system prompt's tokens, which sessions with the same one share
     max_new_tokens: int
     sampler: TokenSampler
     stream: TextStream
     started: float
+    lookup: CacheLookup | None = None
+    entry: CacheEntry | None = None
+    start: int = 0  # where this turn's feeding started: a cancel rolls the cache back to it
+    pending: list[int] = field(default_factory=list)  # prompt ids still to prefill
+    share_prefix: bool = False  # prefill the system prompt alone first, and share it
     first_token_at: float = 0.0
     generated: list[int] = field(default_factory=list)
     next_input: int | None = None  # the token to feed at the next decode step

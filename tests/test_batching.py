@@ -13,14 +13,15 @@ QUESTIONS = ["Where is my parcel?", "My invoice is wrong.", "I need a new passwo
 
 
 def run_together(engine, sessions, contents, lengths, on_text=None) -> list[TurnResult]:
-    """Submit one turn per session at once (reply lengths `lengths`); wait for all; record them."""
+    """Submit one turn per session at once (reply lengths `lengths`); wait for all; record them.
+    `on_text(turn, turns)` runs in the engine thread whenever `turn` streams text."""
     results, finished, turns = {}, threading.Event(), []
 
     def emitter(index):
         def emit(event):
             if isinstance(event, TokenText):
                 if on_text:
-                    on_text(turns[index])
+                    on_text(turns[index], turns)
                 return
             results[index] = event
             if len(results) == len(sessions):
@@ -61,7 +62,7 @@ def test_a_cancel_leaves_the_rest_of_the_batch_alone(tiny):
     with running_engine(tiny, max_batch=4) as batched, running_engine(tiny, max_batch=1) as serial:
         sessions = [Session(f"b{i}") for i in range(3)]
 
-        def cancel_the_middle_one(turn):
+        def cancel_the_middle_one(turn, _):
             if turn.turn_id == "t1":
                 turn.cancel()
 
@@ -79,3 +80,35 @@ def test_admission_is_first_in_first_out(tiny):
         got = run_together(engine, [Session(f"s{i}") for i in range(4)], QUESTIONS[:4], [6] * 4)
         queue_times = [r.timings["queue_ms"] for r in got]
         assert queue_times == sorted(queue_times), "each turn waited longer than the one submitted before it"
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_decode_steps(tiny):
+    with running_engine(tiny, max_batch=4, prefill_chunk=8) as chunked, \
+            running_engine(tiny, max_batch=1, prefill_chunk=10_000) as whole:
+        pasted = "Here is the full text of my contract: " + "clause " * 150
+        short, long = run_together(chunked, [Session("short"), Session("long")], ["hi", pasted], [10, 5])
+        assert short.timings["total_ms"] < long.timings["ttft_ms"], "the short reply streamed during the long prefill"
+        assert chunked.prefill_chunks >= long.prompt_tokens // 8
+        for session, content, length, result in (("s", "hi", 10, short), ("l", pasted, 5, long)):
+            expected, _ = run_turn(whole, Session(session), content, max_new_tokens=length)
+            assert result.token_ids == expected.token_ids
+
+
+def test_a_cancel_during_a_long_prefill_ends_the_turn(tiny):
+    with running_engine(tiny, max_batch=2, prefill_chunk=4) as engine:
+        streamed = []
+
+        def cancel_the_long_one(turn, turns):
+            # Once the short turn decodes, each engine step feeds one chunk of the long prompt and
+            # decodes one token of the short turn: by its fourth piece of text, the long prefill is
+            # under way.
+            if turn.turn_id == "t0":
+                streamed.append(turn)
+                if len(streamed) == 4:
+                    turns[1].cancel()
+
+        got = run_together(engine, [Session("a"), Session("b")], ["hi", "clause " * 200], [12, 5],
+                           on_text=cancel_the_long_one)
+        assert (got[1].finish_reason, got[1].completion_tokens) == ("cancelled", 0)
+        assert got[1].prompt_tokens > 200 and engine.cache.device.get("b") is None
+        assert engine.prefill_chunks < 200 / 4, "the prefill stopped early"

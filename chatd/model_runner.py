@@ -1,0 +1,67 @@
+"""Forward passes over session caches: one sequence, or one decode step for a batch of them.
+
+A CUDA out-of-memory error rolls every cache involved back to its length before the call, asks for
+room (the engine offloads idle caches) and tries once more; a second failure propagates.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from cache_store import CacheEntry
+from chatd.batch import decode_step
+from chatd.model_loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, make_room: Callable[[], int],
+                 on_prefill: Callable[[int, float], None]):
+        self.loaded = loaded
+        self._make_room = make_room  # frees device memory; returns how many caches it moved
+        self._on_prefill = on_prefill  # (tokens, seconds) of every timed prefill
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.loaded.model.config)
+
+    def forward(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
+        """Append `token_ids` to the session's cache; return the logits after the last of them."""
+        return self._retrying([entry], lambda: self._step(entry, token_ids))
+
+    def forward_batch(self, entries: Sequence[CacheEntry], tokens: Sequence[int]) -> torch.Tensor:
+        """Feed `tokens[i]` after `entries[i]`, all in one pass; return the logits [B, V]."""
+        return self._retrying(entries, lambda: decode_step(self.loaded.model, entries, tokens, self.loaded.device,
+                                                            self.new_cache))
+
+    def timed_prefill(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
+        """A prefill whose speed is reported (the cost model compares it with fetching a cache)."""
+        started = time.perf_counter()
+        logits = self.forward(entry, token_ids)
+        if self.loaded.device.type == "cuda":
+            torch.cuda.synchronize(self.loaded.device)
+        self._on_prefill(len(token_ids), time.perf_counter() - started)
+        return logits
+
+    def _step(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)
+        output = self.loaded.model(input_ids=input_ids, cache=entry.cache, use_cache=True, logits_to_keep=1)
+        entry.extend(token_ids)
+        return output.logits[0, -1]
+
+    def _retrying(self, entries: Sequence[CacheEntry], run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        lengths = [entry.num_tokens for entry in entries]
+        try:
+            return run()
+        except torch.cuda.OutOfMemoryError:
+            for entry, length in zip(entries, lengths, strict=True):
+                entry.crop(length)  # some layers may already hold the new tokens
+            moved = self._make_room()
+            torch.cuda.empty_cache()
+            log.warning("out of device memory: offloaded %d idle caches, retrying once", moved)
+            return run()
