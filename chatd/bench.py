@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -84,13 +85,58 @@ async def play_customer(url: str, workload: Workload, index: int, samples: list[
                 await asyncio.sleep(workload.think_s * pauses.uniform(0.5, 1.5))
 
 
+def _openai_turn(url: str, messages: list[dict], max_new_tokens: int) -> tuple[float, list[float], str]:
+    """One streamed chat completion from an OpenAI-compatible server (a peer such as llama.cpp's):
+    when it was sent, when each content chunk arrived, and the reply."""
+    body = json.dumps({"messages": messages, "max_tokens": max_new_tokens, "temperature": 0.0,
+                       "stream": True}).encode()
+    request = urllib.request.Request(f"{url}/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    sent, arrivals, reply = time.perf_counter(), [], []
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for line in response:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            delta = json.loads(line[6:])["choices"][0].get("delta", {}).get("content")
+            if delta:
+                arrivals.append(time.perf_counter())
+                reply.append(delta)
+    return sent, arrivals, "".join(reply)
+
+
+async def play_openai_customer(url: str, workload: Workload, index: int, samples: list[TurnSample],
+                               progress: tqdm) -> None:
+    """The same customer against a stateless OpenAI-compatible peer: the client resends the history."""
+    scenario = workload.scenarios[index % len(workload.scenarios)]
+    pauses = random.Random(workload.seed * 1000 + index)
+    messages = [{"role": "system", "content": scenario["system"]}]
+    for turn in range(1, workload.turns + 1):
+        sample = TurnSample(customer=index, turn=turn, cache_source="peer")
+        messages.append({"role": "user", "content": scenario["turns"][(turn - 1) % len(scenario["turns"])]})
+        try:
+            sent, arrivals, reply = await asyncio.to_thread(_openai_turn, url, messages, workload.max_new_tokens)
+        except OSError as error:
+            sample.error, arrivals, sent, reply = type(error).__name__, [], time.perf_counter(), ""
+        messages.append({"role": "assistant", "content": reply})
+        if arrivals:
+            sample.ttft_ms = 1000 * (arrivals[0] - sent)
+            sample.inter_token_ms = [1000 * (b - a) for a, b in zip(arrivals, arrivals[1:], strict=False)]
+        sample.completion_tokens = len(arrivals)  # one streamed chunk per token
+        sample.e2e_ms = 1000 * (time.perf_counter() - sent)
+        samples.append(sample)
+        progress.update(1)
+        if turn < workload.turns and workload.think_s > 0:
+            await asyncio.sleep(workload.think_s * pauses.uniform(0.5, 1.5))
+
+
 async def run_workload(url: str, workload: Workload, label: str) -> tuple[list[TurnSample], float]:
     """Every customer's whole conversation, all at once; the samples and the wall time."""
     samples: list[TurnSample] = []
+    play = play_openai_customer if url.startswith("http") else play_customer
     with tqdm(total=workload.customers * workload.turns, desc=label, unit="turn", file=sys.stderr) as progress:
         started = time.perf_counter()
-        await asyncio.gather(*(play_customer(url, workload, index, samples, progress)
-                               for index in range(workload.customers)))
+        await asyncio.gather(*(play(url, workload, index, samples, progress) for index in range(workload.customers)))
         return samples, time.perf_counter() - started
 
 
@@ -172,9 +218,9 @@ def report(results: list[dict]) -> str:
             row += f"  {values[0] / values[1]:>5.2f}x"
         lines.append(row)
     for r in results:
-        lines.append(f"{r['label']}: TTFT p50 by turn " + ", ".join(
-            f"{turn}: {stats['p50']:.0f}" for turn, stats in r["ttft_ms_by_turn"].items() if stats["p50"] is not None)
-            + f" ms; cache sources {r['cache_sources']}; errors {r['errors'] or 'none'}")
+        lines.append(f"{r['label']}: TTFT p50/p95 by turn " + ", ".join(
+            f"{turn}: {stats['p50']:.0f}/{stats['p95']:.0f}" for turn, stats in r["ttft_ms_by_turn"].items()
+            if stats["p50"] is not None) + f" ms; cache sources {r['cache_sources']}; errors {r['errors'] or 'none'}")
     return "\n".join(lines)
 
 

@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     kv_size.add_argument("--budget-mb", type=float, default=None, help="also show how many sessions fit this budget")
     bench = commands.add_parser("bench", help="simulated customers against one or two servers")
     target = bench.add_mutually_exclusive_group(required=True)
-    target.add_argument("--url", help="bench a running server")
+    target.add_argument("--url", help="bench a running server: ws://…/ws for chatd, or http://…/v1 for an "
+                        "OpenAI-compatible peer (the client then resends the history every turn)")
     target.add_argument("--serve", metavar="FLAGS", help="start a server with these `chatd serve` flags and bench it")
     target.add_argument("--compare", action="store_true",
                         help="start two servers, with the flags of --a and --b, and run the same workload on each")
