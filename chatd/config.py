@@ -27,8 +27,8 @@ class Settings(BaseSettings):
                             description="where bundled models are converted once")
     session_cache: bool = Field(True, description="reuse each session's KV cache between turns")
     max_batch: int = Field(16, ge=1, description="turns decoded together in one batched step (like max_num_seqs)")
-    prefill_chunk: int = Field(256, ge=1, description="prompt tokens fed per engine step, between decode steps "
-                                                      "of the other turns")
+    prefill_chunk: int = Field(256, ge=1, description="prompt tokens fed per engine step (across the turns "
+                                                      "being prefilled), between decode steps of the others")
     max_waiting: int = Field(64, ge=1, description="turns waiting for the engine beyond which a new request is "
                                                    "answered busy at once")
     device_cache_mb: float | None = Field(

@@ -182,58 +182,67 @@ class Engine:
                 self._prefilling.append(running)
 
     def _prefill_step(self) -> None:
-        """Feed one chunk of the oldest prefilling turn's prompt (so that a long prompt shares the
-        engine with the decode steps of the others); on its last chunk, sample its first token."""
-        running = self._prefilling[0]
+        """Spend up to --prefill-chunk prompt tokens on the oldest prefilling turns, so that prefill
+        shares the engine with the others' decode steps and several short prefills (a returning
+        customer's new message on top of its cache) start in the same step."""
+        budget = self.settings.prefill_chunk
+        while self._prefilling and budget > 0:
+            budget -= self._prefill_one(self._prefilling[0], budget)
+
+    def _prefill_one(self, running: RunningTurn, budget: int) -> int:
+        """Feed the turn's next chunk (at most `budget` tokens); on its last chunk, sample its first
+        token and move it to the decode batch. Returns the tokens fed."""
         if running.turn.cancelled.is_set():
             self._prefilling.popleft()
             if running.lookup is None:  # its cache was never touched
                 running.turn.emit(TurnResult.cancelled_before_start(
                     queue_ms=(time.perf_counter() - running.turn.received_at) * 1000.0))
-                return
+                return 0
             running.first_token_at = time.perf_counter()
             self._finish(running, "cancelled")
-            return
+            return 0
         try:
             with torch.inference_mode():
                 if running.lookup is None:  # as late as possible: turns ahead may have shared a prefix
                     turn = running.turn
                     self._begin_prefill(running, self._checked_lookup(
                         turn.session_id, turn.messages, running.prompt_ids, running.prefix_len, turn.session_version))
-                first_logits = self._prefill_chunk(running)
+                first_logits, fed = self._prefill_chunk(running, budget)
         except Exception as error:
             self._prefilling.popleft()
             self._fail(running.turn, error)
-            return
+            return 0
         if first_logits is None:
-            return
+            return fed
         self._prefilling.popleft()
         if running.lookup.cached_tokens and not bool(torch.isfinite(first_logits).all()):
             # A NaN or Inf anywhere in the reused keys and values reaches these logits: the cheapest
             # finite check there is, on every turn. Start over from scratch.
             self._begin_prefill(running, self.cache.report_corruption(running.turn.session_id, ("finite",)))
             self._prefilling.appendleft(running)
-            return
+            return fed
         token = running.sampler.next_token(first_logits)
         running.first_token_at = time.perf_counter()
         if finish := running.accept(token, self.loaded.stop_token_ids):
             self._finish(running, finish)
         else:
             self._running.append(running)
+        return fed
 
-    def _prefill_chunk(self, running: RunningTurn) -> torch.Tensor | None:
-        """Feed the next chunk; return the logits after the prompt's last token, or None before it."""
+    def _prefill_chunk(self, running: RunningTurn, budget: int) -> tuple[torch.Tensor | None, int]:
+        """Feed the next chunk; return the logits after the prompt's last token (None before it)
+        and the number of tokens fed."""
         if running.share_prefix:
             chunk = running.pending[:running.prefix_len]  # the system prompt alone, shared with later sessions
         else:
-            chunk = running.pending[:self.settings.prefill_chunk]
+            chunk = running.pending[:budget]
         logits = self.runner.timed_prefill(running.entry, chunk)
         running.pending = running.pending[len(chunk):]
         if running.share_prefix:
             self.cache.put_prefix(running.entry)
             running.share_prefix, running.start = False, running.prefix_len
         self.prefill_chunks += 1
-        return None if running.pending else logits
+        return (None if running.pending else logits), len(chunk)
 
     def _decode_step(self) -> None:
         """Advance every running turn by one token, in one forward pass."""
