@@ -19,11 +19,13 @@ $(INSTALLED): pyproject.toml
 run: $(INSTALLED)
 	$(BIN)/chatd serve $(ARGS)
 
-# The multi-worker test puts Debian's nginx in front of chatd; install it where we can.
+# The multi-worker test puts Debian's nginx in front of chatd and the web tests drive Debian's
+# Chromium; install them where we can (Playwright's own browser download is not used).
+TEST_PACKAGES := $(if $(shell command -v nginx),,nginx-light) $(if $(wildcard /usr/bin/chromium),,chromium chromium-driver)
 test-deps:
-	@command -v nginx >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null; }; } || \
-		echo "nginx not installed: the nginx test will be skipped"
+	@[ -z "$(strip $(TEST_PACKAGES))" ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(TEST_PACKAGES) >/dev/null; }; } || \
+		echo "could not install $(TEST_PACKAGES): the tests that need them will be skipped"
 
 test: $(INSTALLED) test-deps
 	$(BIN)/ruff check chatd cache_store sessions tests bench

@@ -15,7 +15,8 @@ import xxhash
 
 from cache_store.entry import CacheEntry, KVTensors
 
-Check = str  # "fingerprint", "length", "shape", "checksum", "finite", "deep"
+Check = str  # one of CHECKS
+CHECKS = ("fingerprint", "length", "shape", "checksum", "finite", "deep")
 
 
 @dataclass(frozen=True)

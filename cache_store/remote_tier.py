@@ -33,6 +33,7 @@ FORMAT_VERSION = 1
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 PROBE_BYTES = 4 * 2**20
 BACK_OFF_S = 5.0  # after a failure, turns skip the remote tier this long instead of waiting on Redis
+USAGE_EVERY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class RemoteTier:
         self.throughput = Throughput()
         self.errors = 0
         self._down_until = 0.0
+        self._usage = (0, 0)
+        self._usage_at = float("-inf")
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._writes: queue.Queue[str | None] = queue.Queue()
         self._latest: dict[str, HostEntry] = {}
@@ -147,6 +150,21 @@ class RemoteTier:
             self._redis.delete(_key(session_id, "kvmeta"), _key(session_id, "kv"))
         except UNREACHABLE:
             self._failed()
+
+    def usage(self) -> tuple[int, int]:
+        """Redis memory in use and its limit (`maxmemory`, or the machine's memory when unlimited),
+        read at most every few seconds. The remote tier shares that memory with sessions and leases."""
+        now = time.monotonic()
+        if now - self._usage_at < USAGE_EVERY_S or now < self._down_until:
+            return self._usage
+        self._usage_at = now
+        try:
+            info = self._redis.info("memory")
+        except UNREACHABLE:
+            self._failed()
+            return self._usage
+        self._usage = (int(info["used_memory"]), int(info.get("maxmemory") or info.get("total_system_memory", 0)))
+        return self._usage
 
     def _failed(self) -> None:
         self.errors += 1

@@ -35,6 +35,7 @@ from cache_store.policy import EvictionPolicy
 from cache_store.remote_tier import RemoteHeader, RemoteTier, Throughput
 
 CacheSource = Literal["device", "host", "remote", "prefix", "miss"]
+CopyObserver = Callable[[Literal["offload", "restore"], Literal["host", "remote"], float], None]
 MissReason = Literal["new", "cold", "evicted", "disabled", "drift", "corrupt", "stale"]
 log = logging.getLogger(__name__)
 _PREFIX = "prefix:"
@@ -66,7 +67,8 @@ class CacheStore:
     def __init__(self, *, new_cache: Callable[[], DynamicCache], offloader: Offloader, layout: CacheLayout,
                  model_key: str, device_budget_bytes: int, host_budget_bytes: int, enabled: bool = True,
                  policy: EvictionPolicy | None = None, ttl_s: float | None = None,
-                 remote: RemoteTier | None = None, clock: Callable[[], float] = time.monotonic):
+                 remote: RemoteTier | None = None, clock: Callable[[], float] = time.monotonic,
+                 on_copy: CopyObserver | None = None):
         self.enabled = enabled
         self.remote = remote
         self.cost = CostModel(remote.throughput if remote else Throughput())
@@ -79,6 +81,7 @@ class CacheStore:
         self.new_cache = new_cache
         self._offloader = offloader
         self._clock = clock
+        self._on_copy = on_copy or (lambda direction, tier, seconds: None)  # for latency metrics
         self._connected: set[str] = set()
         self._lost: OrderedDict[str, None] = OrderedDict()  # sessions whose cache was dropped
 
@@ -221,13 +224,19 @@ class CacheStore:
         return expired
 
     def stats(self) -> dict[str, int]:
-        return {
+        """Occupancy and cumulative counters, for metrics and `/v1/stats`."""
+        device_sessions = [key for key in self.device if not key.startswith(_PREFIX)]
+        cached = {*device_sessions, *self.host.keys()}
+        stats = {
             "device_bytes": self.device.used_bytes(), "device_budget_bytes": self.device.budget_bytes,
-            "device_sessions": sum(1 for key in self.device if not key.startswith(_PREFIX)),
+            "device_sessions": len(device_sessions),
             "prefixes": sum(1 for key in self.device if key.startswith(_PREFIX)),
             "host_bytes": self.host.used_bytes(), "host_budget_bytes": self.host.budget_bytes,
-            "host_sessions": len(self.host), **self.counters,
+            "host_sessions": len(self.host), "idle_sessions": len(cached - self._connected), **self.counters,
         }
+        if self.remote is not None:
+            stats["remote_bytes"], stats["remote_budget_bytes"] = self.remote.usage()
+        return stats
 
     # ##### Helpers #####
 
@@ -254,13 +263,16 @@ class CacheStore:
         decision = self.cost.decide(header.nbytes, header.fingerprint.num_tokens)
         if decision.choice == "recompute":
             return None, decision, ()
+        started = time.perf_counter()
         host_entry = self.remote.fetch(header)
         if host_entry is None:
             return None, decision, ()
         if failed := self._check_host_entry(session_id, host_entry):
             return None, decision, failed
         self.counters["remote_restores"] += 1
-        return self._adopt(session_id, host_entry), decision, ()
+        entry = self._adopt(session_id, host_entry)
+        self._on_copy("restore", "remote", time.perf_counter() - started)
+        return entry, decision, ()
 
     def _older_than(self, session_id: str, session_version: int) -> bool:
         entry = self.device.get(session_id) or self.host.get(session_id)
@@ -273,11 +285,14 @@ class CacheStore:
 
     def _restore(self, session_id: str) -> tuple[CacheEntry | None, tuple[Check, ...]]:
         """Bring a host entry back to the device once it passes every check; else report what failed."""
+        started = time.perf_counter()
         host_entry = self.host.pop(session_id)  # first: making room offloads others into the host tier
         if failed := self._check_host_entry(session_id, host_entry):
             return None, failed
         self.counters["restores"] += 1
-        return self._adopt(session_id, host_entry), ()
+        entry = self._adopt(session_id, host_entry)
+        self._on_copy("restore", "host", time.perf_counter() - started)
+        return entry, ()
 
     def _check_host_entry(self, owner: str, host_entry: HostEntry) -> tuple[Check, ...]:
         failed = (check_identity(host_entry.fingerprint, self.model_key, owner, host_entry.token_ids, self.layout)
@@ -306,7 +321,10 @@ class CacheStore:
     def _offload(self, session_id: str) -> None:
         entry = self.device.pop(session_id)
         self.counters["device_evictions"] += 1
-        for dropped in self.host.put(session_id, self._offloader.offload(entry)):
+        started = time.perf_counter()
+        host_entry = self._offloader.offload(entry)
+        self._on_copy("offload", "host", time.perf_counter() - started)
+        for dropped in self.host.put(session_id, host_entry):
             self._remember_loss(dropped)
             self.counters["host_evictions"] += 1
 

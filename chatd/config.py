@@ -9,6 +9,7 @@ import torch
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from chatd.http_responses import DEFAULT_WEB_DIR
 from chatd.model_loader import default_cache_dir
 
 CPU_DEVICE_CACHE_MB = 2048
@@ -47,6 +48,7 @@ class Settings(BaseSettings):
                                                "(needs --redis-url)")
     remote_kv_ttl_s: float = Field(3600.0, gt=0, description="how long Redis keeps a session's cache")
     lease_ttl_s: float = Field(15.0, gt=0, description="how long a worker that died mid-turn keeps a session locked")
+    web_dir: Path = Field(DEFAULT_WEB_DIR, description="folder of the chat UI and dashboard pages")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
 
     def device_budget_mb(self, device: torch.device) -> float:

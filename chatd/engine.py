@@ -24,6 +24,7 @@ import torch
 
 from cache_store import CacheEntry, CacheLayout, CacheLookup, CacheStore, KVGeometry, Offloader, kv_bytes_per_token
 from cache_store.remote_tier import RemoteTier
+from cache_store.store import CopyObserver
 from chatd.config import Settings
 from chatd.deep_check import DEEP_CHECK_TOLERANCE, deep_check_distance
 from chatd.model_loader import LoadedModel
@@ -58,9 +59,11 @@ class Engine:
     """Owns the model and the session caches. Talk to it only through `submit`, `cancel` (on the
     turn), `drop_session`, `session_connected` and `prefetch`; all are safe from any thread."""
 
-    def __init__(self, load: Callable[[], LoadedModel], settings: Settings | None = None):
+    def __init__(self, load: Callable[[], LoadedModel], settings: Settings | None = None,
+                 on_cache_copy: CopyObserver | None = None):
         self._load = load
         self.settings = settings or Settings()
+        self._on_cache_copy = on_cache_copy
         self._commands: queue.Queue[object] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="chatd-engine", daemon=True)
         self.ready = threading.Event()
@@ -76,6 +79,7 @@ class Engine:
         self.batch_sizes: Counter[int] = Counter()  # decode steps by batch size
         self._deferred: list[_CacheCommand] = []
         self._waiting = 0
+        self._active = 0
         self._waiting_lock = threading.Lock()
         self._sampling = random.Random()
 
@@ -92,6 +96,11 @@ class Engine:
     def waiting(self) -> int:
         """Turns submitted that the engine has not started yet."""
         return self._waiting
+
+    @property
+    def running(self) -> int:
+        """Turns started and not finished (prefilling or decoding), as of the last engine step."""
+        return self._active
 
     def submit(self, turn: Turn) -> None:
         with self._waiting_lock:
@@ -136,6 +145,7 @@ class Engine:
                 self._prefill_step()
             if self._running:
                 self._decode_step()
+            self._active = len(self._running) + len(self._prefilling)
             if time.monotonic() - expired_at >= EXPIRE_EVERY_S:
                 self._housekeep(CacheStore.expire)
                 expired_at = time.monotonic()
@@ -273,7 +283,9 @@ class Engine:
 
     def _housekeep(self, action: Callable[[CacheStore], object], result: Future | None = None) -> None:
         """Cache housekeeping is best effort: a failure is logged (and handed to a caller that waits
-        for the result), and the engine keeps serving."""
+        for the result), and the engine keeps serving. A caller that stopped waiting cancels it."""
+        if result is not None and not result.set_running_or_notify_cancel():
+            return
         try:
             with torch.inference_mode():
                 value = action(self.cache)
@@ -301,7 +313,8 @@ class Engine:
             layout=CacheLayout(geometry.layers, geometry.kv_heads, geometry.head_dim, loaded.model.dtype),
             model_key=loaded.identity(),
             device_budget_bytes=int(settings.device_budget_mb(loaded.device) * MB),
-            host_budget_bytes=int(settings.host_cache_mb * MB), ttl_s=settings.session_ttl_s, remote=remote)
+            host_budget_bytes=int(settings.host_cache_mb * MB), ttl_s=settings.session_ttl_s, remote=remote,
+            on_copy=self._on_cache_copy)
         if remote is not None:
             remote.probe()
             self._measure_prefill()

@@ -9,6 +9,7 @@ import os
 import secrets
 import socket
 from collections import Counter
+from collections.abc import Callable
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
@@ -22,6 +23,7 @@ from chatd.protocol import (
     ChatRequest,
     Delta,
     ErrorMessage,
+    HistoryMessage,
     ProtocolError,
     SessionClose,
     SessionClosed,
@@ -44,13 +46,16 @@ class Connection:
     """One websocket client, the turns it started (so that it can cancel them) and the sessions it
     has used (whose caches are evicted last while it stays connected)."""
 
-    def __init__(self, websocket: ServerConnection):
+    def __init__(self, websocket: ServerConnection, on_error: Callable[[str], None]):
         self.websocket = websocket
         self.turns: dict[str, Turn] = {}
         self.sessions: set[str] = set()
+        self._on_error = on_error
 
     async def send(self, message) -> None:
         """Send, ignoring a client that has gone: its turns still run to completion and are recorded."""
+        if isinstance(message, ErrorMessage):
+            self._on_error(message.code)
         try:
             await self.websocket.send(message.model_dump_json())
         except ConnectionClosed:
@@ -58,16 +63,27 @@ class Connection:
 
 
 class Gateway:
-    def __init__(self, engine: Engine, store: SessionStore, max_waiting: int = 64):
+    """`on_turn` sees every finished turn and `on_error` every error code sent, for metrics."""
+
+    def __init__(self, engine: Engine, store: SessionStore, max_waiting: int = 64,
+                 on_turn: Callable[[TurnResult], None] = lambda result: None,
+                 on_error: Callable[[str], None] = lambda code: None):
         self.engine = engine
         self.store = store
         self.max_waiting = max_waiting
+        self._on_turn = on_turn
+        self._on_error = on_error
         self._running: dict[str, Turn] = {}  # session id -> its running turn: one at a time per session
         self._attached: Counter[str] = Counter()  # session id -> connections using it
         self._forwarders: set[asyncio.Task] = set()
 
+    @property
+    def connected_sessions(self) -> int:
+        """Sessions that at least one open connection has used."""
+        return len(self._attached)
+
     async def handle(self, websocket: ServerConnection) -> None:
-        connection = Connection(websocket)
+        connection = Connection(websocket, self._on_error)
         try:
             async for frame in websocket:
                 try:
@@ -123,8 +139,9 @@ class Gateway:
             await connection.send(_unknown_session(message.session_id))
             return
         self._attach(connection, session.session_id)
+        history = [HistoryMessage(role=m.role, content=m.content) for m in session.messages]
         await connection.send(SessionReady(session_id=session.session_id, turns=session.turns, resumed=True,
-                                           worker=WORKER))
+                                           worker=WORKER, history=history))
 
     async def start_turn(self, connection: Connection, message: ChatRequest) -> None:
         turn_id = message.turn_id or secrets.token_urlsafe(8)
@@ -182,13 +199,16 @@ class Gateway:
             while isinstance(event := await events.get(), TokenText):
                 await connection.send(ChatDelta(turn_id=turn.turn_id, seq=seq, delta=Delta(content=event.text)))
                 seq += 1
-            if isinstance(event, TurnResult) and event.finish_reason != "cancelled":
-                try:
-                    await self.store.append_turn(session, user_content, event.content, event.conversation_ids, lease)
-                except VersionConflict:
-                    self.engine.drop_session(session.session_id)
-                    event = TurnFailed("conflict", "another worker recorded a turn of this session first; "
-                                                   "this reply was not recorded")
+            if isinstance(event, TurnResult):
+                self._on_turn(event)
+                if event.finish_reason != "cancelled":
+                    try:
+                        await self.store.append_turn(session, user_content, event.content, event.conversation_ids,
+                                                     lease)
+                    except VersionConflict:
+                        self.engine.drop_session(session.session_id)
+                        event = TurnFailed("conflict", "another worker recorded a turn of this session first; "
+                                                       "this reply was not recorded")
         finally:
             # Free the session before the reply goes out, so the client's next request is never `busy`.
             del self._running[session.session_id]

@@ -83,12 +83,18 @@ def parse_client_message(frame: str | bytes) -> SessionOpen | ChatRequest | Chat
         raise ProtocolError("; ".join(problems)) from None
 
 
+class HistoryMessage(BaseModel):
+    role: Literal["user", "assistant"]
+    content: str
+
+
 class SessionReady(BaseModel):
     type: Literal["session.ready"] = "session.ready"
     session_id: str
     turns: int
     resumed: bool
     worker: str  # which chatd process serves the session (host:pid), for routing and debugging
+    history: list[HistoryMessage] = Field(default_factory=list)  # the completed turns, so a UI can redraw them
 
 
 class Delta(BaseModel):

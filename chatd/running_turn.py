@@ -28,6 +28,7 @@ class RunningTurn:
     share_prefix: bool = False  # prefill the system prompt alone first, and share it
     first_token_at: float = 0.0
     generated: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # when each generated token was sampled
     next_input: int | None = None  # the token to feed at the next decode step
 
     def accept(self, token: int, stop_token_ids: frozenset[int]) -> FinishReason | None:
@@ -35,6 +36,7 @@ class RunningTurn:
         if token in stop_token_ids:
             return "stop"
         self.generated.append(token)
+        self.token_times.append(time.perf_counter())
         if text := self.stream.push(token):
             self.turn.emit(TokenText(text))
         if self.stream.stopped:
@@ -58,6 +60,7 @@ class RunningTurn:
             miss_reason=lookup.miss_reason, token_ids=list(generated), cleared=list(lookup.cleared),
             remote=dataclasses.asdict(lookup.remote) if lookup.remote else None,
             conversation_ids=list(self.entry.token_ids),
+            token_times=list(self.token_times),
             timings={
                 "queue_ms": (self.started - self.turn.received_at) * ms,
                 "ttft_ms": (self.first_token_at - self.turn.received_at) * ms,

@@ -1,10 +1,11 @@
-"""The chatd server: one port for the websocket protocol (/ws) and plain HTTP probes (/healthz)."""
+"""The chatd server: one port for the websocket protocol (/ws), the web pages (/ and /dashboard),
+metrics (/metrics, /v1/stats) and probes (/healthz)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http
-import json
 import logging
 import re
 import signal
@@ -14,15 +15,22 @@ from urllib.parse import parse_qs, urlsplit
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
+from cache_store import CacheStore
 from cache_store.faults import FAULT_KINDS, TIERS, NoCache, corrupt
 from chatd.config import Settings
 from chatd.engine import Engine
 from chatd.gateway import Gateway
+from chatd.http_responses import json_response, respond, static_response, text_response
+from chatd.metrics import CONTENT_TYPE, LiveState, Metrics
 from chatd.model_loader import LoadedModel, load_model
+from chatd.stats import StatsRecorder
+from chatd.turn import TurnResult
 from sessions import InMemorySessionStore, SessionStore
 from sessions.redis_store import RedisSessionStore
 
 log = logging.getLogger(__name__)
+SAMPLE_EVERY_S = 5.0  # how often tier occupancy and cache counters are sampled for /v1/stats
+LIVE_TIMEOUT_S = 2.0
 
 
 class ModelLoadError(RuntimeError):
@@ -37,13 +45,19 @@ class ChatServer:
 
     def __init__(self, settings: Settings, load: Callable[[], LoadedModel] | None = None):
         self.settings = settings
+        self.metrics = Metrics(settings.model)
+        self.stats = StatsRecorder(settings.model)
         self.engine = Engine(load or (lambda: load_model(settings.model, settings.device, settings.dtype,
-                                                         settings.cache_dir)), settings)
+                                                         settings.cache_dir)), settings,
+                             on_cache_copy=self.metrics.observe_cache_copy)
         self.sessions: SessionStore = (
             RedisSessionStore(settings.redis_url, settings.session_retention_s, lease_ttl_s=settings.lease_ttl_s)
             if settings.redis_url else InMemorySessionStore())
-        self.gateway = Gateway(self.engine, self.sessions, settings.max_waiting)
+        self.gateway = Gateway(self.engine, self.sessions, settings.max_waiting,
+                               on_turn=self._turn_finished, on_error=self._error_sent)
         self._server: Server | None = None
+        self._sampler: asyncio.Task | None = None
+        self._last_cache_stats: dict[str, int] = {}
 
     @property
     def port(self) -> int:
@@ -57,9 +71,13 @@ class ChatServer:
         self.engine.start()
         self._server = await serve(self.gateway.handle, self.settings.host, self.settings.port,
                                    process_request=self._process_request)
+        self._sampler = asyncio.create_task(self._sample_forever())
         return self
 
     async def __aexit__(self, *exc_info) -> None:
+        self._sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._sampler
         self._server.close()
         await self._server.wait_closed()
         await asyncio.to_thread(self.engine.stop)
@@ -71,49 +89,79 @@ class ChatServer:
         if self.engine.load_error is not None:
             raise ModelLoadError(f"loading model {self.settings.model!r} failed: {self.engine.load_error}")
 
+    async def live_state(self) -> LiveState:
+        """What the server is doing now. The cache counters come from the engine thread (between two
+        steps); if it does not answer in time, the last ones it gave are reported."""
+        if self.engine.ready.is_set() and self.engine.cache is not None:
+            try:
+                self._last_cache_stats = await asyncio.wait_for(
+                    asyncio.wrap_future(self.engine.call(CacheStore.stats)), LIVE_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("the engine did not report cache stats within %.0f s", LIVE_TIMEOUT_S)
+        return LiveState(running=self.engine.running, waiting=self.engine.waiting,
+                         connected_sessions=self.gateway.connected_sessions, cache=self._last_cache_stats)
+
+    def _turn_finished(self, result: TurnResult) -> None:
+        self.metrics.observe_turn(result)
+        self.stats.record_turn(result)
+
+    def _error_sent(self, code: str) -> None:
+        self.metrics.observe_error(code)
+        self.stats.record_error(code)
+
+    async def _sample_forever(self) -> None:
+        while True:
+            self.stats.sample(await self.live_state())
+            await asyncio.sleep(SAMPLE_EVERY_S)
+
     async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         url = urlsplit(request.path)
         path = url.path
         if (corrupt := _CORRUPT_PATH.fullmatch(path)) and request.method == "POST":
-            return await self._corrupt(connection, corrupt.group(1), parse_qs(url.query))
-        if path == "/healthz":
-            if self.engine.ready.is_set() and self.engine.load_error is None:
-                return connection.respond(http.HTTPStatus.OK, "ok\n")
-            return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "loading\n")
-        if path != "/ws":
-            return connection.respond(http.HTTPStatus.NOT_FOUND, "not found: the websocket endpoint is /ws\n")
-        return None
+            return await self._corrupt(corrupt.group(1), parse_qs(url.query))
+        match path:
+            case "/ws":
+                return None
+            case "/healthz":
+                if self.engine.ready.is_set() and self.engine.load_error is None:
+                    return text_response(http.HTTPStatus.OK, "ok\n")
+                return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE, "loading\n")
+            case "/metrics":
+                return respond(http.HTTPStatus.OK, self.metrics.exposition(await self.live_state()), CONTENT_TYPE)
+            case "/v1/stats":
+                return json_response(http.HTTPStatus.OK, self.stats.snapshot(await self.live_state()))
+            case "/" | "/index.html":
+                return static_response(self.settings.web_dir, "index.html")
+            case "/dashboard":
+                return static_response(self.settings.web_dir, "dashboard.html")
+        if path.startswith("/web/"):
+            return static_response(self.settings.web_dir, path.removeprefix("/web/"))
+        return text_response(http.HTTPStatus.NOT_FOUND,
+                             "not found: chatd serves /ws, /, /dashboard, /metrics, /v1/stats and /healthz\n")
 
 
-    async def _corrupt(self, connection: ServerConnection, session_id: str, query: dict[str, list[str]]) -> Response:
+    async def _corrupt(self, session_id: str, query: dict[str, list[str]]) -> Response:
         """POST /admin/sessions/{id}/corrupt?kind=…&tier=…: fault injection, only when enabled."""
         if not self.settings.enable_fault_injection:
-            return _json(connection, http.HTTPStatus.FORBIDDEN,
+            return json_response(http.HTTPStatus.FORBIDDEN,
                          {"error": "fault injection is disabled; start the server with --enable-fault-injection"})
         kind, tier = query.get("kind", [""])[0], query.get("tier", ["device"])[0]
         if kind not in FAULT_KINDS or tier not in TIERS:
-            return _json(connection, http.HTTPStatus.BAD_REQUEST,
+            return json_response(http.HTTPStatus.BAD_REQUEST,
                          {"error": f"kind must be one of {', '.join(FAULT_KINDS)}; tier one of {', '.join(TIERS)}"})
         if await self.sessions.get(session_id) is None:
-            return _json(connection, http.HTTPStatus.NOT_FOUND, {"error": f"no session {session_id!r}"})
+            return json_response(http.HTTPStatus.NOT_FOUND, {"error": f"no session {session_id!r}"})
         try:
             done = await asyncio.wrap_future(
                 self.engine.call(lambda store: corrupt(store, session_id, kind, tier), session_id=session_id))
         except NoCache as error:
-            return _json(connection, http.HTTPStatus.NOT_FOUND, {"error": str(error)})
+            return json_response(http.HTTPStatus.NOT_FOUND, {"error": str(error)})
         log.warning("fault injected into session %s (%s tier): %s", session_id, tier, done)
-        return _json(connection, http.HTTPStatus.OK,
+        return json_response(http.HTTPStatus.OK,
                      {"session_id": session_id, "kind": kind, "tier": tier, "done": done})
 
 
 _CORRUPT_PATH = re.compile(r"/admin/sessions/([^/]+)/corrupt")
-
-
-def _json(connection: ServerConnection, status: http.HTTPStatus, body: dict) -> Response:
-    response = connection.respond(status, json.dumps(body) + "\n")
-    del response.headers["Content-Type"]
-    response.headers["Content-Type"] = "application/json"
-    return response
 
 
 async def run(settings: Settings) -> None:

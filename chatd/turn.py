@@ -35,6 +35,11 @@ class TurnResult:
     cleared: list[str] = field(default_factory=list)
     conversation_ids: list[int] = field(default_factory=list)  # prompt and reply ids the cache covers
     remote: dict | None = None  # the fetch-or-recompute decision, when a remote cache existed
+    token_times: list[float] = field(default_factory=list)  # perf_counter() when each reply token was sampled
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        return [later - earlier for earlier, later in zip(self.token_times[:-1], self.token_times[1:], strict=True)]
 
     @classmethod
     def cancelled_before_start(cls, queue_ms: float) -> TurnResult:

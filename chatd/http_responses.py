@@ -1,0 +1,47 @@
+"""Plain HTTP answers on the websocket port: JSON, Prometheus text and the files of `web/`."""
+
+from __future__ import annotations
+
+import http
+import json
+import mimetypes
+from pathlib import Path
+
+from websockets.datastructures import Headers
+from websockets.http11 import Response
+
+DEFAULT_WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+STATIC_SUFFIXES = {".html", ".js", ".css", ".svg", ".png", ".ico", ".txt"}
+# Everything a page loads comes from chatd itself: no CDN, no inline script.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; connect-src 'self' ws: wss:; img-src 'self' data:; "
+                               "style-src 'self'; script-src 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+def respond(status: http.HTTPStatus, body: bytes, content_type: str, extra: dict[str, str] | None = None) -> Response:
+    headers = Headers({"Content-Type": content_type, "Content-Length": str(len(body)), **(extra or {})})
+    return Response(status.value, status.phrase, headers, body)
+
+
+def json_response(status: http.HTTPStatus, body: dict) -> Response:
+    return respond(status, (json.dumps(body) + "\n").encode(), "application/json",
+                   {"Cache-Control": "no-store", "Access-Control-Allow-Origin": "*"})
+
+
+def text_response(status: http.HTTPStatus, text: str) -> Response:
+    return respond(status, text.encode(), "text/plain; charset=utf-8")
+
+
+def static_response(web_dir: Path, name: str) -> Response:
+    """A file directly inside `web_dir`, or 404; never anything outside it."""
+    path = (web_dir / name).resolve()
+    if path.parent != web_dir.resolve() or path.suffix not in STATIC_SUFFIXES or not path.is_file():
+        return text_response(http.HTTPStatus.NOT_FOUND, f"not found: {name}\n")
+    content_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+    if content_type.startswith("text/") or content_type == "application/javascript":
+        content_type += "; charset=utf-8"
+    return respond(http.HTTPStatus.OK, path.read_bytes(), content_type, PAGE_HEADERS)

@@ -1,0 +1,172 @@
+"""Prometheus metrics under vLLM's names with a `chatd:` prefix, so that dashboards built for vLLM
+work after a prefix change. Turn metrics are observed when a turn ends; gauges and the counters the
+cache store owns (evictions, corruptions) are read from a `LiveState` taken just before a scrape."""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from cache_store.integrity import CHECKS
+from cache_store.store import CacheSource, MissReason
+from chatd.protocol import ErrorCode
+from chatd.turn import TurnResult
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TIERS = ("device", "host", "remote")
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+# Chat latencies: milliseconds for a cached turn's first token, minutes for a long reply under load.
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0, 600.0)
+COPY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """What the server is doing now: read by the event loop, from the engine and the gateway."""
+
+    running: int = 0
+    waiting: int = 0
+    connected_sessions: int = 0
+    cache: dict[str, int] = field(default_factory=dict)  # CacheStore.stats(); empty before the model loads
+
+    def tier_bytes(self, tier: str) -> tuple[int, int]:
+        """Bytes in use and the budget of a tier (0, 0 when it does not exist)."""
+        return self.cache.get(f"{tier}_bytes", 0), self.cache.get(f"{tier}_budget_bytes", 0)
+
+    def evictions(self) -> dict[str, int]:
+        return {"device": self.cache.get("device_evictions", 0) + self.cache.get("prefix_evictions", 0),
+                "host": self.cache.get("host_evictions", 0)}
+
+    def corruptions(self) -> dict[str, int]:
+        return {check: self.cache.get(f"corrupt_{check}", 0) for check in CHECKS}
+
+
+class Metrics:
+    """One registry per server (tests run several servers in one process)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.live = LiveState()
+        label, reg = ["model_name"], self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], labels: list[str] = label) -> Histogram:
+            return Histogram(f"chatd:{name}", doc, labels, buckets=buckets, registry=reg)
+
+        def counter(name: str, doc: str, labels: list[str] = label) -> Counter:
+            return Counter(f"chatd:{name}", doc, labels, registry=reg)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time from request to first reply token.",
+                              REQUEST_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive reply tokens.", TOKEN_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from request to the last reply token.",
+                             E2E_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time a turn waited before the engine took it.",
+                                    REQUEST_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "Time from the engine taking a turn to its first token.", REQUEST_BUCKETS)
+        self.offload_time = histogram("cache_offload_seconds", "Time to copy an evicted cache to host memory.",
+                                      COPY_BUCKETS, [*label, "tier"])
+        self.restore_time = histogram("cache_restore_seconds", "Time to bring a cache back to the device.",
+                                      COPY_BUCKETS, [*label, "tier"])
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished turns (cached or prefilled).")
+        self.generation_tokens = counter("generation_tokens", "Reply tokens generated.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the session caches.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in a cache (not prefilled).")
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens reused, by where the cache came from.",
+                                     [*label, "cache_source"])
+        self.cache_misses = counter("cache_misses", "Turns that found no cache, by reason.", [*label, "reason"])
+        self.request_success = counter("request_success", "Finished turns, by finish reason.",
+                                       [*label, "finished_reason"])
+        self.errors = counter("errors", "Error messages sent to clients, by code.", [*label, "code"])
+        for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time, self.prompt_tokens,
+                       self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits):
+            metric.labels(model_name)  # every series exists from the start, at zero
+        for source in typing.get_args(CacheSource):
+            if source != "miss":
+                self.cached_tokens.labels(model_name, source)
+        for reason in typing.get_args(MissReason):
+            self.cache_misses.labels(model_name, reason)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, reason)
+        for code in typing.get_args(ErrorCode):
+            self.errors.labels(model_name, code)
+        for tier in ("host", "remote"):
+            self.offload_time.labels(model_name, tier)
+            self.restore_time.labels(model_name, tier)
+        self.registry.register(_LiveCollector(self))
+
+    def observe_turn(self, result: TurnResult) -> None:
+        """A finished turn (cancelled included): its latencies, tokens and cache outcome."""
+        name, seconds = self.model_name, result.timings
+        if result.completion_tokens or result.finish_reason != "cancelled":  # a first token was sampled
+            self.ttft.labels(name).observe(seconds["ttft_ms"] / 1000)
+            self.e2e.labels(name).observe(seconds["total_ms"] / 1000)
+            self.prefill_time.labels(name).observe(seconds["prefill_ms"] / 1000)
+        self.queue_time.labels(name).observe(seconds["queue_ms"] / 1000)
+        for gap in result.inter_token_s:
+            self.itl.labels(name).observe(gap)
+        self.prompt_tokens.labels(name).inc(result.prompt_tokens)
+        self.generation_tokens.labels(name).inc(result.completion_tokens)
+        if result.prompt_tokens:  # a turn cancelled before it started looked nothing up
+            self.prefix_cache_queries.labels(name).inc(result.prompt_tokens)
+            self.prefix_cache_hits.labels(name).inc(result.cached_tokens)
+            if result.cache_source == "miss":
+                self.cache_misses.labels(name, result.miss_reason).inc()
+            else:
+                self.cached_tokens.labels(name, result.cache_source).inc(result.cached_tokens)
+        self.request_success.labels(name, result.finish_reason).inc()
+
+    def observe_error(self, code: str) -> None:
+        self.errors.labels(self.model_name, code).inc()
+
+    def observe_cache_copy(self, direction: str, tier: str, seconds: float) -> None:
+        """Called from the engine thread (prometheus-client is thread-safe)."""
+        (self.offload_time if direction == "offload" else self.restore_time).labels(self.model_name, tier).observe(
+            seconds)
+
+    def exposition(self, live: LiveState) -> bytes:
+        self.live = live
+        return generate_latest(self.registry)
+
+
+class _LiveCollector(Collector):
+    """Gauges and the cache store's own counters, from the latest `LiveState`."""
+
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
+
+    def collect(self):
+        live, name = self._metrics.live, [self._metrics.model_name]
+        label = ["model_name"]
+        running = GaugeMetricFamily("chatd:num_requests_running", "Turns prefilling or decoding.", labels=label)
+        running.add_metric(name, live.running)
+        waiting = GaugeMetricFamily("chatd:num_requests_waiting", "Turns waiting for the engine.", labels=label)
+        waiting.add_metric(name, live.waiting)
+        usage = GaugeMetricFamily("chatd:kv_cache_usage_perc", "Share of each cache tier's budget in use (0-1).",
+                                  labels=[*label, "tier"])
+        for tier in TIERS:
+            used, budget = live.tier_bytes(tier)
+            usage.add_metric([*name, tier], used / budget if budget else 0.0)
+        sessions = GaugeMetricFamily("chatd:sessions", "Sessions with a client connected, and sessions with a "
+                                                       "cache here but no client.", labels=[*label, "state"])
+        sessions.add_metric([*name, "connected"], live.connected_sessions)
+        sessions.add_metric([*name, "idle"], live.cache.get("idle_sessions", 0))
+        evictions = CounterMetricFamily("chatd:cache_evictions", "Caches evicted from a tier: offloaded from the "
+                                        "device, dropped from the host.", labels=[*label, "tier"])
+        for tier, count in live.evictions().items():
+            evictions.add_metric([*name, tier], count)
+        corruptions = CounterMetricFamily("chatd:cache_corruptions", "Caches cleared by a failed consistency check.",
+                                          labels=[*label, "check"])
+        for check, count in live.corruptions().items():
+            corruptions.add_metric([*name, check], count)
+        yield from (running, waiting, usage, sessions, evictions, corruptions)

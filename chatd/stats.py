@@ -1,0 +1,191 @@
+"""Rolling-window statistics for `GET /v1/stats` and the built-in dashboard: percentiles over the last
+one and five minutes, and a ten-second series for the charts. The Prometheus histograms answer the
+same questions for Grafana; this answers them without a Prometheus server. Event-loop only."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from chatd.metrics import TIERS, LiveState
+from chatd.turn import TurnResult
+
+WINDOWS = {"1m": 60.0, "5m": 300.0}
+SERIES_STEP_S = 10.0
+SERIES_POINTS = 30
+KEEP_S = max(WINDOWS.values()) + SERIES_STEP_S
+MAX_RECORDS = 100_000  # a bound on memory whatever the traffic
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    finished_at: float
+    first_token_at: float | None  # None for a turn cancelled before its first token
+    ttft_s: float
+    e2e_s: float
+    token_times: np.ndarray  # perf_counter() of each reply token
+    prompt_tokens: int
+    cached_tokens: int
+    source: str
+    miss_reason: str | None
+
+
+def percentiles(values: Iterable[float] | np.ndarray, scale: float = 1000.0) -> dict[str, float | None]:
+    """p50, p95 and p99 by nearest rank, scaled (seconds to milliseconds by default); None when empty."""
+    values = np.fromiter(values, dtype=float) if not isinstance(values, np.ndarray) else values
+    if values.size == 0:
+        return {"p50": None, "p95": None, "p99": None}
+    found = np.percentile(values, [50, 95, 99], method="inverted_cdf") * scale
+    return {"p50": round(float(found[0]), 3), "p95": round(float(found[1]), 3), "p99": round(float(found[2]), 3)}
+
+
+class StatsRecorder:
+    def __init__(self, model_name: str, clock: Callable[[], float] = time.perf_counter):
+        self.model_name = model_name
+        self._clock = clock
+        self._started = clock()
+        self._turns: deque[TurnRecord] = deque(maxlen=MAX_RECORDS)
+        self._errors: deque[tuple[float, str]] = deque(maxlen=MAX_RECORDS)
+        self._samples: deque[tuple[float, LiveState]] = deque()
+
+    def record_turn(self, result: TurnResult) -> None:
+        now, ms = self._clock(), result.timings
+        started = result.completion_tokens > 0 or result.finish_reason != "cancelled"
+        self._turns.append(TurnRecord(
+            finished_at=now, first_token_at=now - (ms["total_ms"] - ms["ttft_ms"]) / 1000 if started else None,
+            ttft_s=ms["ttft_ms"] / 1000, e2e_s=ms["total_ms"] / 1000,
+            token_times=np.asarray(result.token_times, dtype=float),
+            prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens, source=result.cache_source,
+            miss_reason=result.miss_reason))
+        self._forget_before(now - KEEP_S)
+
+    def record_error(self, code: str) -> None:
+        self._errors.append((self._clock(), code))
+
+    def sample(self, live: LiveState) -> None:
+        """Remember the tiers and the cache counters now, for window deltas and the occupancy series."""
+        now = self._clock()
+        self._samples.append((now, live))
+        self._forget_before(now - KEEP_S)
+
+    def snapshot(self, live: LiveState) -> dict:
+        self.sample(live)
+        now = self._clock()
+        return {
+            "model": self.model_name,
+            "uptime_s": round(now - self._started, 1),
+            "now": self._now(live),
+            "windows": {name: self._window(now - span, now, live) for name, span in WINDOWS.items()},
+            "series": {"step_s": SERIES_STEP_S, "points": self._series(now)},
+        }
+
+    def _now(self, live: LiveState) -> dict:
+        tiers = {}
+        for tier in TIERS:
+            used, budget = live.tier_bytes(tier)
+            tiers[tier] = {"bytes": used, "budget_bytes": budget, "usage": round(used / budget, 4) if budget else 0.0,
+                           "sessions": live.cache.get(f"{tier}_sessions")}
+        return {"running": live.running, "waiting": live.waiting, "tiers": tiers,
+                "sessions": {"connected": live.connected_sessions, "idle": live.cache.get("idle_sessions", 0)}}
+
+    def _window(self, start: float, end: float, live: LiveState) -> dict:
+        finished = [t for t in self._turns if start <= t.finished_at < end]
+        first = [t.ttft_s for t in self._turns if t.first_token_at is not None and start <= t.first_token_at < end]
+        times, gaps = self._tokens()
+        in_window = (times >= start) & (times < end)
+        span = min(end - start, end - self._started)
+        before = self._sample_at(start)
+        return {
+            "seconds": round(span, 1),
+            "turns": len(finished),
+            "ttft_ms": percentiles(first),
+            "inter_token_ms": percentiles(gaps[in_window & ~np.isnan(gaps)]),
+            "e2e_ms": percentiles(t.e2e_s for t in finished if t.first_token_at is not None),
+            "tokens_per_s": round(int(in_window.sum()) / span, 3) if span > 0 else 0.0,
+            "cache": _cache_outcomes(finished),
+            "evictions": _delta(live.evictions(), before.evictions() if before else None),
+            "corruptions": _delta(live.corruptions(), before.corruptions() if before else None),
+            "errors": dict(Counter(code for at, code in self._errors if start <= at < end)),
+        }
+
+    def _series(self, now: float) -> list[dict]:
+        """One point per step over the last SERIES_POINTS steps; None where nothing was measured."""
+        offset = time.time() - now  # perf_counter -> unix time, for the charts' axes
+        edges = now - SERIES_STEP_S * np.arange(SERIES_POINTS, -1, -1)
+        bucket = lambda moment: int(np.searchsorted(edges, moment, side="right")) - 1  # noqa: E731
+        first: list[list[float]] = [[] for _ in range(SERIES_POINTS)]
+        finished: list[list[TurnRecord]] = [[] for _ in range(SERIES_POINTS)]
+        for turn in self._turns:
+            if turn.first_token_at is not None and 0 <= (index := bucket(turn.first_token_at)) < SERIES_POINTS:
+                first[index].append(turn.ttft_s)
+            if 0 <= (index := bucket(turn.finished_at)) < SERIES_POINTS:
+                finished[index].append(turn)
+        tokens, _ = np.histogram(self._tokens()[0], bins=edges)
+        points = []
+        for index in range(SERIES_POINTS):
+            at_start, at_end = self._sample_at(edges[index]), self._sample_at(edges[index + 1])
+            point = {"t": round(float(edges[index + 1]) + offset, 3), "ttft_ms": percentiles(first[index]),
+                     "tokens_per_s": round(int(tokens[index]) / SERIES_STEP_S, 3),
+                     "cached_token_ratio": _cache_outcomes(finished[index])["cached_token_ratio"]
+                     if finished[index] else None,
+                     "tier_bytes": None, "evictions": None, "corruptions": None}
+            if at_end is not None:
+                point["tier_bytes"] = {tier: at_end.tier_bytes(tier)[0] for tier in TIERS}
+                point["evictions"] = _delta(at_end.evictions(), at_start.evictions() if at_start else None)
+                point["corruptions"] = sum(_delta(at_end.corruptions(),
+                                                  at_start.corruptions() if at_start else None).values())
+            points.append(point)
+        return points
+
+    def _tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every remembered reply token's time, and the gap since the same turn's previous token
+        (NaN for a turn's first token)."""
+        if not self._turns:
+            return np.empty(0), np.empty(0)
+        times = np.concatenate([t.token_times for t in self._turns])
+        gaps = np.concatenate([np.diff(t.token_times, prepend=np.nan) for t in self._turns])
+        return times, gaps
+
+    def _sample_at(self, moment: float) -> LiveState | None:
+        """The latest sample taken at or before `moment`."""
+        found = None
+        for at, live in self._samples:
+            if at > moment:
+                break
+            found = live
+        return found
+
+    def _forget_before(self, moment: float) -> None:
+        while self._turns and self._turns[0].finished_at < moment:
+            self._turns.popleft()
+        while self._errors and self._errors[0][0] < moment:
+            self._errors.popleft()
+        while len(self._samples) > 1 and self._samples[1][0] < moment:  # keep one sample before the window
+            self._samples.popleft()
+
+
+def _cache_outcomes(turns: list[TurnRecord]) -> dict:
+    """Where the caches of these turns came from: turns by source, the share of turns that reused a
+    cache, and the share of prompt tokens each source covered."""
+    looked_up = [t for t in turns if t.prompt_tokens]
+    prompt_tokens = sum(t.prompt_tokens for t in looked_up)
+    cached = Counter()
+    for t in looked_up:
+        if t.source != "miss":
+            cached[t.source] += t.cached_tokens
+    return {
+        "turns_by_source": dict(Counter(t.source for t in looked_up)),
+        "hit_ratio": round(sum(t.source != "miss" for t in looked_up) / len(looked_up), 4) if looked_up else None,
+        "cached_token_ratio": {source: round(n / prompt_tokens, 4) for source, n in cached.items()}
+        if prompt_tokens else {},
+        "miss_reasons": dict(Counter(t.miss_reason for t in looked_up if t.source == "miss")),
+    }
+
+
+def _delta(now: dict[str, int], before: dict[str, int] | None) -> dict[str, int]:
+    """Counter increase since `before` (everything so far when there is no earlier sample)."""
+    return {key: value - (before or {}).get(key, 0) for key, value in now.items()}

@@ -1,0 +1,148 @@
+"""/metrics and /v1/stats after a scripted run: every counter moves by exactly what the run did."""
+
+import asyncio
+import json
+import urllib.request
+from collections import Counter
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from websockets.asyncio.client import connect
+
+from cache_store import CacheStore
+from chatd.client import ChatClient, ChatError
+from chatd.config import Settings
+from chatd.protocol import ChatDone
+from chatd.server import ChatServer
+
+MODEL = "tiny-test"
+
+
+def get(url: str) -> tuple[int, str, str]:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.status, response.headers["Content-Type"], response.read().decode()
+
+
+def post(url: str) -> int:
+    with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=30) as response:
+        return response.status
+
+
+async def scrape(server: ChatServer) -> dict[tuple[str, frozenset], float]:
+    """Every sample of /metrics, keyed by name and labels (model_name checked and left out)."""
+    status, content_type, text = await asyncio.to_thread(get, f"http://127.0.0.1:{server.port}/metrics")
+    assert status == 200 and content_type.startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name") == MODEL
+            samples[sample.name, frozenset(labels.items())] = sample.value
+    return samples
+
+
+def moved(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, frozenset(labels.items()))
+    assert key in after, f"{name}{labels} is not exported"
+    return after[key] - before.get(key, 0.0)
+
+
+async def test_metrics_and_stats_move_by_exactly_what_the_run_did(tiny):
+    # Room on the device for one conversation: every switch between A and B evicts the other one.
+    settings = Settings(port=0, model=MODEL, device_cache_mb=0.07, enable_fault_injection=True,
+                        verify_sample_rate=0.0)
+    async with ChatServer(settings, load=lambda: tiny) as server:
+        await server.wait_ready()
+        before = await scrape(server)
+        results: list[ChatDone] = []
+        async with ChatClient(await connect(server.url)) as client:
+            a = (await client.open_session()).session_id
+            b = (await client.open_session()).session_id
+            for session_id, text in [(a, "Hello, my order is late."), (b, "I need a refund."),
+                                     (a, "It was order 1234."), (b, "The refund is for shoes.")]:
+                results.append(await (await client.chat(session_id, text, max_new_tokens=8)).result())
+            base = f"http://127.0.0.1:{server.port}/admin/sessions/{a}/corrupt?kind=bitflip&tier=host"
+            assert await asyncio.to_thread(post, base) == 200
+            results.append(await (await client.chat(a, "Any news?", max_new_tokens=8)).result())
+            turn = await client.chat(b, "Tell me a long story.", max_new_tokens=200)
+            async for _ in turn:
+                await client.cancel(turn.turn_id)
+                break
+            results.append(await turn.result())
+            with pytest.raises(ChatError, match="unknown_session"):
+                await (await client.chat("no-such-session", "hi")).result()
+            async with connect(server.url) as raw:
+                await raw.send("{not json")
+                assert json.loads(await raw.recv())["code"] == "bad_request"
+            after = await scrape(server)
+            store_stats = await asyncio.wrap_future(server.engine.call(CacheStore.stats))
+            stats = json.loads((await asyncio.to_thread(get, f"http://127.0.0.1:{server.port}/v1/stats"))[2])
+
+    sources = [r.cache.source for r in results]
+    assert sources == ["miss", "miss", "host", "host", "miss", "host"], sources
+    assert [r.cache.miss_reason for r in results][4] == "corrupt"
+    assert results[-1].finish_reason == "cancelled"
+    prompt = sum(r.usage.prompt_tokens for r in results)
+    generated = sum(r.usage.completion_tokens for r in results)
+    assert moved(before, after, "chatd:prompt_tokens_total") == prompt
+    assert moved(before, after, "chatd:generation_tokens_total") == generated
+    assert moved(before, after, "chatd:prefix_cache_queries_total") == prompt
+    assert moved(before, after, "chatd:prefix_cache_hits_total") == sum(r.usage.cached_tokens for r in results)
+    for source in ("device", "host", "remote", "prefix"):
+        expected = sum(r.usage.cached_tokens for r in results if r.cache.source == source)
+        assert moved(before, after, "chatd:cached_tokens_total", cache_source=source) == expected
+    reasons = Counter(r.cache.miss_reason for r in results if r.cache.source == "miss")
+    for reason in ("new", "cold", "evicted", "disabled", "drift", "corrupt", "stale"):
+        assert moved(before, after, "chatd:cache_misses_total", reason=reason) == reasons[reason]
+    finished = Counter(r.finish_reason for r in results)
+    for reason in ("stop", "length", "cancelled"):
+        assert moved(before, after, "chatd:request_success_total", finished_reason=reason) == finished[reason]
+    assert moved(before, after, "chatd:errors_total", code="bad_request") == 1
+    assert moved(before, after, "chatd:errors_total", code="unknown_session") == 1
+    assert moved(before, after, "chatd:errors_total", code="internal") == 0
+    assert moved(before, after, "chatd:cache_corruptions_total", check="checksum") == 1
+    assert moved(before, after, "chatd:cache_corruptions_total", check="finite") == 0
+    # Every switch between A and B offloads the other conversation (and a conversation that alone
+    # outgrows the budget goes straight to the host): the store's own count is the truth.
+    offloads = store_stats["device_evictions"]
+    assert offloads >= 5
+    assert moved(before, after, "chatd:cache_evictions_total", tier="device") == offloads
+    assert moved(before, after, "chatd:cache_evictions_total", tier="host") == 0
+    assert moved(before, after, "chatd:cache_offload_seconds_count", tier="host") == offloads
+    assert moved(before, after, "chatd:cache_restore_seconds_count", tier="host") == sources.count("host")
+    assert moved(before, after, "chatd:time_to_first_token_seconds_count") == len(results)
+    assert moved(before, after, "chatd:e2e_request_latency_seconds_count") == len(results)
+    assert moved(before, after, "chatd:request_queue_time_seconds_count") == len(results)
+    assert moved(before, after, "chatd:inter_token_latency_seconds_count") == sum(
+        max(0, r.usage.completion_tokens - 1) for r in results)
+    assert after["chatd:num_requests_running", frozenset()] == 0
+    assert after["chatd:num_requests_waiting", frozenset()] == 0
+    assert 0 <= after["chatd:kv_cache_usage_perc", frozenset({("tier", "device")})] <= 1
+    assert 0 < after["chatd:kv_cache_usage_perc", frozenset({("tier", "host")})] < 1
+    assert after["chatd:sessions", frozenset({("state", "connected")})] == 2
+
+    one_minute = stats["windows"]["1m"]
+    assert stats["model"] == MODEL
+    assert one_minute["turns"] == len(results)
+    assert one_minute["cache"]["turns_by_source"] == dict(Counter(sources))
+    assert one_minute["cache"]["miss_reasons"] == dict(reasons)
+    assert one_minute["corruptions"]["checksum"] == 1 and one_minute["evictions"]["device"] == offloads
+    assert one_minute["errors"] == {"bad_request": 1, "unknown_session": 1}
+    assert one_minute["ttft_ms"]["p50"] > 0 and one_minute["tokens_per_s"] > 0
+    tiers = stats["now"]["tiers"]
+    assert tiers["host"]["bytes"] > 0 and tiers["device"]["sessions"] + tiers["host"]["sessions"] == 2
+    assert len(stats["series"]["points"]) == 30
+    assert stats["series"]["points"][-1]["ttft_ms"]["p50"] is not None
+
+
+async def test_http_routes(tiny):
+    async with ChatServer(Settings(port=0, model=MODEL), load=lambda: tiny) as server:
+        await server.wait_ready()
+        base = f"http://127.0.0.1:{server.port}"
+        for path, kind in [("/", "text/html"), ("/dashboard", "text/html"), ("/web/chat.js", "javascript")]:
+            status, content_type, body = await asyncio.to_thread(get, base + path)
+            assert status == 200 and kind in content_type and body
+        for path in ["/web/../pyproject.toml", "/web/missing.js", "/nope"]:
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                await asyncio.to_thread(get, base + path)
+            assert refused.value.code == 404

@@ -1,0 +1,95 @@
+// The live dashboard: polls /v1/stats and redraws the tiles and charts.
+"use strict";
+
+const REFRESH_MS = 3000;
+const SOURCES = ["device", "host", "remote", "prefix"];
+const MB = 1024 * 1024;
+
+const byId = (id) => document.getElementById(id);
+const charts = {
+  ttft: new LineChart(byId("chart-ttft"), {format: (v) => v.toFixed(0)}),
+  tps: new LineChart(byId("chart-tps")),
+  hit: new LineChart(byId("chart-hit"), {format: (v) => `${Math.round(v * 100)}%`, max: 1}),
+  tiers: new LineChart(byId("chart-tiers")),
+  evictions: new LineChart(byId("chart-evictions"), {integer: true}),
+};
+
+const ms = (v) => (v === null || v === undefined ? "–" : v < 10 ? v.toFixed(1) : Math.round(v).toString());
+const mb = (bytes) => `${(bytes / MB).toFixed(bytes < 10 * MB ? 1 : 0)} MB`;
+const percent = (v) => (v === null || v === undefined ? "–" : `${+(v * 100).toFixed(v < 0.1 ? 1 : 0)}%`);
+const sum = (object) => Object.values(object || {}).reduce((a, b) => a + b, 0);
+
+function tiles(stats) {
+  const minute = stats.windows["1m"], five = stats.windows["5m"], now = stats.now;
+  byId("tile-ttft").textContent = `${ms(minute.ttft_ms.p50)} / ${ms(minute.ttft_ms.p95)} / ${ms(minute.ttft_ms.p99)} ms`;
+  byId("tile-itl").textContent = `${ms(minute.inter_token_ms.p50)} / ${ms(minute.inter_token_ms.p95)} ms`;
+  byId("tile-tps").textContent = minute.tokens_per_s.toFixed(1);
+  byId("tile-hit").textContent = percent(five.cache.hit_ratio);
+  byId("tile-load").textContent = `${now.running} / ${now.waiting}`;
+  byId("tile-sessions").textContent = `${now.sessions.connected} / ${now.sessions.idle}`;
+  byId("tile-tiers").textContent = `${percent(now.tiers.device.usage)} / ${percent(now.tiers.host.usage)}`;
+  byId("tile-evictions").textContent = `${sum(five.evictions)} / ${sum(five.corruptions)}`;
+  byId("model").textContent = `${stats.model} · up ${Math.round(stats.uptime_s)} s`;
+
+  const rows = [
+    ["Turns", five.turns],
+    ["TTFT p50 / p95 / p99", `${ms(five.ttft_ms.p50)} / ${ms(five.ttft_ms.p95)} / ${ms(five.ttft_ms.p99)} ms`],
+    ["End-to-end p50 / p95", `${ms(five.e2e_ms.p50)} / ${ms(five.e2e_ms.p95)} ms`],
+    ...Object.entries(five.cache.turns_by_source).map(([source, n]) => [`Turns from ${source}`, n]),
+    ...Object.entries(five.cache.miss_reasons).map(([reason, n]) => [`Misses: ${reason}`, n]),
+    ...Object.entries(five.corruptions).filter(([, n]) => n).map(([check, n]) => [`Corruptions: ${check}`, n]),
+    ...Object.entries(five.errors).map(([code, n]) => [`Errors: ${code}`, n]),
+    ["Device tier", `${mb(now.tiers.device.bytes)} of ${mb(now.tiers.device.budget_bytes)}, ${now.tiers.device.sessions ?? 0} sessions`],
+    ["Host tier", `${mb(now.tiers.host.bytes)} of ${mb(now.tiers.host.budget_bytes)}, ${now.tiers.host.sessions ?? 0} sessions`],
+  ];
+  const body = byId("summary");
+  body.replaceChildren(...rows.map(([name, value]) => {
+    const row = document.createElement("tr");
+    for (const text of [name, value]) {
+      const cell = document.createElement("td");
+      cell.textContent = String(text);
+      row.append(cell);
+    }
+    return row;
+  }));
+}
+
+function draw(stats) {
+  const points = stats.series.points;
+  const line = (name, pick) => ({name, points: points.map((p) => [p.t, pick(p)])});
+  charts.ttft.draw([line("p50", (p) => p.ttft_ms.p50), line("p95", (p) => p.ttft_ms.p95),
+    line("p99", (p) => p.ttft_ms.p99)]);
+  charts.tps.draw([line("tokens/s", (p) => p.tokens_per_s)]);
+  charts.hit.draw(SOURCES.map((source) =>
+    line(source, (p) => (p.cached_token_ratio === null ? null : p.cached_token_ratio[source] ?? 0))));
+  const tiers = ["device", "host"].concat(stats.now.tiers.remote.budget_bytes ? ["remote"] : []);
+  charts.tiers.draw(tiers.map((tier) => line(tier, (p) => (p.tier_bytes ? p.tier_bytes[tier] / MB : null))));
+  charts.evictions.draw([
+    line("device evictions", (p) => (p.evictions ? p.evictions.device : null)),
+    line("host evictions", (p) => (p.evictions ? p.evictions.host : null)),
+    line("corruptions", (p) => p.corruptions),
+  ]);
+}
+
+async function refresh() {
+  const status = byId("updated");
+  try {
+    const response = await fetch("/v1/stats", {cache: "no-store"});
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    const stats = await response.json();
+    tiles(stats);
+    draw(stats);
+    byId("banner").hidden = true;
+    status.dataset.state = "live";
+    status.textContent = `updated ${new Date().toLocaleTimeString()}`;
+  } catch (error) {
+    status.dataset.state = "offline";
+    status.textContent = "offline";
+    byId("banner").textContent = `Cannot load /v1/stats from the chatd server (${error.message}); retrying every ${REFRESH_MS / 1000} s.`;
+    byId("banner").hidden = false;
+  }
+}
+
+refresh();
+setInterval(refresh, REFRESH_MS);
+window.addEventListener("resize", refresh);
