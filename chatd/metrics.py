@@ -7,7 +7,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -17,6 +17,7 @@ from chatd.protocol import ErrorCode
 from chatd.turn import TurnResult
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+disable_created_metrics()  # the *_created series only double the scrape
 TIERS = ("device", "host", "remote")
 FINISH_REASONS = ("stop", "length", "cancelled")
 
@@ -100,8 +101,8 @@ class Metrics:
             self.request_success.labels(model_name, reason)
         for code in typing.get_args(ErrorCode):
             self.errors.labels(model_name, code)
+        self.offload_time.labels(model_name, "host")
         for tier in ("host", "remote"):
-            self.offload_time.labels(model_name, tier)
             self.restore_time.labels(model_name, tier)
         self.registry.register(_LiveCollector(self))
 

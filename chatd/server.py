@@ -175,6 +175,7 @@ async def run(settings: Settings) -> None:
         await server.wait_ready()
         loaded = server.engine.loaded
         print(f"chatd listening on {server.url} (model {loaded.name}, {loaded.device}, "
-              f"{loaded.model.dtype})", flush=True)
+              f"{loaded.model.dtype}); chat UI at http://{settings.host}:{server.port}/, "
+              f"dashboard at /dashboard, metrics at /metrics", flush=True)
         await stop.wait()
         log.info("shutting down")
