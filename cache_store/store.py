@@ -36,7 +36,7 @@ from cache_store.remote_tier import RemoteHeader, RemoteTier, Throughput
 
 CacheSource = Literal["device", "host", "remote", "prefix", "miss"]
 CopyObserver = Callable[[Literal["offload", "restore"], Literal["host", "remote"], float], None]
-MissReason = Literal["new", "cold", "evicted", "disabled", "drift", "corrupt", "stale"]
+MissReason = Literal["new", "cold", "evicted", "disabled", "drift", "corrupt", "stale", "truncated"]
 log = logging.getLogger(__name__)
 _PREFIX = "prefix:"
 _REMEMBERED_LOSSES = 100_000

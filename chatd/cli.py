@@ -20,6 +20,8 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         if field.annotation is bool:
             serve.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                                help=f"{field.description} (default: {field.get_default(call_default_factory=True)})")
+        elif field.annotation == list[str]:
+            serve.add_argument(flag, dest=name, action="append", default=None, help=field.description)
         else:
             serve.add_argument(flag, dest=name, default=None,
                                help=f"{field.description} (default: {field.get_default(call_default_factory=True)})")

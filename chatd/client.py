@@ -37,6 +37,7 @@ class TurnStream:
     def __init__(self, turn_id: str):
         self.turn_id = turn_id
         self.deltas: list[str] = []
+        self.last_seq = -1  # of the last delta received: what chat.resume continues after
         self._events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._final: dict[str, Any] | None = None
 
@@ -49,6 +50,7 @@ class TurnStream:
         event = await self._events.get()
         if event["type"] == "chat.delta":
             self.deltas.append(event["delta"]["content"])
+            self.last_seq = event["seq"]
             return event["delta"]["content"]
         self._final = event
         raise StopAsyncIteration
@@ -69,8 +71,16 @@ class ChatClient:
         self._reader = asyncio.create_task(self._read())
 
     @classmethod
-    async def connect(cls, url: str, **connect_kwargs: Any) -> ChatClient:
+    async def connect(cls, url: str, api_key: str | None = None, **connect_kwargs: Any) -> ChatClient:
+        """Connect; with `api_key`, authenticate with an Authorization: Bearer header."""
+        if api_key is not None:
+            connect_kwargs.setdefault("additional_headers", {})["Authorization"] = f"Bearer {api_key}"
         return cls(await connect(url, **connect_kwargs))
+
+    async def authenticate(self, api_key: str) -> None:
+        """Authenticate with an `auth` message (what a browser does)."""
+        await self._send({"type": "auth", "token": api_key})
+        await self._reply()
 
     async def __aenter__(self) -> ChatClient:
         return self
@@ -100,6 +110,14 @@ class ChatClient:
 
     async def cancel(self, turn_id: str) -> None:
         await self._send({"type": "chat.cancel", "turn_id": turn_id})
+
+    async def resume(self, turn_id: str, last_seq: int = -1) -> TurnStream:
+        """After a reconnect: the deltas of a turn after `last_seq`, then the rest of its stream."""
+        stream = TurnStream(turn_id)
+        stream.last_seq = last_seq
+        self._turns[turn_id] = stream
+        await self._send({"type": "chat.resume", "turn_id": turn_id, "last_seq": last_seq})
+        return stream
 
     async def _send(self, message: dict[str, Any]) -> None:
         await self._websocket.send(json.dumps(message))

@@ -49,6 +49,24 @@ class Settings(BaseSettings):
     remote_kv_ttl_s: float = Field(3600.0, gt=0, description="how long Redis keeps a session's cache")
     lease_ttl_s: float = Field(15.0, gt=0, description="how long a worker that died mid-turn keeps a session locked")
     web_dir: Path = Field(DEFAULT_WEB_DIR, description="folder of the chat UI and dashboard pages")
+    api_key: list[str] = Field(default_factory=list, description="an API key clients must present (repeatable); "
+                                                                 "none: no authentication")
+    api_key_file: Path | None = Field(None, description="a file of API keys, one per line (# comments)")
+    allowed_origins: list[str] = Field(default_factory=list, description="Origin headers accepted from browsers "
+                                                                         "(repeatable); none: any origin")
+    max_message_bytes: int = Field(1 << 20, ge=1024, description="largest websocket frame; a larger one closes "
+                                                                 "the connection with 1009")
+    max_prompt_tokens: int = Field(4096, ge=1, description="most tokens one user message may have")
+    max_new_tokens: int = Field(1024, ge=1, le=4096, description="the cap on a request's max_new_tokens")
+    max_connections: int = Field(1024, ge=1, description="open websocket connections beyond which the handshake "
+                                                         "gets HTTP 503")
+    max_sessions_per_connection: int = Field(16, ge=1, description="sessions one connection may open or use")
+    rate_limit_per_min: float | None = Field(None, gt=0, description="turns per minute per API key (per client "
+                                                                     "address without keys); none: unlimited")
+    turn_log_ttl_s: float = Field(60.0, gt=0, description="how long a finished turn's events stay available "
+                                                          "to chat.resume")
+    shutdown_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long running turns may take to "
+                                                              "finish before they are cancelled")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
 
     def device_budget_mb(self, device: torch.device) -> float:
@@ -59,6 +77,15 @@ class Settings(BaseSettings):
             free, _ = torch.cuda.mem_get_info(device)
             return max(1.0, free / 2 / 2**20)
         return CPU_DEVICE_CACHE_MB
+
+    def api_keys(self) -> list[str]:
+        """The keys from --api-key and --api-key-file."""
+        keys = list(self.api_key)
+        if self.api_key_file is not None:
+            for line in self.api_key_file.read_text().splitlines():
+                if (key := line.split("#", 1)[0].strip()):
+                    keys.append(key)
+        return keys
 
     @model_validator(mode="after")
     def _remote_kv_needs_redis(self) -> Settings:

@@ -26,6 +26,7 @@ from cache_store import CacheEntry, CacheLayout, CacheLookup, CacheStore, KVGeom
 from cache_store.remote_tier import RemoteTier
 from cache_store.store import CopyObserver
 from chatd.config import Settings
+from chatd.context_window import DoesNotFit, fit
 from chatd.deep_check import DEEP_CHECK_TOLERANCE, deep_check_distance
 from chatd.model_loader import LoadedModel
 from chatd.model_runner import ModelRunner
@@ -214,9 +215,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 if running.lookup is None:  # as late as possible: turns ahead may have shared a prefix
-                    turn = running.turn
-                    self._begin_prefill(running, self._checked_lookup(
-                        turn.session_id, turn.messages, running.prompt_ids, running.prefix_len, turn.session_version))
+                    self._begin_prefill(running, self._lookup(running))
                 first_logits, fed = self._prefill_chunk(running, budget)
         except Exception as error:
             self._prefilling.popleft()
@@ -326,18 +325,27 @@ class Engine:
             self.runner.timed_prefill(CacheEntry(self.runner.new_cache()), ids.tolist())
 
     def _prepare_turn(self, turn: Turn) -> RunningTurn | None:
-        """Render the prompt; None if it cannot fit (a cancel is seen when its prefill would start)."""
+        """Render the prompt within the context (dropping the oldest turns if it must); None if the
+        new message cannot fit (a cancel is seen when its prefill would start)."""
         started = time.perf_counter()
         loaded = self.loaded
-        prompt_ids = self._renderer.render(turn.messages)
-        if len(prompt_ids) >= loaded.max_context:
-            turn.emit(TurnFailed("too_long", f"the conversation is {len(prompt_ids)} tokens; "
-                                             f"the model's context is {loaded.max_context}"))
+        message_tokens = self._renderer.count(turn.messages[-1].content)
+        if message_tokens > self.settings.max_prompt_tokens:
+            turn.emit(TurnFailed("too_long", f"the message is {message_tokens} tokens; this server takes at most "
+                                             f"{self.settings.max_prompt_tokens} per message"))
             return None
-        prefix_len = self._shared_prefix_length(turn.messages, prompt_ids)
+        room = min(turn.params.max_new_tokens, loaded.max_context // 4)
+        try:
+            window = fit(self._renderer, turn.messages, turn.dropped_turns, loaded.max_context, room)
+        except DoesNotFit as error:
+            turn.emit(TurnFailed("too_long", str(error)))
+            return None
+        prompt_ids = window.prompt_ids
+        prefix_len = self._shared_prefix_length(window.messages, prompt_ids)
         return RunningTurn(turn, prompt_ids, prefix_len, min(turn.params.max_new_tokens,
                                                              loaded.max_context - len(prompt_ids)),
-                           TokenSampler(turn.params), TextStream(loaded.tokenizer, turn.params.stop), started)
+                           TokenSampler(turn.params), TextStream(loaded.tokenizer, turn.params.stop), started,
+                           messages=window.messages, dropped_turns=window.dropped_turns)
 
     def _begin_prefill(self, running: RunningTurn, lookup: CacheLookup) -> None:
         """Take the cache the lookup found (or a new one), make room for the turn's growth, and line
@@ -357,6 +365,15 @@ class Engine:
             entry.crop(running.start)  # the turn is not recorded: roll its tokens back
         self.cache.put(turn.session_id, entry, turn.session_version + (finish != "cancelled"))
         turn.emit(running.result(finish))
+
+    def _lookup(self, running: RunningTurn) -> CacheLookup:
+        """The turn's cache; none when its window just moved past turns the cache covered."""
+        turn = running.turn
+        if running.dropped_turns > turn.dropped_turns:
+            self.cache.drop(turn.session_id)
+            return CacheLookup("miss", 0, miss_reason="truncated")
+        return self._checked_lookup(turn.session_id, running.messages, running.prompt_ids, running.prefix_len,
+                                    turn.session_version)
 
     def _checked_lookup(self, session_id: str, messages: list[Message], prompt_ids: list[int],
                         prefix_len: int, version: int) -> CacheLookup:

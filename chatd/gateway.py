@@ -1,5 +1,9 @@
 """The websocket gateway: parses client messages, maps them onto sessions and turns, and streams
-engine events back. It does no model work; everything slow happens in the engine thread."""
+engine events back. It does no model work; everything slow happens in the engine thread.
+
+A connection first proves its API key (when the server has keys); every session belongs to the key
+that created it, and any other key is told it does not exist.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +17,20 @@ from collections.abc import Callable
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
+from websockets.frames import CloseCode
 
+from chatd.auth import KeyRing
+from chatd.config import Settings
 from chatd.engine import Engine
 from chatd.protocol import (
+    Auth,
+    AuthOk,
     CacheReport,
     ChatCancel,
     ChatDelta,
     ChatDone,
     ChatRequest,
+    ChatResume,
     Delta,
     ErrorMessage,
     HistoryMessage,
@@ -34,23 +44,34 @@ from chatd.protocol import (
     Usage,
     parse_client_message,
 )
+from chatd.rate_limit import RateLimiter
 from chatd.sampling import SamplingParams
 from chatd.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
+from chatd.turn_log import TurnLog, TurnLogs
 from sessions import Lease, Session, SessionBusy, SessionStore, StoreUnavailable, VersionConflict
 
 log = logging.getLogger(__name__)
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
+MAX_FAILED_AUTH = 5
 
 
 class Connection:
-    """One websocket client, the turns it started (so that it can cancel them) and the sessions it
-    has used (whose caches are evicted last while it stays connected)."""
+    """One websocket client: who it is (its key's id), and the sessions it has used (whose caches
+    are evicted last while it stays connected)."""
 
-    def __init__(self, websocket: ServerConnection, on_error: Callable[[str], None]):
+    def __init__(self, websocket: ServerConnection, on_error: Callable[[str], None], owner: str | None,
+                 authenticated: bool):
         self.websocket = websocket
-        self.turns: dict[str, Turn] = {}
+        self.owner = owner
+        self.authenticated = authenticated
+        self.failed_auth = 0
         self.sessions: set[str] = set()
         self._on_error = on_error
+
+    @property
+    def client(self) -> str:
+        """Whom the rate limit counts: the key, or the address without keys."""
+        return self.owner or str(self.websocket.remote_address[0])
 
     async def send(self, message) -> None:
         """Send, ignoring a client that has gone: its turns still run to completion and are recorded."""
@@ -65,12 +86,16 @@ class Connection:
 class Gateway:
     """`on_turn` sees every finished turn and `on_error` every error code sent, for metrics."""
 
-    def __init__(self, engine: Engine, store: SessionStore, max_waiting: int = 64,
+    def __init__(self, engine: Engine, store: SessionStore, settings: Settings,
                  on_turn: Callable[[TurnResult], None] = lambda result: None,
                  on_error: Callable[[str], None] = lambda code: None):
         self.engine = engine
         self.store = store
-        self.max_waiting = max_waiting
+        self.settings = settings
+        self.keys = KeyRing(settings.api_keys())
+        self.rate_limit = RateLimiter(settings.rate_limit_per_min)
+        self.turn_logs = TurnLogs(settings.turn_log_ttl_s)
+        self.draining = False
         self._on_turn = on_turn
         self._on_error = on_error
         self._running: dict[str, Turn] = {}  # session id -> its running turn: one at a time per session
@@ -82,8 +107,14 @@ class Gateway:
         """Sessions that at least one open connection has used."""
         return len(self._attached)
 
+    @property
+    def running_turns(self) -> list[Turn]:
+        return list(self._running.values())
+
     async def handle(self, websocket: ServerConnection) -> None:
-        connection = Connection(websocket, self._on_error)
+        sent_header, owner = self.keys.bearer(websocket.request.headers)
+        connection = Connection(websocket, self._on_error, owner,
+                                authenticated=not self.keys.required or owner is not None)
         try:
             async for frame in websocket:
                 try:
@@ -99,6 +130,8 @@ class Gateway:
                 except Exception:
                     log.exception("handling %s failed", message.type)
                     await connection.send(ErrorMessage(code="internal", message=f"{message.type} failed"))
+                if connection.failed_auth >= MAX_FAILED_AUTH:
+                    await websocket.close(CloseCode.POLICY_VIOLATION, "too many failed authentications")
         except ConnectionClosed:
             pass  # the client went away mid-frame; its running turns still complete and are recorded
         finally:
@@ -108,14 +141,16 @@ class Gateway:
                     del self._attached[session_id]
                     self.engine.session_connected(session_id, False)
 
-    def _attach(self, connection: Connection, session_id: str) -> None:
-        if session_id not in connection.sessions:
-            connection.sessions.add(session_id)
-            self._attached[session_id] += 1
-            if self._attached[session_id] == 1:
-                self.engine.session_connected(session_id, True)
-
     async def dispatch(self, connection: Connection, message) -> None:
+        if isinstance(message, Auth):
+            await self.authenticate(connection, message)
+            return
+        if not connection.authenticated:
+            await connection.send(ErrorMessage(
+                turn_id=getattr(message, "turn_id", None), code="unauthorized",
+                message='authenticate first: send {"type": "auth", "token": "<API key>"} '
+                        "or connect with an Authorization: Bearer header"))
+            return
         match message:
             case SessionOpen():
                 await self.open_session(connection, message)
@@ -123,29 +158,74 @@ class Gateway:
                 await self.start_turn(connection, message)
             case ChatCancel():
                 await self.cancel_turn(connection, message)
+            case ChatResume():
+                await self.resume_turn(connection, message)
             case Typing():
                 await self.prefetch(connection, message)
             case SessionClose():
                 await self.close_session(connection, message)
 
+    async def authenticate(self, connection: Connection, message: Auth) -> None:
+        owner = self.keys.identify(message.token) if self.keys.required else None
+        if self.keys.required and (owner is None or (connection.authenticated and owner != connection.owner)):
+            connection.failed_auth += 1
+            log.warning("failed authentication from %s", connection.websocket.remote_address[0])
+            await connection.send(ErrorMessage(code="unauthorized", message="unknown API key"))
+            return
+        connection.owner, connection.authenticated = owner, True
+        await connection.send(AuthOk())
+
+    async def _owned_session(self, connection: Connection, session_id: str) -> Session | None:
+        """The session, if it exists and belongs to this connection's key; another key's session is
+        answered exactly like a missing one."""
+        session = await self.store.get(session_id)
+        return session if session is not None and session.owner == connection.owner else None
+
+    async def _attach(self, connection: Connection, session_id: str | None, turn_id: str | None = None) -> bool:
+        """Count the session (None: a new one) against the connection's limit; False, with an error
+        sent, if over it."""
+        if session_id in connection.sessions:
+            return True
+        limit = self.settings.max_sessions_per_connection
+        if len(connection.sessions) >= limit:
+            await connection.send(ErrorMessage(
+                turn_id=turn_id, code="limit_exceeded",
+                message=f"this connection already uses {limit} sessions, the most allowed; "
+                        "close one (session.close) or open another connection"))
+            return False
+        if session_id is None:
+            return True
+        connection.sessions.add(session_id)
+        self._attached[session_id] += 1
+        if self._attached[session_id] == 1:
+            self.engine.session_connected(session_id, True)
+        return True
+
     async def open_session(self, connection: Connection, message: SessionOpen) -> None:
         if message.session_id is None:
-            session = await self.store.create(message.system)
-            self._attach(connection, session.session_id)
+            if not await self._attach(connection, None):
+                return
+            session = await self.store.create(message.system, owner=connection.owner)
+            await self._attach(connection, session.session_id)
             await connection.send(SessionReady(session_id=session.session_id, turns=0, resumed=False, worker=WORKER))
             return
-        session = await self.store.get(message.session_id)
+        session = await self._owned_session(connection, message.session_id)
         if session is None:
             await connection.send(_unknown_session(message.session_id))
             return
-        self._attach(connection, session.session_id)
+        if not await self._attach(connection, session.session_id):
+            return
         history = [HistoryMessage(role=m.role, content=m.content) for m in session.messages]
         await connection.send(SessionReady(session_id=session.session_id, turns=session.turns, resumed=True,
                                            worker=WORKER, history=history))
 
     async def start_turn(self, connection: Connection, message: ChatRequest) -> None:
         turn_id = message.turn_id or secrets.token_urlsafe(8)
-        session = await self.store.get(message.session_id)
+        refusal = self._refuse_turn(connection, message, turn_id)
+        if refusal is not None:
+            await connection.send(refusal)
+            return
+        session = await self._owned_session(connection, message.session_id)
         if session is None:
             await connection.send(_unknown_session(message.session_id, turn_id))
             return
@@ -154,14 +234,12 @@ class Gateway:
                 turn_id=turn_id, code="busy", retryable=True,
                 message=f"session {session.session_id} is already running turn {running.turn_id}"))
             return
-        if turn_id in connection.turns:
-            await connection.send(ErrorMessage(turn_id=turn_id, code="bad_request",
-                                               message=f"turn_id {turn_id!r} is already running"))
+        if not await self._attach(connection, session.session_id, turn_id):
             return
-        if self.engine.waiting >= self.max_waiting:  # admission control: refuse now rather than queue forever
+        if (wait := self.rate_limit.acquire(connection.client)) is not None:
             await connection.send(ErrorMessage(
-                turn_id=turn_id, code="busy", retryable=True,
-                message=f"the server is at capacity ({self.engine.waiting} turns waiting); retry shortly"))
+                turn_id=turn_id, code="rate_limited", retryable=True, retry_after_s=round(wait, 2),
+                message=f"over {self.settings.rate_limit_per_min:g} turns per minute; retry in {wait:.1f} s"))
             return
         try:
             lease = await self.store.lease(session.session_id)
@@ -182,29 +260,50 @@ class Gateway:
             params=SamplingParams(**message.params.model_dump()),
             emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
             session_version=session.version,
+            dropped_turns=session.dropped_turns,
         )
         self._running[session.session_id] = turn
-        connection.turns[turn_id] = turn
-        self._attach(connection, session.session_id)
+        turn_log = self.turn_logs.start(turn, connection.owner, connection)
         self.engine.submit(turn)
-        task = asyncio.create_task(self._forward(connection, session, turn, message.content, events, lease))
+        task = asyncio.create_task(self._forward(connection, session, turn_log, message.content, events, lease))
         self._forwarders.add(task)
         task.add_done_callback(self._forwarders.discard)
 
-    async def _forward(self, connection: Connection, session: Session, turn: Turn, user_content: str,
+    def _refuse_turn(self, connection: Connection, message: ChatRequest, turn_id: str) -> ErrorMessage | None:
+        """The checks that need no session: shutdown, limits, capacity, a duplicate turn id."""
+        if self.draining:
+            return ErrorMessage(turn_id=turn_id, code="unavailable", retryable=True,
+                                message="the server is shutting down; reconnect and send the message again")
+        cap = self.settings.max_new_tokens
+        if message.params.max_new_tokens > cap:
+            return ErrorMessage(turn_id=turn_id, code="limit_exceeded",
+                                message=f"max_new_tokens {message.params.max_new_tokens} is over this "
+                                        f"server's cap of {cap}")
+        existing = self.turn_logs.get(connection.owner, turn_id)
+        if existing is not None and existing.running:
+            return ErrorMessage(turn_id=turn_id, code="bad_request", message=f"turn_id {turn_id!r} is already running")
+        if self.engine.waiting >= self.settings.max_waiting:  # admission control: refuse now, not queue forever
+            return ErrorMessage(turn_id=turn_id, code="busy", retryable=True,
+                                message=f"the server is at capacity ({self.engine.waiting} turns waiting); "
+                                        "retry shortly")
+        return None
+
+    async def _forward(self, connection: Connection, session: Session, turn_log: TurnLog, user_content: str,
                        events: asyncio.Queue[TurnEvent], lease: Lease) -> None:
-        """Relay one turn's events to its client; record the turn in the session when it completes."""
+        """Relay one turn's events to its client (whichever connection resumed it last), logging them
+        for chat.resume; record the turn in the session when it completes."""
+        turn = turn_log.turn
         seq = 0
         try:
             while isinstance(event := await events.get(), TokenText):
-                await connection.send(ChatDelta(turn_id=turn.turn_id, seq=seq, delta=Delta(content=event.text)))
+                await turn_log.publish(ChatDelta(turn_id=turn.turn_id, seq=seq, delta=Delta(content=event.text)))
                 seq += 1
             if isinstance(event, TurnResult):
                 self._on_turn(event)
                 if event.finish_reason != "cancelled":
                     try:
                         await self.store.append_turn(session, user_content, event.content, event.conversation_ids,
-                                                     lease)
+                                                     lease, dropped_turns=event.dropped_turns)
                     except VersionConflict:
                         self.engine.drop_session(session.session_id)
                         event = TurnFailed("conflict", "another worker recorded a turn of this session first; "
@@ -212,25 +311,41 @@ class Gateway:
         finally:
             # Free the session before the reply goes out, so the client's next request is never `busy`.
             del self._running[session.session_id]
-            del connection.turns[turn.turn_id]
             await lease.release()
-        await connection.send(_reply(turn.turn_id, event))
+        self.turn_logs.finish(turn_log)
+        await turn_log.publish(_reply(turn.turn_id, event))
 
     async def cancel_turn(self, connection: Connection, message: ChatCancel) -> None:
-        turn = connection.turns.get(message.turn_id)
-        if turn is None:
+        turn_log = self.turn_logs.get(connection.owner, message.turn_id)
+        if turn_log is None or not turn_log.running:
             await connection.send(ErrorMessage(turn_id=message.turn_id, code="unknown_turn",
-                                               message=f"no running turn {message.turn_id!r} on this connection"))
+                                               message=f"no running turn {message.turn_id!r}"))
             return
-        turn.cancel()  # the engine stops at its next step and answers chat.done with finish_reason cancelled
+        turn_log.turn.cancel()  # the engine stops at its next step and answers chat.done with finish_reason cancelled
+
+    async def resume_turn(self, connection: Connection, message: ChatResume) -> None:
+        """Send what the client missed of a turn, then make this connection the one its stream goes to."""
+        turn_log = self.turn_logs.get(connection.owner, message.turn_id)
+        if turn_log is None:
+            await connection.send(ErrorMessage(
+                turn_id=message.turn_id, code="unknown_turn",
+                message=f"no turn {message.turn_id!r} to resume: it never ran here or finished more than "
+                        f"{self.settings.turn_log_ttl_s:g} s ago"))
+            return
+        if not await self._attach(connection, turn_log.turn.session_id, message.turn_id):
+            return
+        for missed in turn_log.after(message.last_seq):
+            await connection.send(missed)
+        if turn_log.running:
+            turn_log.subscriber = connection
 
     async def prefetch(self, connection: Connection, message: Typing) -> None:
         """A hint, so it answers nothing, not even for an unknown session."""
-        if message.session_id not in self._running and await self.store.get(message.session_id) is not None:
+        if message.session_id not in self._running and await self._owned_session(connection, message.session_id):
             self.engine.prefetch(message.session_id)
 
     async def close_session(self, connection: Connection, message: SessionClose) -> None:
-        session = await self.store.get(message.session_id)
+        session = await self._owned_session(connection, message.session_id)
         if session is None:
             await connection.send(_unknown_session(message.session_id))
             return
@@ -238,7 +353,26 @@ class Gateway:
             running.cancel()
         await self.store.delete(session.session_id)
         self.engine.drop_session(session.session_id)
+        if session.session_id in connection.sessions:
+            connection.sessions.discard(session.session_id)
+            self._attached[session.session_id] -= 1
+            if self._attached[session.session_id] == 0:
+                del self._attached[session.session_id]
         await connection.send(SessionClosed(session_id=session.session_id))
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new turns, let running ones finish for up to `timeout_s`, then cancel the rest and
+        wait for them to stop. Returns how many were cancelled."""
+        self.draining = True
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._forwarders and asyncio.get_running_loop().time() < deadline:
+            await asyncio.wait(set(self._forwarders), timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+        late = list(self._running.values())
+        for turn in late:
+            turn.cancel()
+        if self._forwarders:
+            await asyncio.wait(set(self._forwarders))
+        return len(late)
 
 
 def _unknown_session(session_id: str, turn_id: str | None = None) -> ErrorMessage:
@@ -258,4 +392,5 @@ def _reply(turn_id: str, event: TurnResult | TurnFailed) -> ChatDone | ErrorMess
         timings=Timings(**{name: round(value, 3) for name, value in event.timings.items()}),
         cache=CacheReport(source=event.cache_source, miss_reason=event.miss_reason, cleared=event.cleared,
                           remote=event.remote),
+        dropped_turns=event.dropped_turns,
     )

@@ -37,6 +37,10 @@ class PromptRenderer:
         ids += self._encode(text[position:], parse_special=True)
         return ids
 
+    def count(self, text: str) -> int:
+        """Tokens of message text, as `render` encodes it."""
+        return len(self._encode(text, parse_special=False))
+
     def _encode(self, text: str, parse_special: bool) -> list[int]:
         if not text:
             return []

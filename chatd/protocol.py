@@ -8,8 +8,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 MAX_NEW_TOKENS_CAP = 4096
-ErrorCode = Literal["bad_request", "unknown_session", "unknown_turn", "busy", "too_long", "unavailable",
-                    "conflict", "internal"]
+ErrorCode = Literal["bad_request", "unauthorized", "unknown_session", "unknown_turn", "busy", "rate_limited",
+                    "limit_exceeded", "too_long", "unavailable", "conflict", "internal"]
 
 
 class _Message(BaseModel):
@@ -22,6 +22,14 @@ class ChatParams(_Message):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=16)
+
+
+class Auth(_Message):
+    """The first message of a connection when the server requires an API key (browsers cannot set
+    an Authorization header on a websocket)."""
+
+    type: Literal["auth"]
+    token: str = Field(max_length=4096)
 
 
 class SessionOpen(_Message):
@@ -43,6 +51,14 @@ class ChatCancel(_Message):
     turn_id: str
 
 
+class ChatResume(_Message):
+    """After a reconnect: replay a turn's events after `last_seq`, then stream the rest."""
+
+    type: Literal["chat.resume"]
+    turn_id: str = Field(min_length=1, max_length=128)
+    last_seq: int = Field(-1, ge=-1)
+
+
 class Typing(_Message):
     """The user is typing: a hint to bring the session's cache back to the device."""
 
@@ -55,7 +71,7 @@ class SessionClose(_Message):
     session_id: str
 
 
-ClientMessage = Annotated[SessionOpen | ChatRequest | ChatCancel | Typing | SessionClose,
+ClientMessage = Annotated[Auth | SessionOpen | ChatRequest | ChatCancel | ChatResume | Typing | SessionClose,
                           Field(discriminator="type")]
 _client_message = TypeAdapter(ClientMessage)
 
@@ -64,7 +80,8 @@ class ProtocolError(ValueError):
     """A frame that is not a valid client message; the text names the problem."""
 
 
-def parse_client_message(frame: str | bytes) -> SessionOpen | ChatRequest | ChatCancel | Typing | SessionClose:
+def parse_client_message(frame: str | bytes
+                         ) -> Auth | SessionOpen | ChatRequest | ChatCancel | ChatResume | Typing | SessionClose:
     if isinstance(frame, bytes):
         raise ProtocolError("binary frames are not supported: send JSON text frames")
     try:
@@ -86,6 +103,10 @@ def parse_client_message(frame: str | bytes) -> SessionOpen | ChatRequest | Chat
 class HistoryMessage(BaseModel):
     role: Literal["user", "assistant"]
     content: str
+
+
+class AuthOk(BaseModel):
+    type: Literal["auth.ok"] = "auth.ok"
 
 
 class SessionReady(BaseModel):
@@ -133,7 +154,7 @@ class RemoteReport(BaseModel):
 
 class CacheReport(BaseModel):
     source: Literal["device", "host", "remote", "prefix", "miss"]
-    miss_reason: Literal["new", "cold", "evicted", "disabled", "drift", "corrupt", "stale"] | None = None
+    miss_reason: Literal["new", "cold", "evicted", "disabled", "drift", "corrupt", "stale", "truncated"] | None = None
     cleared: list[str] = Field(default_factory=list)
     remote: RemoteReport | None = None
 
@@ -146,6 +167,7 @@ class ChatDone(BaseModel):
     usage: Usage
     timings: Timings
     cache: CacheReport
+    dropped_turns: int = 0  # oldest turns left out of the prompt so that it fits the model's context
 
 
 class SessionClosed(BaseModel):
@@ -159,3 +181,4 @@ class ErrorMessage(BaseModel):
     code: ErrorCode
     message: str
     retryable: bool = False
+    retry_after_s: float | None = None  # when to retry, for rate_limited

@@ -10,6 +10,7 @@ from cache_store import CacheEntry, CacheLookup
 from chatd.sampling import TokenSampler
 from chatd.text_stream import TextStream
 from chatd.turn import FinishReason, TokenText, Turn, TurnResult
+from sessions import Message
 
 
 @dataclass
@@ -21,6 +22,8 @@ class RunningTurn:
     sampler: TokenSampler
     stream: TextStream
     started: float
+    messages: list[Message] = field(default_factory=list)  # the window the prompt renders
+    dropped_turns: int = 0  # oldest turns the window leaves out
     lookup: CacheLookup | None = None
     entry: CacheEntry | None = None
     start: int = 0  # where this turn's feeding started: a cancel rolls the cache back to it
@@ -60,7 +63,7 @@ class RunningTurn:
             miss_reason=lookup.miss_reason, token_ids=list(generated), cleared=list(lookup.cleared),
             remote=dataclasses.asdict(lookup.remote) if lookup.remote else None,
             conversation_ids=list(self.entry.token_ids),
-            token_times=list(self.token_times),
+            token_times=list(self.token_times), dropped_turns=self.dropped_turns,
             timings={
                 "queue_ms": (self.started - self.turn.received_at) * ms,
                 "ttft_ms": (self.first_token_at - self.turn.received_at) * ms,

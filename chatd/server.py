@@ -53,8 +53,8 @@ class ChatServer:
         self.sessions: SessionStore = (
             RedisSessionStore(settings.redis_url, settings.session_retention_s, lease_ttl_s=settings.lease_ttl_s)
             if settings.redis_url else InMemorySessionStore())
-        self.gateway = Gateway(self.engine, self.sessions, settings.max_waiting,
-                               on_turn=self._turn_finished, on_error=self._error_sent)
+        self.gateway = Gateway(self.engine, self.sessions, settings, on_turn=self._turn_finished,
+                               on_error=self._error_sent)
         self._server: Server | None = None
         self._sampler: asyncio.Task | None = None
         self._last_cache_stats: dict[str, int] = {}
@@ -69,8 +69,10 @@ class ChatServer:
 
     async def __aenter__(self) -> ChatServer:
         self.engine.start()
+        origins = [*self.settings.allowed_origins, None] if self.settings.allowed_origins else None
         self._server = await serve(self.gateway.handle, self.settings.host, self.settings.port,
-                                   process_request=self._process_request)
+                                   process_request=self._process_request, max_size=self.settings.max_message_bytes,
+                                   origins=origins)
         self._sampler = asyncio.create_task(self._sample_forever())
         return self
 
@@ -82,6 +84,17 @@ class ChatServer:
         await self._server.wait_closed()
         await asyncio.to_thread(self.engine.stop)
         await self.sessions.close()
+
+    async def shutdown(self) -> None:
+        """Graceful stop: accept no more connections, let running turns finish for up to
+        --shutdown-timeout-s and cancel the rest; leaving the context then closes the connections
+        and flushes the session store."""
+        self._server.server.close()  # stop listening; open connections stay until the turns are done
+        running = len(self.gateway.running_turns)
+        log.info("shutting down: %d turns running, waiting up to %.0f s", running, self.settings.shutdown_timeout_s)
+        if cancelled := await self.gateway.drain(self.settings.shutdown_timeout_s):
+            log.warning("shutting down: cancelled %d turns still running after %.0f s", cancelled,
+                        self.settings.shutdown_timeout_s)
 
     async def wait_ready(self) -> None:
         """Wait until the model is loaded; raise if loading failed."""
@@ -121,7 +134,7 @@ class ChatServer:
             return await self._corrupt(corrupt.group(1), parse_qs(url.query))
         match path:
             case "/ws":
-                return None
+                return self._admit_websocket(request)
             case "/healthz":
                 if self.engine.ready.is_set() and self.engine.load_error is None:
                     return text_response(http.HTTPStatus.OK, "ok\n")
@@ -139,6 +152,16 @@ class ChatServer:
         return text_response(http.HTTPStatus.NOT_FOUND,
                              "not found: chatd serves /ws, /, /dashboard, /metrics, /v1/stats and /healthz\n")
 
+
+    def _admit_websocket(self, request: Request) -> Response | None:
+        """Refuse a handshake over --max-connections (503) or with a wrong Bearer key (401)."""
+        if len(self._server.connections) >= self.settings.max_connections:
+            return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE,
+                                 f"too many connections (the limit is {self.settings.max_connections}); retry later\n")
+        sent, owner = self.gateway.keys.bearer(request.headers)
+        if sent and owner is None:
+            return text_response(http.HTTPStatus.UNAUTHORIZED, "unknown API key\n")
+        return None
 
     async def _corrupt(self, session_id: str, query: dict[str, list[str]]) -> Response:
         """POST /admin/sessions/{id}/corrupt?kind=…&tier=…: fault injection, only when enabled."""
@@ -178,4 +201,5 @@ async def run(settings: Settings) -> None:
               f"{loaded.model.dtype}); chat UI at http://{settings.host}:{server.port}/, "
               f"dashboard at /dashboard, metrics at /metrics", flush=True)
         await stop.wait()
-        log.info("shutting down")
+        await server.shutdown()
+    log.info("stopped")

@@ -36,6 +36,7 @@ class TurnResult:
     conversation_ids: list[int] = field(default_factory=list)  # prompt and reply ids the cache covers
     remote: dict | None = None  # the fetch-or-recompute decision, when a remote cache existed
     token_times: list[float] = field(default_factory=list)  # perf_counter() when each reply token was sampled
+    dropped_turns: int = 0  # oldest turns the prompt left out to fit the context
 
     @property
     def inter_token_s(self) -> list[float]:
@@ -69,6 +70,7 @@ class Turn:
     params: SamplingParams
     emit: Callable[[TurnEvent], None]
     session_version: int = 0  # completed turns the messages include; an older cache is stale
+    dropped_turns: int = 0  # oldest turns the session's prompts already leave out
     received_at: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 

@@ -83,8 +83,8 @@ class RedisSessionStore:
 
     # ##### Public API #####
 
-    async def create(self, system: str | None) -> Session:
-        session = Session(session_id=new_session_id(), system=system)
+    async def create(self, system: str | None, owner: str | None = None) -> Session:
+        session = Session(session_id=new_session_id(), system=system, owner=owner)
         try:
             await self._write_new(session)
         except UNREACHABLE as error:
@@ -134,9 +134,10 @@ class RedisSessionStore:
             await asyncio.sleep(0.05)
 
     async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int],
-                          lease: Lease | None = None) -> None:
+                          lease: Lease | None = None, dropped_turns: int | None = None) -> None:
         write = _Append(self, session.session_id, session.version, user_content, reply, list(token_ids), time.time(),
-                        lease.fence if lease is not None else None)
+                        lease.fence if lease is not None else None,
+                        session.dropped_turns if dropped_turns is None else dropped_turns)
         if not self._pending:
             try:
                 await write()
@@ -145,7 +146,7 @@ class RedisSessionStore:
                 self._queue(session.session_id, write)
         else:
             self._queue(session.session_id, write)  # keep the order of writes
-        session.record_turn(user_content, reply, token_ids)
+        session.record_turn(user_content, reply, token_ids, dropped_turns)
         self._remember(session)
 
     async def delete(self, session_id: str) -> bool:
@@ -174,6 +175,7 @@ class RedisSessionStore:
         meta = _key(session.session_id, "meta")
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(meta, mapping={"system": json.dumps(session.system), "version": 0,
+                                     "owner": json.dumps(session.owner), "dropped_turns": 0,
                                      "created_at": session.created_at, "updated_at": session.updated_at})
             pipe.expire(meta, self.retention_s)
             await pipe.execute()
@@ -190,7 +192,8 @@ class RedisSessionStore:
             session_id=session_id, system=json.loads(meta[b"system"]),
             messages=[Message(**json.loads(m)) for m in messages], token_ids=unpack_ids(tokens),
             version=int(meta[b"version"]), created_at=float(meta[b"created_at"]),
-            updated_at=float(meta[b"updated_at"]))
+            updated_at=float(meta[b"updated_at"]), owner=json.loads(meta.get(b"owner", b"null")),
+            dropped_turns=int(meta.get(b"dropped_turns", 0)))
 
     def _remember(self, session: Session) -> None:
         self._local[session.session_id] = session
@@ -253,8 +256,9 @@ class _Append:
     transaction that fails if another writer moved the version first."""
 
     def __init__(self, store: RedisSessionStore, session_id: str, version: int, user_content: str, reply: str,
-                 token_ids: list[int], at: float, fence: int | None):
+                 token_ids: list[int], at: float, fence: int | None, dropped_turns: int):
         self.store, self.session_id, self.version, self.fence = store, session_id, version, fence
+        self.dropped_turns = dropped_turns
         self.messages = [json.dumps({"role": "user", "content": user_content}),
                          json.dumps({"role": "assistant", "content": reply})]
         self.tokens, self.at = pack_ids(token_ids), at
@@ -274,7 +278,8 @@ class _Append:
                 pipe.multi()
                 pipe.rpush(keys[1], *self.messages)
                 pipe.set(keys[2], self.tokens)
-                pipe.hset(keys[0], mapping={"version": self.version + 1, "updated_at": self.at})
+                pipe.hset(keys[0], mapping={"version": self.version + 1, "updated_at": self.at,
+                                            "dropped_turns": self.dropped_turns})
                 for key in keys:
                     pipe.expire(key, self.store.retention_s)
                 await pipe.execute()

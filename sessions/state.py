@@ -26,6 +26,8 @@ class Session:
     messages: list[Message] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     version: int = 0
+    owner: str | None = None  # who may use it: the id of the API key that created it
+    dropped_turns: int = 0  # oldest turns left out of the prompt, to fit the model's context
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
 
@@ -41,11 +43,14 @@ class Session:
         """The messages a new turn renders: system prompt, history, then the new user message."""
         return self.messages_with_system() + [Message("user", user_content)]
 
-    def record_turn(self, user_content: str, reply: str, token_ids: list[int] | None = None) -> None:
+    def record_turn(self, user_content: str, reply: str, token_ids: list[int] | None = None,
+                    dropped_turns: int | None = None) -> None:
         """Add a completed turn; `token_ids` are the ids the conversation has reached with it."""
         self.messages += [Message("user", user_content), Message("assistant", reply)]
         if token_ids is not None:
             self.token_ids = list(token_ids)
+        if dropped_turns is not None:
+            self.dropped_turns = dropped_turns
         self.version += 1
         self.updated_at = time.time()
 

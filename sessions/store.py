@@ -38,7 +38,7 @@ class LocalLease:
 
 
 class SessionStore(Protocol):
-    async def create(self, system: str | None) -> Session: ...
+    async def create(self, system: str | None, owner: str | None = None) -> Session: ...
 
     async def get(self, session_id: str) -> Session | None: ...
 
@@ -46,10 +46,10 @@ class SessionStore(Protocol):
         """Take the session's turn lease, waiting briefly; raise `SessionBusy` if another worker keeps it."""
 
     async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int],
-                          lease: Lease | None = None) -> None:
-        """Record a completed turn atomically (messages, token ids, version) on `session` and in the
-        store; raise `VersionConflict` if the stored version is no longer `session.version` or the
-        lease was lost."""
+                          lease: Lease | None = None, dropped_turns: int | None = None) -> None:
+        """Record a completed turn atomically (messages, token ids, version, the turns its prompt left
+        out) on `session` and in the store; raise `VersionConflict` if the stored version is no longer
+        `session.version` or the lease was lost."""
 
     async def delete(self, session_id: str) -> bool: ...
 
@@ -62,8 +62,8 @@ class InMemorySessionStore:
     def __init__(self) -> None:
         self._sessions: dict[str, Session] = {}
 
-    async def create(self, system: str | None) -> Session:
-        session = Session(session_id=new_session_id(), system=system)
+    async def create(self, system: str | None, owner: str | None = None) -> Session:
+        session = Session(session_id=new_session_id(), system=system, owner=owner)
         self._sessions[session.session_id] = session
         return session
 
@@ -74,13 +74,13 @@ class InMemorySessionStore:
         return LocalLease()
 
     async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int],
-                          lease: Lease | None = None) -> None:
+                          lease: Lease | None = None, dropped_turns: int | None = None) -> None:
         stored = self._sessions.get(session.session_id)
         if stored is None or stored.version != session.version:
             raise VersionConflict(session.session_id)
-        stored.record_turn(user_content, reply, token_ids)
+        stored.record_turn(user_content, reply, token_ids, dropped_turns)
         if session is not stored:
-            session.record_turn(user_content, reply, token_ids)
+            session.record_turn(user_content, reply, token_ids, dropped_turns)
 
     async def delete(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None

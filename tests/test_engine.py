@@ -112,9 +112,10 @@ def test_a_prompt_beyond_the_context_is_too_long_and_the_session_survives(tiny):
 
 
 def test_reply_length_is_capped_by_the_context(tiny):
+    """The prompt fits with a quarter of the context left for the reply; a longer reply stops at the end."""
     with running_engine(tiny) as engine:
         session = Session("s")
-        result, _ = run_turn(engine, session, "word " * (TINY_CONTEXT - 40), max_new_tokens=100)
+        result, _ = run_turn(engine, session, "word " * (TINY_CONTEXT - 180), max_new_tokens=200)
         assert result.finish_reason == "length"
         assert result.prompt_tokens + result.completion_tokens == TINY_CONTEXT
 

@@ -3,6 +3,7 @@
 "use strict";
 
 const SESSION_KEY = "chatd.session_id";
+const API_KEY = "chatd.api_key";
 const MAX_NEW_TOKENS = 512;
 const TYPING_EVERY_MS = 2000;
 const BACKOFF_MS = [500, 1000, 2000, 4000, 8000, 10000];
@@ -10,7 +11,7 @@ const BACKOFF_MS = [500, 1000, 2000, 4000, 8000, 10000];
 const $ = (id) => document.getElementById(id);
 const ui = {
   log: $("log"), empty: $("empty"), input: $("input"), send: $("send"), status: $("status"),
-  banner: $("banner"), composer: $("composer"), newChat: $("new-chat"),
+  banner: $("banner"), composer: $("composer"), newChat: $("new-chat"), auth: $("auth"), apiKey: $("api-key"),
 };
 
 const state = {
@@ -18,7 +19,7 @@ const state = {
   sessionId: localStorage.getItem(SESSION_KEY),
   ready: false,
   attempt: 0,
-  turn: null, // {id, element, text}
+  turn: null, // {id, entry, text, lastSeq}: survives a dropped socket, to be resumed
   transcript: [], // [{role, content, meta}] as shown
   lastTyping: 0,
 };
@@ -55,13 +56,15 @@ function connect() {
     state.attempt = 0;
     showBanner("");
     setStatus("connected", "connected");
+    const key = localStorage.getItem(API_KEY);
+    if (key) send({type: "auth", token: key});
     send({type: "session.open", session_id: state.sessionId});
   });
   socket.addEventListener("message", (event) => handle(JSON.parse(event.data)));
   socket.addEventListener("close", () => {
     if (state.socket !== socket) return;
     state.ready = false;
-    interruptTurn();
+    if (state.turn) state.turn.entry.element.classList.add("waiting");
     const delay = BACKOFF_MS[Math.min(state.attempt, BACKOFF_MS.length - 1)];
     state.attempt += 1;
     setStatus("offline", "offline");
@@ -77,10 +80,21 @@ function handle(message) {
       state.sessionId = message.session_id;
       localStorage.setItem(SESSION_KEY, message.session_id);
       state.ready = true;
-      if (message.resumed) restoreHistory(message.history || []);
+      if (state.turn) {
+        // Reconnected in the middle of a reply: ask for what was missed, then the rest.
+        send({type: "chat.resume", turn_id: state.turn.id, last_seq: state.turn.lastSeq});
+      } else if (message.resumed) {
+        restoreHistory(message.history || []);
+      }
+      break;
+    case "auth.ok":
+      ui.auth.hidden = true;
       break;
     case "chat.delta":
-      if (state.turn && message.turn_id === state.turn.id) appendText(message.delta.content);
+      if (state.turn && message.turn_id === state.turn.id && message.seq > state.turn.lastSeq) {
+        state.turn.lastSeq = message.seq;
+        appendText(message.delta.content);
+      }
       break;
     case "chat.done":
       if (state.turn && message.turn_id === state.turn.id) finishTurn(message);
@@ -95,6 +109,18 @@ function handle(message) {
 }
 
 function handleError(error) {
+  if (error.code === "unauthorized") {
+    localStorage.removeItem(API_KEY);
+    state.ready = false;
+    ui.auth.hidden = false;
+    ui.apiKey.focus();
+    return;
+  }
+  if (error.code === "unknown_turn" && state.turn && error.turn_id === state.turn.id) {
+    interruptTurn();  // the turn's log expired: the server's history has its recorded reply
+    send({type: "session.open", session_id: state.sessionId});
+    return;
+  }
   if (error.code === "unknown_session" && !error.turn_id) {
     // The stored session expired or belongs to another server: start a new one.
     localStorage.removeItem(SESSION_KEY);
@@ -177,7 +203,7 @@ function startTurn(text) {
   addMessage("user", text);
   const entry = addMessage("assistant", "");
   entry.element.classList.add("streaming");
-  state.turn = {id, entry, text: ""};
+  state.turn = {id, entry, text: "", lastSeq: -1};
 }
 
 function appendText(text) {
@@ -189,7 +215,7 @@ function appendText(text) {
 
 function finishTurn(done) {
   const entry = state.turn.entry;
-  entry.element.classList.remove("streaming");
+  entry.element.classList.remove("streaming", "waiting");
   entry.content = done.content;
   entry.element.querySelector(".bubble").textContent = done.content;
   renderMeta(entry, describe(done));
@@ -213,8 +239,8 @@ function failTurn(error) {
 function interruptTurn() {
   if (!state.turn) return;
   const entry = state.turn.entry;
-  entry.element.classList.remove("streaming");
-  renderMeta(entry, [["connection lost", "error"], ["the server finishes and records the reply; it reappears on reconnect"]]);
+  entry.element.classList.remove("streaming", "waiting");
+  renderMeta(entry, [["connection lost", "error"], ["the reply could not be resumed"]]);
   state.turn = null;
 }
 
@@ -264,6 +290,16 @@ ui.input.addEventListener("input", () => {
     state.lastTyping = now;
     send({type: "typing", session_id: state.sessionId});
   }
+});
+
+ui.auth.addEventListener("submit", (event) => {
+  event.preventDefault();
+  const key = ui.apiKey.value.trim();
+  if (!key) return;
+  localStorage.setItem(API_KEY, key);
+  ui.apiKey.value = "";
+  send({type: "auth", token: key});
+  send({type: "session.open", session_id: state.sessionId});
 });
 
 ui.newChat.addEventListener("click", () => {

@@ -1,0 +1,51 @@
+"""Fit a conversation into the model's context: keep the system prompt, drop the oldest whole turns.
+
+The number of dropped turns is remembered in the session, so later turns render the same window and
+reuse its cache; the window only moves when the conversation outgrows the context again, and then it
+moves far enough (to REFILL_SHARE of the context) that several turns fit before the next move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chatd.prompt import PromptRenderer
+from sessions import Message
+
+REFILL_SHARE = 0.75
+
+
+@dataclass(frozen=True)
+class Window:
+    messages: list[Message]  # what the prompt renders
+    prompt_ids: list[int]
+    dropped_turns: int  # oldest turns left out, from the start of the conversation
+
+
+class DoesNotFit(ValueError):
+    """Even with every earlier turn dropped, the prompt leaves no room for the reply."""
+
+
+def fit(renderer: PromptRenderer, messages: list[Message], dropped_turns: int, context: int, room: int) -> Window:
+    """The window of `messages` (system prompt, history, new user message) to render: the history
+    after `dropped_turns` turns, or fewer of them when the prompt plus `room` tokens would overflow
+    `context`."""
+    system = messages[:1] if messages and messages[0].role == "system" else []
+    history, new = messages[len(system):-1], messages[-1:]
+    turns = len(history) // 2
+    dropped = min(dropped_turns, turns)
+
+    def render(drop: int) -> Window:
+        kept = system + history[2 * drop:] + new
+        return Window(kept, renderer.render(kept), drop)
+
+    window = render(dropped)
+    if len(window.prompt_ids) + room <= context:
+        return window
+    target = int(context * REFILL_SHARE)
+    while window.dropped_turns < turns and len(window.prompt_ids) + room > target:
+        window = render(window.dropped_turns + 1)
+    if len(window.prompt_ids) + room > context:
+        raise DoesNotFit(f"the message is too long: with the system prompt it takes {len(window.prompt_ids)} "
+                         f"tokens and the reply needs {room} more; the model's context is {context}")
+    return window
