@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         except ValidationError as error:
             parser.error("; ".join(f"--{e['loc'][0].replace('_', '-')}: {e['msg']}" for e in error.errors()))
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        if settings.log_level != "debug":  # one line per connection and health probe is noise in production
-            logging.getLogger("websockets").setLevel(logging.WARNING)
+        # One line per connection and probe is noise in production; frame dumps (DEBUG) would show API keys.
+        logging.getLogger("websockets").setLevel(logging.INFO if settings.log_level == "debug" else logging.WARNING)
         from chatd.server import ModelLoadError, run
 
         try:

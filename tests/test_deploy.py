@@ -45,10 +45,10 @@ def test_compose_file_parses_and_names_files_that_exist():
 class Worker:
     """`chatd serve` as its own process, as deployed."""
 
-    def __init__(self, checkpoint: Path, redis_url: str):
+    def __init__(self, checkpoint: Path, redis_url: str, *flags: str):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "chatd", "serve", "--model", str(checkpoint), "--port", "0", "--device", "cpu",
-             "--redis-url", redis_url, "--lease-ttl-s", "2", "--log-level", "warning"],
+             "--redis-url", redis_url, "--lease-ttl-s", "2", "--log-level", "warning", *flags],
             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         line = self.process.stdout.readline()
         self.port = int(re.search(r"ws://127\.0\.0\.1:(\d+)/ws", line).group(1))
@@ -130,8 +130,9 @@ async def test_nginx_routes_a_session_to_one_worker_and_fails_over(nginx, worker
     assert (done.cache.source, done.cache.miss_reason) == ("miss", "cold")
 
 
-async def test_a_worker_killed_mid_turn_leaves_every_completed_turn_and_no_trace(workers, redis_server):
-    first, second = (f"ws://127.0.0.1:{worker.port}/ws" for worker in workers)
+async def test_a_worker_killed_mid_turn_leaves_every_completed_turn_and_no_trace(workers, redis_server,
+                                                                                 tiny_checkpoint):
+    first = f"ws://127.0.0.1:{workers[0].port}/ws"
     async with ChatClient(await connect(first)) as client:
         session_id = (await client.open_session()).session_id
         for index in range(2):
@@ -142,7 +143,9 @@ async def test_a_worker_killed_mid_turn_leaves_every_completed_turn_and_no_trace
         with pytest.raises(ChatError) as lost:
             await interrupted.result()
         assert (lost.value.code, lost.value.retryable) == ("disconnected", True)
-    ready, done = await one_turn(second, session_id, "after the crash", max_new_tokens=4)
+    workers[0] = Worker(tiny_checkpoint, redis_server.url)  # restarted
+    ready, done = await one_turn(f"ws://127.0.0.1:{workers[0].port}/ws", session_id, "after the crash",
+                                 max_new_tokens=4)
     assert ready.turns == 2 and done.usage.completion_tokens == 4
     stored = await RedisSessionStore(redis_server.url, retention_s=60).get(session_id)
     assert [m.content for m in stored.messages if m.role == "user"] == ["completed 0", "completed 1",

@@ -157,3 +157,32 @@ async def test_dashboard_draws_live_charts_after_traffic(server, browser):
     await page.screenshot(path=SCREENSHOTS / "dashboard.png", full_page=True)
     watch.assert_clean(origin)
     await page.close()
+
+
+async def test_api_key_form_and_a_reply_resumed_after_a_dropped_socket(smollm2, browser):
+    key = "sk-browser-0123456789"
+    async with ChatServer(Settings(port=0, api_key=[key]), load=lambda: smollm2) as server:
+        await server.wait_ready()
+        origin = f"http://127.0.0.1:{server.port}"
+        page = await browser.new_page(viewport={"width": 1000, "height": 800})
+        watch = PageWatch(page)
+        await page.goto(origin + "/")
+        await expect(page.locator("#auth")).to_be_visible()
+        await page.fill("#api-key", key)
+        await page.press("#api-key", "Enter")
+        await expect(page.locator("#auth")).to_be_hidden()
+        await expect(page.locator("#send")).to_have_text("Send")
+        await send(page, "Write a long story about a lighthouse keeper and a storm.")
+        reply = page.locator(".message.assistant").nth(0)
+        await expect(reply.locator(".bubble")).not_to_have_text("", timeout=60_000)
+        for connection in list(server._server.connections):  # the network drops mid-reply
+            connection.transport.abort()
+        await expect(page.locator("#status")).to_have_text("connected", timeout=20_000)
+        await expect(reply.locator(".meta")).to_contain_text("TTFT", timeout=120_000)
+        shown = await reply.locator(".bubble").inner_text()
+        session_id = await page.evaluate("localStorage.getItem('chatd.session_id')")
+        recorded = (await server.sessions.get(session_id)).messages[-1].content
+        assert shown.strip() == recorded.strip() and len(recorded) > 20  # nothing lost, nothing doubled
+        await page.screenshot(path=SCREENSHOTS / "chat-resumed.png")
+        watch.assert_clean(origin, expected_errors=("WebSocket",))
+        await page.close()

@@ -219,6 +219,7 @@ function finishTurn(done) {
   entry.content = done.content;
   entry.element.querySelector(".bubble").textContent = done.content;
   renderMeta(entry, describe(done));
+  scrollToEnd();
   if (done.finish_reason === "cancelled") {
     // A stopped turn is not recorded: keep it on screen, but out of the transcript that mirrors the server.
     state.transcript.splice(state.transcript.length - 2, 2);
