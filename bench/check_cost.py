@@ -11,13 +11,10 @@ the TTFT of a turn that reuses the cache (prefill of a typical new message on to
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import write_result
+from common import median_ms, write_result
 
 from cache_store import CacheEntry, CacheLayout, KVGeometry, Offloader
 from cache_store.integrity import check_finite, check_identity, check_tensors, checksum, fingerprint
@@ -28,15 +25,6 @@ from chatd.model_loader import load_model
 
 HERE = Path(__file__).parent
 NEW_MESSAGE_TOKENS = 32
-
-
-def median_ms(action: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
 
 
 def main() -> None:

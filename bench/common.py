@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from chatd.prompt import PromptRenderer
@@ -28,3 +31,13 @@ def write_result(path: Path, result: object) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}", file=sys.stderr)
+
+
+def median_ms(action: Callable[[], object], repeats: int) -> float:
+    """The median wall time of `action`, in milliseconds."""
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - started)
+    return 1000 * statistics.median(samples)

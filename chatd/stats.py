@@ -19,6 +19,7 @@ SERIES_STEP_S = 10.0
 SERIES_POINTS = 30
 KEEP_S = max(WINDOWS.values()) + SERIES_STEP_S
 MAX_RECORDS = 100_000  # a bound on memory whatever the traffic
+SNAPSHOT_MAX_AGE_S = 1.0  # dashboards polling at once share one snapshot (tens of ms under heavy traffic)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class StatsRecorder:
         self._turns: deque[TurnRecord] = deque(maxlen=MAX_RECORDS)
         self._errors: deque[tuple[float, str]] = deque(maxlen=MAX_RECORDS)
         self._samples: deque[tuple[float, LiveState]] = deque()
+        self._snapshot: tuple[float, dict] | None = None
 
     def record_turn(self, result: TurnResult) -> None:
         now, ms = self._clock(), result.timings
@@ -73,15 +75,20 @@ class StatsRecorder:
         self._forget_before(now - KEEP_S)
 
     def snapshot(self, live: LiveState) -> dict:
-        self.sample(live)
         now = self._clock()
-        return {
+        if self._snapshot is not None and now - self._snapshot[0] < SNAPSHOT_MAX_AGE_S:
+            return self._snapshot[1]
+        self.sample(live)
+        tokens = self._tokens()
+        snapshot = {
             "model": self.model_name,
             "uptime_s": round(now - self._started, 1),
             "now": self._now(live),
-            "windows": {name: self._window(now - span, now, live) for name, span in WINDOWS.items()},
-            "series": {"step_s": SERIES_STEP_S, "points": self._series(now)},
+            "windows": {name: self._window(now - span, now, live, tokens) for name, span in WINDOWS.items()},
+            "series": {"step_s": SERIES_STEP_S, "points": self._series(now, tokens[0])},
         }
+        self._snapshot = (now, snapshot)
+        return snapshot
 
     def _now(self, live: LiveState) -> dict:
         tiers = {}
@@ -92,10 +99,10 @@ class StatsRecorder:
         return {"running": live.running, "waiting": live.waiting, "tiers": tiers,
                 "sessions": {"connected": live.connected_sessions, "idle": live.cache.get("idle_sessions", 0)}}
 
-    def _window(self, start: float, end: float, live: LiveState) -> dict:
+    def _window(self, start: float, end: float, live: LiveState, tokens: tuple[np.ndarray, np.ndarray]) -> dict:
         finished = [t for t in self._turns if start <= t.finished_at < end]
         first = [t.ttft_s for t in self._turns if t.first_token_at is not None and start <= t.first_token_at < end]
-        times, gaps = self._tokens()
+        times, gaps = tokens
         in_window = (times >= start) & (times < end)
         span = min(end - start, end - self._started)
         before = self._sample_at(start)
@@ -112,7 +119,7 @@ class StatsRecorder:
             "errors": dict(Counter(code for at, code in self._errors if start <= at < end)),
         }
 
-    def _series(self, now: float) -> list[dict]:
+    def _series(self, now: float, token_times: np.ndarray) -> list[dict]:
         """One point per step over the last SERIES_POINTS steps; None where nothing was measured."""
         offset = time.time() - now  # perf_counter -> unix time, for the charts' axes
         edges = now - SERIES_STEP_S * np.arange(SERIES_POINTS, -1, -1)
@@ -124,7 +131,7 @@ class StatsRecorder:
                 first[index].append(turn.ttft_s)
             if 0 <= (index := bucket(turn.finished_at)) < SERIES_POINTS:
                 finished[index].append(turn)
-        tokens, _ = np.histogram(self._tokens()[0], bins=edges)
+        tokens, _ = np.histogram(token_times, bins=edges)
         points = []
         for index in range(SERIES_POINTS):
             at_start, at_end = self._sample_at(edges[index]), self._sample_at(edges[index + 1])

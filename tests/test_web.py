@@ -9,6 +9,7 @@ import pytest
 import pytest_asyncio
 from playwright.async_api import Page, async_playwright, expect
 
+from cache_store import CacheStore
 from chatd.config import Settings
 from chatd.server import ChatServer
 
@@ -89,8 +90,20 @@ async def test_chat_streams_reuses_the_cache_survives_reload_and_stops(server, b
     assert (await first.locator(".bubble").inner_text()).strip()
     await page.screenshot(path=SCREENSHOTS / "chat-two-turns.png")
 
-    # A reload keeps the session: same id, both turns redrawn from the server's history.
+    # Typing sends the hint that brings an offloaded cache back to the device before the message.
     session_id = await page.evaluate("localStorage.getItem('chatd.session_id')")
+    assert await asyncio.wrap_future(server.engine.call(CacheStore.evict_idle)) >= 1
+    assert await asyncio.wrap_future(server.engine.call(lambda store: session_id in store.host))
+    await page.type("#input", "Thanks, one more", delay=20)
+    for _ in range(100):
+        if await asyncio.wrap_future(server.engine.call(lambda store: session_id in store.device)):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("typing did not bring the cache back to the device")
+    await page.fill("#input", "")
+
+    # A reload keeps the session: same id, both turns redrawn from the server's history.
     await page.reload()
     await expect(page.locator("#status")).to_have_text("connected")
     await expect(page.locator(".message")).to_have_count(4)
