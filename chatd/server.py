@@ -69,10 +69,8 @@ class ChatServer:
 
     async def __aenter__(self) -> ChatServer:
         self.engine.start()
-        origins = [*self.settings.allowed_origins, None] if self.settings.allowed_origins else None
         self._server = await serve(self.gateway.handle, self.settings.host, self.settings.port,
-                                   process_request=self._process_request, max_size=self.settings.max_message_bytes,
-                                   origins=origins)
+                                   process_request=self._process_request, max_size=self.settings.max_message_bytes)
         self._sampler = asyncio.create_task(self._sample_forever())
         return self
 
@@ -154,7 +152,12 @@ class ChatServer:
 
 
     def _admit_websocket(self, request: Request) -> Response | None:
-        """Refuse a handshake over --max-connections (503) or with a wrong Bearer key (401)."""
+        """Refuse a handshake from a browser page of another origin (403), over --max-connections
+        (503), or with a wrong Bearer key (401)."""
+        origin = request.headers.get("Origin")
+        if (self.settings.allowed_origins and origin is not None and origin not in self.settings.allowed_origins
+                and urlsplit(origin).netloc != request.headers.get("Host")):  # chatd's own pages may connect
+            return text_response(http.HTTPStatus.FORBIDDEN, f"origin {origin!r} is not allowed\n")
         if len(self._server.connections) >= self.settings.max_connections:
             return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE,
                                  f"too many connections (the limit is {self.settings.max_connections}); retry later\n")

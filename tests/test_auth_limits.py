@@ -95,6 +95,8 @@ async def test_origins_are_checked_for_browsers(tiny):
             assert (await ask(websocket, {"type": "session.open"}))["type"] == "session.ready"
         async with connect(server.url) as websocket:  # not a browser: no Origin header
             assert (await ask(websocket, {"type": "session.open"}))["type"] == "session.ready"
+        async with connect(server.url, origin=f"http://127.0.0.1:{server.port}") as websocket:  # chatd's own UI
+            assert (await ask(websocket, {"type": "session.open"}))["type"] == "session.ready"
         with pytest.raises(InvalidStatus) as refused:
             await connect(server.url, origin="https://evil.example")
         assert refused.value.response.status_code == 403
