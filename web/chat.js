@@ -220,6 +220,7 @@ function finishTurn(done) {
   entry.element.querySelector(".bubble").textContent = done.content;
   renderMeta(entry, describe(done));
   scrollToEnd();
+  state.lastTyping = 0;  // whatever is typed next is a new message: hint at once
   if (done.finish_reason === "cancelled") {
     // A stopped turn is not recorded: keep it on screen, but out of the transcript that mirrors the server.
     state.transcript.splice(state.transcript.length - 2, 2);
