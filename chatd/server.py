@@ -122,7 +122,10 @@ class ChatServer:
 
     async def _sample_forever(self) -> None:
         while True:
-            self.stats.sample(await self.live_state())
+            try:
+                self.stats.sample(await self.live_state())
+            except Exception:  # the dashboard loses a point; the server goes on
+                log.exception("sampling the cache stats failed")
             await asyncio.sleep(SAMPLE_EVERY_S)
 
     async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:

@@ -100,10 +100,10 @@ class StatsRecorder:
                 "sessions": {"connected": live.connected_sessions, "idle": live.cache.get("idle_sessions", 0)}}
 
     def _window(self, start: float, end: float, live: LiveState, tokens: tuple[np.ndarray, np.ndarray]) -> dict:
-        finished = [t for t in self._turns if start <= t.finished_at < end]
-        first = [t.ttft_s for t in self._turns if t.first_token_at is not None and start <= t.first_token_at < end]
+        finished = [t for t in self._turns if start < t.finished_at <= end]
+        first = [t.ttft_s for t in self._turns if t.first_token_at is not None and start < t.first_token_at <= end]
         times, gaps = tokens
-        in_window = (times >= start) & (times < end)
+        in_window = (times > start) & (times <= end)
         span = min(end - start, end - self._started)
         before = self._sample_at(start)
         return {
@@ -116,14 +116,15 @@ class StatsRecorder:
             "cache": _cache_outcomes(finished),
             "evictions": _delta(live.evictions(), before.evictions() if before else None),
             "corruptions": _delta(live.corruptions(), before.corruptions() if before else None),
-            "errors": dict(Counter(code for at, code in self._errors if start <= at < end)),
+            "errors": dict(Counter(code for at, code in self._errors if start < at <= end)),
         }
 
     def _series(self, now: float, token_times: np.ndarray) -> list[dict]:
-        """One point per step over the last SERIES_POINTS steps; None where nothing was measured."""
+        """One point per step over the last SERIES_POINTS steps, each over (start, end]; None where
+        nothing was measured."""
         offset = time.time() - now  # perf_counter -> unix time, for the charts' axes
         edges = now - SERIES_STEP_S * np.arange(SERIES_POINTS, -1, -1)
-        bucket = lambda moment: int(np.searchsorted(edges, moment, side="right")) - 1  # noqa: E731
+        bucket = lambda moment: int(np.searchsorted(edges, moment, side="left")) - 1  # noqa: E731
         first: list[list[float]] = [[] for _ in range(SERIES_POINTS)]
         finished: list[list[TurnRecord]] = [[] for _ in range(SERIES_POINTS)]
         for turn in self._turns:
