@@ -59,6 +59,13 @@ class PageWatch:
         assert all(url.split("://", 1)[1].startswith(host) for url in self.urls), self.urls  # no CDN
 
 
+async def open_page(browser, origin: str, path: str, **options) -> tuple[Page, PageWatch]:
+    page = await browser.new_page(**options)
+    watch = PageWatch(page)
+    await page.goto(origin + path)
+    return page, watch
+
+
 async def send(page: Page, text: str) -> None:
     await page.fill("#input", text)
     await page.press("#input", "Enter")
@@ -66,9 +73,7 @@ async def send(page: Page, text: str) -> None:
 
 async def test_chat_streams_reuses_the_cache_survives_reload_and_stops(server, browser):
     origin = f"http://127.0.0.1:{server.port}"
-    page = await browser.new_page(viewport={"width": 1100, "height": 800})
-    watch = PageWatch(page)
-    await page.goto(origin + "/")
+    page, watch = await open_page(browser, origin, "/", viewport={"width": 1100, "height": 800})
     await expect(page.locator("#status")).to_have_text("connected")
     # Record every text the streaming reply shows, to see it arrive piece by piece.
     await page.evaluate("""() => {
@@ -135,9 +140,8 @@ async def test_phone_viewport_and_unreachable_server(smollm2, browser):
     async with ChatServer(Settings(port=0), load=lambda: smollm2) as server:
         await server.wait_ready()
         origin = f"http://127.0.0.1:{server.port}"
-        page = await browser.new_page(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
-        watch = PageWatch(page)
-        await page.goto(origin + "/")
+        page, watch = await open_page(browser, origin, "/", viewport={"width": 390, "height": 844}, is_mobile=True,
+                                      has_touch=True)
         await expect(page.locator("#status")).to_have_text("connected")
         await send(page, "Hello!")
         await expect(page.locator(".message.assistant .meta")).to_contain_text("TTFT", timeout=120_000)
@@ -156,9 +160,7 @@ async def test_phone_viewport_and_unreachable_server(smollm2, browser):
 async def test_dashboard_draws_live_charts_after_traffic(server, browser):
     """Runs after the chat test in this module, so the server has traffic to show."""
     origin = f"http://127.0.0.1:{server.port}"
-    page = await browser.new_page(viewport={"width": 1300, "height": 1000})
-    watch = PageWatch(page)
-    await page.goto(origin + "/dashboard")
+    page, watch = await open_page(browser, origin, "/dashboard", viewport={"width": 1300, "height": 1000})
     await expect(page.locator("#updated")).to_contain_text("updated")
     for chart in ("chart-ttft", "chart-tps", "chart-hit", "chart-tiers", "chart-evictions"):
         assert int(await page.locator(f"#{chart}").get_attribute("data-points")) > 0, chart
@@ -177,9 +179,7 @@ async def test_api_key_form_and_a_reply_resumed_after_a_dropped_socket(smollm2, 
     async with ChatServer(Settings(port=0, api_key=[key]), load=lambda: smollm2) as server:
         await server.wait_ready()
         origin = f"http://127.0.0.1:{server.port}"
-        page = await browser.new_page(viewport={"width": 1000, "height": 800})
-        watch = PageWatch(page)
-        await page.goto(origin + "/")
+        page, watch = await open_page(browser, origin, "/", viewport={"width": 1000, "height": 800})
         await expect(page.locator("#auth")).to_be_visible()
         await page.fill("#api-key", key)
         await page.press("#api-key", "Enter")
