@@ -48,6 +48,7 @@ class Workload:
     think_s: float
     max_new_tokens: int
     seed: int
+    api_key: str | None = field(default=None, repr=False)  # never written to the results
 
 
 def load_scenarios(folder: Path) -> list[dict]:
@@ -60,7 +61,7 @@ def load_scenarios(folder: Path) -> list[dict]:
 async def play_customer(url: str, workload: Workload, index: int, samples: list[TurnSample], progress: tqdm) -> None:
     scenario = workload.scenarios[index % len(workload.scenarios)]
     pauses = random.Random(workload.seed * 1000 + index)
-    async with await ChatClient.connect(url) as client:
+    async with await ChatClient.connect(url, api_key=workload.api_key) as client:
         session_id = (await client.open_session(system=scenario["system"])).session_id
         for turn in range(1, workload.turns + 1):
             sample = TurnSample(customer=index, turn=turn)
@@ -251,7 +252,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main(args) -> None:
     workload = Workload(load_scenarios(args.scenarios), args.customers, args.turns, args.think_s,
-                        args.max_new_tokens, args.seed)
+                        args.max_new_tokens, args.seed, args.api_key)
     flag_sets = [args.a, args.b] if args.compare else ([args.serve] if args.serve is not None else [])
     servers = [ServerProcess(flags) for flags in flag_sets]
     targets = [(args.url, "server")] if args.url else [(server.url, label) for server, label
@@ -274,7 +275,8 @@ def main(args) -> None:
         print(f"{result['label']}: {result['config']}")
     print(report(results))
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"workload": {k: v for k, v in asdict(workload).items() if k != "scenarios"},
+    args.output.write_text(json.dumps({"workload": {k: v for k, v in asdict(workload).items()
+                                                    if k not in ("scenarios", "api_key")},
                                        "scenarios": [s["name"] for s in workload.scenarios], "results": results},
                                       indent=2))
     plot(results, args.output.with_suffix(".png"))

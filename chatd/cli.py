@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from chatd.config import Settings
+
+CLIENT_KEY_ENV = "CHATD_CLIENT_API_KEY"  # safer than --api-key: command lines are visible to every user
 
 
 def _serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -36,6 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     chat.add_argument("--system", default=None, help="system prompt for a new session")
     chat.add_argument("--session-id", default=None, help="continue an existing session")
     chat.add_argument("--max-new-tokens", type=int, default=256)
+    chat.add_argument("--api-key", default=os.environ.get(CLIENT_KEY_ENV),
+                      help=f"for a server with API keys (default: ${CLIENT_KEY_ENV})")
     kv_size = commands.add_parser("kv-size", help="print the KV cache size per session for a model")
     kv_size.add_argument("--model", default="smollm2-135m")
     kv_size.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
@@ -58,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=32)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--rounds", type=int, default=1, help="workloads per configuration, alternating")
+    bench.add_argument("--api-key", default=os.environ.get(CLIENT_KEY_ENV),
+                       help=f"for a chatd server with API keys (default: ${CLIENT_KEY_ENV})")
     bench.add_argument("--scenarios", type=Path, default=None,
                        help="folder of scenario files (default: bench/scenarios)")
     bench.add_argument("--output", type=Path, default=Path("bench/results/chatd-bench.json"),
@@ -90,6 +97,12 @@ def main(argv: list[str] | None = None) -> None:
 
         print(kv_size_table(args.model, args.tokens, args.dtype, args.budget_mb))
     else:
+        from websockets.exceptions import InvalidHandshake
+
+        from chatd.client import ChatError
         from chatd.terminal import chat as run_chat
 
-        asyncio.run(run_chat(args.url, args.system, args.session_id, args.max_new_tokens))
+        try:
+            asyncio.run(run_chat(args.url, args.system, args.session_id, args.max_new_tokens, args.api_key))
+        except (ChatError, InvalidHandshake, OSError) as error:
+            sys.exit(f"chatd chat: {error}")

@@ -7,8 +7,6 @@ import signal
 import subprocess
 import sys
 
-from websockets.asyncio.client import connect
-
 from chatd.client import ChatClient
 
 
@@ -17,20 +15,24 @@ def chatd(*args: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-async def test_serve_a_local_checkpoint_chat_and_stop_on_sigterm(tiny_checkpoint):
-    server = chatd("serve", "--model", str(tiny_checkpoint), "--port", "0", "--device", "cpu")
+async def test_serve_a_local_checkpoint_chat_and_stop_on_sigterm(tiny_checkpoint, tmp_path):
+    (tmp_path / "keys").write_text("# the support widget\nsk-cli-test\n")
+    server = chatd("serve", "--model", str(tiny_checkpoint), "--port", "0", "--device", "cpu",
+                   "--api-key-file", str(tmp_path / "keys"))
     try:
         line = await asyncio.wait_for(asyncio.to_thread(server.stdout.readline), 120)
         url = re.search(r"ws://\S+/ws", line)
         assert url, f"no listening line, got {line!r}"
         assert "cpu" in line and "float32" in line
-        async with ChatClient(await connect(url.group(0))) as client:
+        async with await ChatClient.connect(url.group(0), api_key="sk-cli-test") as client:
             session_id = (await client.open_session(system="Be brief.")).session_id
             done = await (await client.chat(session_id, "Hello", max_new_tokens=5)).result()
             assert done.usage.completion_tokens == 5
-        terminal = subprocess.run([sys.executable, "-m", "chatd", "chat", "--url", url.group(0),
-                                   "--max-new-tokens", "4"], input="Hi there\nAnd again\n",
-                                  capture_output=True, text=True, timeout=60)
+        command = [sys.executable, "-m", "chatd", "chat", "--url", url.group(0), "--max-new-tokens", "4"]
+        refused = subprocess.run(command, input="Hi\n", capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and "chatd chat: unauthorized" in refused.stderr
+        terminal = subprocess.run(command, input="Hi there\nAnd again\n", capture_output=True, text=True,
+                                  timeout=60, env={**os.environ, "CHATD_CLIENT_API_KEY": "sk-cli-test"})
         assert terminal.returncode == 0, terminal.stderr
         assert terminal.stdout.count("bot> ") == 2
         summaries = re.findall(r"\[(\w+)[^,]*, cached (\d+)/(\d+) prompt tokens, TTFT \d+ ms", terminal.stderr)
