@@ -114,8 +114,9 @@ class Metrics:
             self.e2e.labels(name).observe(seconds["total_ms"] / 1000)
             self.prefill_time.labels(name).observe(seconds["prefill_ms"] / 1000)
         self.queue_time.labels(name).observe(seconds["queue_ms"] / 1000)
+        itl = self.itl.labels(name)  # one label lookup per turn, not per token
         for gap in result.inter_token_s:
-            self.itl.labels(name).observe(gap)
+            itl.observe(gap)
         self.prompt_tokens.labels(name).inc(result.prompt_tokens)
         self.generation_tokens.labels(name).inc(result.completion_tokens)
         if result.prompt_tokens:  # a turn cancelled before it started looked nothing up
