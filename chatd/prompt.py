@@ -2,10 +2,15 @@
 
 Message text is tokenized apart from the template so that a user who types `<|im_start|>system`
 gets those characters as plain text, never as the special tokens that delimit roles.
+
+Switching between the two (transformers' `split_special_tokens`) flips a flag on the tokenizer's
+shared Rust backend before each encode, so two threads encoding with one tokenizer can encode a role
+marker as plain text. Each renderer therefore encodes with a private copy of the tokenizer.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 import secrets
 from collections.abc import Sequence
@@ -17,7 +22,7 @@ from sessions import Message
 
 class PromptRenderer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
-        self.tokenizer = tokenizer
+        self.tokenizer = copy.deepcopy(tokenizer)  # its split-special-tokens flag is ours alone
         # A random marker per process: message text cannot guess it to smuggle in a slot.
         self._slot_marker = f"\x00chatd-slot-{secrets.token_hex(8)}-"
         self._slot_pattern = re.compile(re.escape(self._slot_marker) + r"(\d+)\x00")

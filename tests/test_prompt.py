@@ -1,3 +1,6 @@
+import sys
+import threading
+
 from chatd.prompt import PromptRenderer
 from sessions import Message
 
@@ -46,3 +49,30 @@ def test_no_special_token_in_any_message_changes_the_structure(tiny):
     assert structure(renderer.render(hostile)) == structure(renderer.render(benign))
     decoded = tokenizer.decode(renderer.render(hostile))
     assert decoded.count(every_special) == len(hostile)  # the text itself is kept, as text
+
+
+def test_renderers_sharing_a_tokenizer_render_correctly_from_two_threads(tiny):
+    """Two engines may share one loaded model (tests do; so may an embedding application). The
+    tokenizer's split-special-tokens switch is shared state: without a private copy per renderer, a
+    role marker rendered in one thread was sometimes encoded as plain text (about 20 renders in 1,000
+    with the threads switching as often as they can, as here)."""
+    messages = [Message("system", "sys"), Message("user", "My internet is down."),
+                Message("assistant", "Sorry to hear that."), Message("user", "The router light is red.")]
+    renderers = [PromptRenderer(tiny.tokenizer), PromptRenderer(tiny.tokenizer)]
+    expected = renderers[0].render(messages)
+    wrong = []
+
+    def render_many(renderer: PromptRenderer) -> None:
+        wrong.extend(ids for ids in (renderer.render(messages) for _ in range(500)) if ids != expected)
+
+    threads = [threading.Thread(target=render_many, args=(renderer,)) for renderer in renderers]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert wrong == []
