@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -20,7 +21,7 @@ class ChatParams(_Message):
     max_new_tokens: int = Field(256, ge=1, le=MAX_NEW_TOKENS_CAP)
     temperature: float = Field(0.0, ge=0.0, le=5.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)  # what torch.Generator takes
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=16)
 
 
@@ -86,10 +87,14 @@ def parse_client_message(frame: str | bytes
         raise ProtocolError("binary frames are not supported: send JSON text frames")
     try:
         data = json.loads(frame)
-    except json.JSONDecodeError as error:
+    except ValueError as error:  # malformed, or an integer longer than Python converts
         raise ProtocolError(f"invalid JSON: {error}") from None
+    except RecursionError:
+        raise ProtocolError("invalid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ProtocolError("a message must be a JSON object with a 'type'")
+    if _SURROGATE_ESCAPE.search(frame) and (where := _lone_surrogate(data)) is not None:
+        raise ProtocolError(f"{where}: a lone surrogate escape (\\ud800 to \\udfff without its pair) is not text")
     try:
         return _client_message.validate_python(data)
     except ValidationError as error:
@@ -98,6 +103,28 @@ def parse_client_message(frame: str | bytes
             where = ".".join(str(part) for part in problem["loc"])
             problems.append(f"{where}: {problem['msg']}" if where else problem["msg"])
         raise ProtocolError("; ".join(problems)) from None
+
+
+# Text frames arrive as valid UTF-8; only a JSON escape can put a surrogate into a parsed string.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(data: dict) -> str | None:
+    """The field whose text holds a lone surrogate (JSON's "\\ud800" parses to one), or None. Such text
+    cannot be encoded as UTF-8, so the tokenizer, Redis and the reply would each fail on it later."""
+    pending: list[tuple[str, object]] = [("", data)]
+    while pending:  # iterative: a message may nest as deeply as the JSON parser allows
+        where, value = pending.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return where
+        elif isinstance(value, dict | list):
+            for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+                if _SURROGATE.search(str(key)):
+                    return f"a key of {where or 'the message'}"
+                pending.append((f"{where}.{key}" if where else str(key), item))
+    return None
 
 
 class HistoryMessage(BaseModel):

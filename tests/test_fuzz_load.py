@@ -24,13 +24,15 @@ SERVER_TYPES = {"auth.ok", "session.ready", "session.closed", "chat.delta", "cha
 CLIENT_TYPES = ["auth", "session.open", "chat.request", "chat.cancel", "chat.resume", "typing", "session.close"]
 SENTINEL = json.dumps({"type": "chat.cancel", "turn_id": "sentinel"})  # always answered: unknown_turn
 
+# Lone surrogates too: "\ud800" is valid JSON but not text, and must not reach the tokenizer or Redis.
+texts = st.text(max_size=40) | st.text(st.characters(categories=["Cs", "Ll"]), max_size=8)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | texts,
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
     max_leaves=12)
 messages = st.fixed_dictionaries(
     {"type": st.sampled_from(CLIENT_TYPES) | st.text(max_size=12)},
-    optional={field: json_values | st.text(alphabet=string.printable, max_size=30)
+    optional={field: json_values | texts | st.text(alphabet=string.printable, max_size=30)
               for field in ("session_id", "turn_id", "content", "params", "token", "last_seq", "system")})
 frames = st.one_of(
     messages.map(json.dumps),

@@ -51,6 +51,13 @@ async def collect_turn(ws) -> tuple[list[dict], dict]:
     ({"type": "session.open", "system": 5}, "system"),
     ({"type": "session.open", "colour": "blue"}, "colour"),
     ({"type": "chat.cancel"}, "turn_id"),
+    ({"type": "chat.request", "session_id": "x", "content": "hi", "params": {"seed": 2**64}}, "params.seed"),
+    ('{"type": "chat.request", "session_id": "x", "content": "hi", "params": {"seed": 1%s}}' % ("0" * 5000),
+     "invalid JSON"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ({"type": "session.open", "system": "be nice \ud800"}, "system: a lone surrogate"),
+    ({"type": "chat.request", "session_id": "x", "content": "hi", "params": {"stop": ["\udfff"]}}, "params.stop.0"),
+    ({"type": "typing", "session_id": "\udc00"}, "session_id"),
 ])
 async def test_malformed_input_is_a_bad_request_and_the_connection_keeps_working(server, frame, names):
     async with connect(server.url) as ws:
