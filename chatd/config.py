@@ -43,7 +43,8 @@ class Settings(BaseSettings):
     enable_fault_injection: bool = Field(
         False, description="open POST /admin/sessions/{id}/corrupt for tests and chaos drills")
     redis_url: str | None = Field(None, description="keep sessions in Redis (redis://host:port/db) instead of memory")
-    session_retention_s: float = Field(7 * 24 * 3600, gt=0, description="how long Redis keeps an idle session")
+    session_retention_s: float = Field(7 * 24 * 3600, gt=0,
+                                       description="how long an unused session is kept (in memory or in Redis)")
     remote_kv: bool = Field(False, description="also keep every session's cache in Redis, shared by all workers "
                                                "(needs --redis-url)")
     remote_kv_ttl_s: float = Field(3600.0, gt=0, description="how long Redis keeps a session's cache")

@@ -52,7 +52,7 @@ class ChatServer:
                              on_cache_copy=self.metrics.observe_cache_copy)
         self.sessions: SessionStore = (
             RedisSessionStore(settings.redis_url, settings.session_retention_s, lease_ttl_s=settings.lease_ttl_s)
-            if settings.redis_url else InMemorySessionStore())
+            if settings.redis_url else InMemorySessionStore(settings.session_retention_s))
         self.gateway = Gateway(self.engine, self.sessions, settings, on_turn=self._turn_finished,
                                on_error=self._error_sent)
         self._server: Server | None = None

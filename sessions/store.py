@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 from sessions.state import Session, new_session_id
@@ -57,18 +60,27 @@ class SessionStore(Protocol):
 
 
 class InMemorySessionStore:
-    """Sessions of this process, lost when it exits."""
+    """Sessions of this process, lost when it exits. A session unused for `retention_s` is forgotten,
+    as Redis forgets it, so that abandoned conversations do not grow the process without bound."""
 
-    def __init__(self) -> None:
-        self._sessions: dict[str, Session] = {}
+    def __init__(self, retention_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.retention_s = retention_s
+        self._clock = clock
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self._used_at: dict[str, float] = {}
 
     async def create(self, system: str | None, owner: str | None = None) -> Session:
+        self._forget_idle()
         session = Session(session_id=new_session_id(), system=system, owner=owner)
-        self._sessions[session.session_id] = session
+        self._use(session)
         return session
 
     async def get(self, session_id: str) -> Session | None:
-        return self._sessions.get(session_id)
+        self._forget_idle()
+        session = self._sessions.get(session_id)
+        if session is not None:
+            self._use(session)
+        return session
 
     async def lease(self, session_id: str) -> Lease:
         return LocalLease()
@@ -81,12 +93,30 @@ class InMemorySessionStore:
         stored.record_turn(user_content, reply, token_ids, dropped_turns)
         if session is not stored:
             session.record_turn(user_content, reply, token_ids, dropped_turns)
+        self._use(stored)
 
     async def delete(self, session_id: str) -> bool:
+        self._used_at.pop(session_id, None)
         return self._sessions.pop(session_id, None) is not None
 
     async def close(self) -> None:
         self._sessions.clear()
+        self._used_at.clear()
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def _use(self, session: Session) -> None:
+        self._sessions[session.session_id] = session
+        self._sessions.move_to_end(session.session_id)
+        self._used_at[session.session_id] = self._clock()
+
+    def _forget_idle(self) -> None:
+        if self.retention_s is None:
+            return
+        deadline = self._clock() - self.retention_s
+        while self._sessions:
+            oldest = next(iter(self._sessions))
+            if self._used_at[oldest] >= deadline:
+                return
+            del self._sessions[oldest], self._used_at[oldest]

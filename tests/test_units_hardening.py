@@ -1,5 +1,5 @@
 """The small pieces on their own, with fake clocks: stats windows, the rate limiter, turn-log expiry,
-key identification and the context window."""
+key identification, the context window and the in-memory store's retention."""
 
 import pytest
 from websockets.datastructures import Headers
@@ -12,7 +12,7 @@ from chatd.rate_limit import RateLimiter
 from chatd.stats import StatsRecorder, percentiles
 from chatd.turn import TurnResult
 from chatd.turn_log import TurnLogs
-from sessions import Message
+from sessions import InMemorySessionStore, Message
 
 
 class Clock:
@@ -118,3 +118,19 @@ def test_context_window_drops_whole_turns_and_keeps_the_system_prompt(tiny):
     assert again.prompt_ids == window.prompt_ids  # the next turn renders the same window
     with pytest.raises(DoesNotFit):
         fit(renderer, [system, Message("user", "spoke " * 200)], dropped_turns=0, context=100, room=10)
+
+
+async def test_the_memory_store_forgets_sessions_unused_for_the_retention_time():
+    clock = Clock()
+    store = InMemorySessionStore(retention_s=60, clock=clock)
+    idle, active = await store.create(None), await store.create("sys")
+    clock.now += 40
+    await store.append_turn(active, "hi", "hello", [1, 2])  # a turn counts as use
+    clock.now += 30  # idle: 70 s unused; active: 30 s
+    assert await store.get(idle.session_id) is None
+    assert (await store.get(active.session_id)).turns == 1
+    clock.now += 59  # a read counts as use too
+    assert await store.get(active.session_id) is not None
+    clock.now += 61
+    await store.create(None)  # creating sweeps as well
+    assert len(store) == 1 and await store.get(active.session_id) is None
