@@ -132,7 +132,7 @@ class ChatServer:
         url = urlsplit(request.path)
         path = url.path
         if (corrupt := _CORRUPT_PATH.fullmatch(path)) and request.method == "POST":
-            return await self._corrupt(corrupt.group(1), parse_qs(url.query))
+            return await self._corrupt(corrupt.group(1), parse_qs(url.query), request)
         match path:
             case "/ws":
                 return self._admit_websocket(request)
@@ -169,16 +169,22 @@ class ChatServer:
             return text_response(http.HTTPStatus.UNAUTHORIZED, "unknown API key\n")
         return None
 
-    async def _corrupt(self, session_id: str, query: dict[str, list[str]]) -> Response:
-        """POST /admin/sessions/{id}/corrupt?kind=…&tier=…: fault injection, only when enabled."""
+    async def _corrupt(self, session_id: str, query: dict[str, list[str]], request: Request) -> Response:
+        """POST /admin/sessions/{id}/corrupt?kind=…&tier=…: fault injection, only when enabled, and with
+        API keys only by the key that owns the session."""
         if not self.settings.enable_fault_injection:
             return json_response(http.HTTPStatus.FORBIDDEN,
                          {"error": "fault injection is disabled; start the server with --enable-fault-injection"})
+        _, owner = self.gateway.keys.bearer(request.headers)
+        if self.gateway.keys.required and owner is None:
+            return json_response(http.HTTPStatus.UNAUTHORIZED,
+                                 {"error": "send the session owner's key as Authorization: Bearer <key>"})
         kind, tier = query.get("kind", [""])[0], query.get("tier", ["device"])[0]
         if kind not in FAULT_KINDS or tier not in TIERS:
             return json_response(http.HTTPStatus.BAD_REQUEST,
                          {"error": f"kind must be one of {', '.join(FAULT_KINDS)}; tier one of {', '.join(TIERS)}"})
-        if await self.sessions.get(session_id) is None:
+        session = await self.sessions.get(session_id)
+        if session is None or session.owner != owner:  # another key's session is answered as missing
             return json_response(http.HTTPStatus.NOT_FOUND, {"error": f"no session {session_id!r}"})
         try:
             done = await asyncio.wrap_future(

@@ -4,6 +4,8 @@ server and real websocket clients (tiny model)."""
 import asyncio
 import json
 import logging
+import urllib.error
+import urllib.request
 
 import pytest
 from websockets.asyncio.client import connect
@@ -146,3 +148,27 @@ async def test_every_limit_has_its_error(tiny):
             assert closed.value.rcvd.code == 1009
         async with connect(server.url) as websocket:  # the server goes on serving
             assert (await ask(websocket, {"type": "session.open"}))["type"] == "session.ready"
+
+
+def post_corrupt(url: str, key: str | None) -> int:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="POST", headers=headers), timeout=30) as answer:
+            return answer.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+async def test_fault_injection_needs_the_owners_key(tiny):
+    settings = Settings(port=0, api_key=[KEY_A, KEY_B], enable_fault_injection=True)
+    async with ChatServer(settings, load=lambda: tiny) as server:
+        await server.wait_ready()
+        async with await ChatClient.connect(server.url, api_key=KEY_A) as client:
+            session_id = (await client.open_session()).session_id
+            await (await client.chat(session_id, "hello", max_new_tokens=2)).result()
+        url = f"http://127.0.0.1:{server.port}/admin/sessions/{session_id}/corrupt?kind=nan&tier=device"
+        assert await asyncio.to_thread(post_corrupt, url, None) == 401
+        assert await asyncio.to_thread(post_corrupt, url, "sk-wrong-key-000000000000") == 401
+        assert await asyncio.to_thread(post_corrupt, url, KEY_B) == 404  # as if it did not exist
+        assert server.engine.cache.counters["corrupt_finite"] == 0
+        assert await asyncio.to_thread(post_corrupt, url, KEY_A) == 200
