@@ -9,15 +9,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
-import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 from common import write_result
 from websockets.asyncio.client import connect
 
+from chatd.bench import ServerProcess
 from chatd.client import ChatClient
+from chatd.stats import percentiles
 
 HERE = Path(__file__).parent
 QUESTIONS = ["My internet is down since this morning.", "The router light is blinking orange.",
@@ -27,16 +26,6 @@ QUESTIONS = ["My internet is down since this morning.", "The router light is bli
 def resident_mb(pid: int) -> float:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
-
-
-async def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
-    """`chatd serve` on a free port; returns the process and its websocket URL once it listens."""
-    process = subprocess.Popen([sys.executable, "-m", "chatd", "serve", "--port", "0", *flags],
-                               stdout=subprocess.PIPE, text=True)
-    while line := await asyncio.to_thread(process.stdout.readline):
-        if match := re.search(r"listening on (ws://\S+)", line):
-            return process, match.group(1)
-    raise RuntimeError(f"chatd serve exited with {process.wait()}")
 
 
 async def chat_round(url: str, customers: int, turns: int, max_new_tokens: int) -> tuple[list[float], int]:
@@ -58,37 +47,31 @@ async def chat_round(url: str, customers: int, turns: int, max_new_tokens: int) 
     return [t for ttfts, _ in results for t in ttfts], sum(errors for _, errors in results)
 
 
-def summary(ttfts: list[float]) -> dict[str, float]:
-    ordered = sorted(ttfts)
-    return {"ttft_p50_ms": round(statistics.median(ordered), 1),
-            "ttft_p95_ms": round(ordered[max(0, round(0.95 * len(ordered)) - 1)], 1)}
-
-
 async def run(args: argparse.Namespace) -> dict:
-    process, url = await start_server(args.serve.split())
+    server = ServerProcess(args.serve)
+    url, pid = server.url, server.process.pid
     try:
         await asyncio.sleep(1)
-        loaded_mb = resident_mb(process.pid)
+        loaded_mb = resident_mb(pid)
         quiet, quiet_errors = await chat_round(url, args.customers, args.turns, args.max_new_tokens)
-        after_chat_mb = resident_mb(process.pid)
+        after_chat_mb = resident_mb(pid)
         idle = await asyncio.gather(*(connect(url, ping_interval=5, ping_timeout=20) for _ in range(args.idle)))
         await asyncio.sleep(2)
-        with_idle_mb = resident_mb(process.pid)
+        with_idle_mb = resident_mb(pid)
         busy, busy_errors = await chat_round(url, args.customers, args.turns, args.max_new_tokens)
         still_open = sum(websocket.state.name == "OPEN" for websocket in idle)
-        final_mb = resident_mb(process.pid)
+        final_mb = resident_mb(pid)
         for websocket in idle:
             await websocket.close()
     finally:
-        process.terminate()
-        process.wait(60)
+        server.stop()
     return {
         "idle_connections": args.idle, "customers": args.customers, "turns": args.turns,
         "resident_mb": {"loaded": round(loaded_mb, 1), "after_chatting": round(after_chat_mb, 1),
                         "with_idle_connections": round(with_idle_mb, 1), "at_end": round(final_mb, 1)},
         "kb_per_idle_connection": round((with_idle_mb - after_chat_mb) * 1024 / args.idle, 1),
-        "without_idle": {**summary(quiet), "errors": quiet_errors},
-        "with_idle": {**summary(busy), "errors": busy_errors, "idle_still_open": still_open},
+        "without_idle": {"ttft_ms": percentiles(quiet, scale=1.0), "errors": quiet_errors},
+        "with_idle": {"ttft_ms": percentiles(busy, scale=1.0), "errors": busy_errors, "idle_still_open": still_open},
     }
 
 
