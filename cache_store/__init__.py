@@ -8,8 +8,8 @@ from cache_store.integrity import CacheLayout, Fingerprint
 from cache_store.offload import HostEntry, Offloader
 from cache_store.policy import ConnectedLRUPolicy, EvictionPolicy, LRUPolicy, Residency
 from cache_store.sizing import KVGeometry, kv_bytes_per_token
-from cache_store.store import CacheLookup, CacheStore, common_prefix_length
+from cache_store.store import CacheLookup, CacheStore, SessionRunning, common_prefix_length
 
 __all__ = ["CacheEntry", "CacheLayout", "CacheLookup", "CacheStore", "ConnectedLRUPolicy", "DeviceTier",
            "EvictionPolicy", "Fingerprint", "HostEntry", "HostTier", "KVGeometry", "LRUPolicy", "Offloader",
-           "Residency", "common_prefix_length", "kv_bytes_per_token"]
+           "Residency", "SessionRunning", "common_prefix_length", "kv_bytes_per_token"]

@@ -1,4 +1,5 @@
-"""Caches resident on the compute device, under a byte budget."""
+"""Caches resident on the compute device, under a byte budget that counts every running turn's
+cache at the size it may reach, from its admission to its write-back."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class DeviceTier:
         self._clock = clock
         self._entries: dict[str, CacheEntry] = {}
         self._residency: dict[str, Residency] = {}
+        self._reserved: dict[str, int] = {}  # running turns: the bytes each one's cache may grow to
 
     def get(self, key: str) -> CacheEntry | None:
         if (entry := self._entries.get(key)) is not None:
@@ -24,21 +26,46 @@ class DeviceTier:
         return entry
 
     def put(self, key: str, entry: CacheEntry, connected: bool = False) -> None:
-        """Make `entry` resident. The caller makes room first (see `victims`)."""
+        """Make `entry` resident. The caller makes room first (see `plan_room`)."""
         self._entries[key] = entry
         residency = self._residency.setdefault(key, Residency(key, self._clock()))
         residency.last_access, residency.connected = self._clock(), connected
+        residency.running = key in self._reserved
 
     def pop(self, key: str) -> CacheEntry | None:
+        """Take the entry off the device; a running turn's reservation stays until `unreserve`."""
         self._residency.pop(key, None)
         return self._entries.pop(key, None)
+
+    def reserve(self, key: str, nbytes: int) -> None:
+        """A turn of `key` runs: count its cache as at least `nbytes`, and never evict it."""
+        self._reserved[key] = max(nbytes, self._reserved.get(key, 0))
+        if (residency := self._residency.get(key)) is not None:
+            residency.running = True
+
+    def unreserve(self, key: str) -> None:
+        self._reserved.pop(key, None)
+        if (residency := self._residency.get(key)) is not None:
+            residency.running = False
+
+    def is_running(self, key: str) -> bool:
+        return key in self._reserved
 
     def residency(self, key: str) -> Residency | None:
         return self._residency.get(key)
 
-    def victims(self, need_bytes: int, keep: str | None = None) -> list[str]:
-        """Keys to evict, in eviction order, so that `need_bytes` more fit under the budget.
-        Running caches and `keep` are never chosen; if they alone overflow, fewer are returned."""
+    def charge(self, key: str) -> int:
+        """The bytes `key` counts for: its entry's, or its reservation when that is larger."""
+        entry = self._entries.get(key)
+        return max(entry.nbytes() if entry is not None else 0, self._reserved.get(key, 0))
+
+    def extra_bytes(self, key: str, nbytes: int) -> int:
+        """How much more `key` would count for if it held `nbytes`."""
+        return max(0, max(nbytes, self._reserved.get(key, 0)) - self.charge(key))
+
+    def plan_room(self, need_bytes: int, keep: str | None = None) -> tuple[list[str], bool]:
+        """Keys to evict, in eviction order, so that `need_bytes` more fit under the budget, and whether
+        they suffice. Running caches and `keep` are never chosen."""
         candidates = sorted(self._evictable(keep), key=self.policy.priority)
         over = self.used_bytes() + need_bytes - self.budget_bytes
         chosen = []
@@ -47,18 +74,21 @@ class DeviceTier:
                 break
             chosen.append(residency.key)
             over -= self._entries[residency.key].nbytes()
-        return chosen
+        return chosen, over <= 0
 
     def can_fit(self, need_bytes: int) -> bool:
         """Whether evicting everything that may be evicted would leave room for `need_bytes`."""
-        pinned = sum(self._entries[r.key].nbytes() for r in self._residency.values() if r.running)
-        return pinned + need_bytes <= self.budget_bytes
+        return sum(self.charge(key) for key in self._reserved) + need_bytes <= self.budget_bytes
 
     def _evictable(self, keep: str | None) -> list[Residency]:
         return [r for r in self._residency.values() if not r.running and r.key != keep]
 
     def used_bytes(self) -> int:
-        return sum(entry.nbytes() for entry in self._entries.values())
+        return sum(self.charge(key) for key in {*self._entries, *self._reserved})
+
+    def reserved_bytes(self) -> int:
+        """What running turns count for beyond the caches they hold now."""
+        return self.used_bytes() - sum(entry.nbytes() for entry in self._entries.values())
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries

@@ -24,6 +24,7 @@ class CacheEntry:
     cache: DynamicCache
     token_ids: list[int] = field(default_factory=list)
     fingerprint: Fingerprint | None = None  # taken at write-back, checked on reuse
+    checksum: str | None = None  # of the bytes at write-back, checked on reuse (a running cache has none)
     session_version: int = 0  # the session's completed turns when this cache was written back
 
     @property
@@ -61,7 +62,7 @@ class CacheEntry:
     def clone(self, new_cache: Callable[[], DynamicCache]) -> CacheEntry:
         clone = entry_from_tensors(new_cache, [(k.clone(), v.clone()) for k, v in self.tensors()], self.token_ids,
                                    self.fingerprint)
-        clone.session_version = self.session_version
+        clone.checksum, clone.session_version = self.checksum, self.session_version
         return clone
 
 

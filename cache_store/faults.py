@@ -62,10 +62,9 @@ def corrupt(store: CacheStore, session_id: str, kind: FaultKind, tier: Tier) -> 
                 store.device.put(session_id, store.device.get(donor).clone(store.new_cache))
             else:
                 theirs = store.host.get(donor)
-                store.host.pop(session_id)
                 store.host.put(session_id, dataclasses.replace(
                     theirs, tensors=[(k.clone(), v.clone()) for k, v in theirs.tensors],
-                    token_ids=list(theirs.token_ids)))
+                    token_ids=list(theirs.token_ids), buffer=None))
             return f"swapped in the cache of session {donor}"
     raise ValueError(f"unknown fault kind {kind!r}")
 

@@ -1,4 +1,6 @@
-"""Caches offloaded to host memory, under a byte budget; the least recently used are dropped."""
+"""Caches offloaded to host memory, under a byte budget that counts the memory really held: the pool's
+buffers, in use or free, plus any entry that owns its memory. The first offloaded are dropped first
+(they were the least recently used on the device when they left it)."""
 
 from __future__ import annotations
 
@@ -6,35 +8,65 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+import torch
+
+from cache_store.host_pool import HostBufferPool, size_class
 from cache_store.offload import HostEntry
 
 
 class HostTier:
-    def __init__(self, budget_bytes: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, budget_bytes: int, pool: HostBufferPool | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.budget_bytes = budget_bytes
+        self.pool = pool or HostBufferPool(pinned=False)
         self._clock = clock
-        self._entries: OrderedDict[str, HostEntry] = OrderedDict()  # least recently put first
+        self._entries: OrderedDict[str, HostEntry] = OrderedDict()  # first offloaded first
         self._put_at: dict[str, float] = {}
 
-    def put(self, key: str, entry: HostEntry) -> list[str]:
-        """Keep `entry`; return the keys dropped to make room (`key` itself if it can never fit)."""
-        if entry.nbytes > self.budget_bytes:
-            return [key]
+    def make_room(self, nbytes: int) -> tuple[list[str], bool]:
+        """Drop the oldest entries (and release free buffers) until a buffer for `nbytes` fits under the
+        budget; return the keys dropped and whether it fits now."""
+        if size_class(nbytes) > self.budget_bytes:
+            return [], False
+        need = 0 if self.pool.reusable(nbytes) else size_class(nbytes)
         dropped = []
-        while self.used_bytes() + entry.nbytes > self.budget_bytes:
-            oldest, _ = self._entries.popitem(last=False)
+        while self.used_bytes() + need > self.budget_bytes:
+            in_use = self.used_bytes() - self.pool.free_bytes
+            if self.pool.release_free(keep_bytes=max(0, self.budget_bytes - need - in_use)):
+                continue
+            if not self._entries:  # the rest is still being copied back to the device
+                return dropped, False
+            oldest, entry = self._entries.popitem(last=False)
             self._put_at.pop(oldest)
+            self.release(entry)
             dropped.append(oldest)
+        return dropped, True
+
+    def put(self, key: str, entry: HostEntry) -> None:
+        """Keep `entry`, whose buffer came from `pool` after `make_room`."""
+        if (previous := self.pop(key)) is not None:
+            self.release(previous)
         self._entries[key] = entry
         self._put_at[key] = self._clock()
-        return dropped
+
+    def release(self, entry: HostEntry, copied: torch.cuda.Event | None = None) -> None:
+        """An entry taken out with `pop` is no longer needed: its buffer is free for reuse once the copy
+        that `copied` marks has completed."""
+        if entry.buffer is not None:
+            self.pool.give(entry.buffer, copied)
+            entry.buffer = None
 
     def get(self, key: str) -> HostEntry | None:
         return self._entries.get(key)
 
     def pop(self, key: str) -> HostEntry | None:
+        """Take an entry out; the caller hands it to `release` when done with it."""
         self._put_at.pop(key, None)
         return self._entries.pop(key, None)
+
+    def discard(self, key: str) -> None:
+        if (entry := self.pop(key)) is not None:
+            self.release(entry)
 
     def nbytes(self, key: str) -> int:
         return self._entries[key].nbytes
@@ -43,7 +75,7 @@ class HostTier:
         return self._put_at[key]
 
     def used_bytes(self) -> int:
-        return sum(entry.nbytes for entry in self._entries.values())
+        return self.pool.held_bytes + sum(e.nbytes for e in self._entries.values() if e.buffer is None)
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries

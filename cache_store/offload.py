@@ -1,10 +1,11 @@
 """Copies between the compute device and host memory.
 
-On CUDA, offload copies into pinned host memory on a separate stream with non-blocking copies, then
-waits for that stream to checksum the bytes that arrived; restore copies back on the same side stream
-and records an event that the compute stream waits on, so a restore never blocks the engine thread.
-On a CPU-only machine both directions are plain copies in ordinary memory, so the same path runs
-(and is tested) everywhere.
+On CUDA, offload copies into pinned pool buffers on a separate stream with non-blocking copies, then
+waits for that stream (the checksum needs the bytes on the host): offload is synchronous for the engine
+thread. Restore copies back on the same side stream and records an event that the compute stream waits
+on, so a restore does not block the engine thread; the host buffer goes back to the pool once that
+event has passed. On a CPU-only machine both directions are plain copies in ordinary memory, so the
+same path runs (and is tested) everywhere.
 """
 
 from __future__ import annotations
@@ -22,17 +23,29 @@ from cache_store.integrity import Fingerprint, checksum
 @dataclass
 class HostEntry:
     """A cache in host memory: its tensors, its token ids, its fingerprint and the checksum of its
-    bytes taken when it left the device."""
+    bytes. `buffer` is the pool buffer the tensors are views of (None when they own their memory)."""
 
     tensors: KVTensors
     token_ids: list[int]
     fingerprint: Fingerprint | None
     checksum: str
     session_version: int = 0
+    buffer: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
+        """The bytes of the keys and values (what the cache takes back on the device)."""
         return sum(k.nbytes + v.nbytes for k, v in self.tensors)
+
+    @property
+    def held_bytes(self) -> int:
+        """The host memory it holds: its whole pool buffer."""
+        return self.buffer.numel() if self.buffer is not None else self.nbytes
+
+
+def kv_nbytes(entry: CacheEntry) -> int:
+    """The bytes of an entry's keys and values up to its length (not its allocated storage)."""
+    return sum(k.nbytes + v.nbytes for k, v in entry.tensors())
 
 
 class Offloader:
@@ -40,29 +53,45 @@ class Offloader:
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def offload(self, entry: CacheEntry) -> HostEntry:
-        if self._stream is None:
-            tensors = [(k.clone(), v.clone()) for k, v in entry.tensors()]
-            return HostEntry(tensors, list(entry.token_ids), entry.fingerprint, checksum(tensors),
-                             entry.session_version)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        tensors = []
-        with torch.cuda.stream(self._stream):
-            for keys, values in entry.tensors():
-                tensors.append((self._to_pinned(keys), self._to_pinned(values)))
-        self._stream.synchronize()  # the checksum needs the bytes on the host
-        return HostEntry(tensors, list(entry.token_ids), entry.fingerprint, checksum(tensors), entry.session_version)
+    @property
+    def pins_memory(self) -> bool:
+        return self._stream is not None
 
-    def restore(self, host: HostEntry, new_cache: Callable[[], DynamicCache]) -> CacheEntry:
+    def offload(self, entry: CacheEntry, buffer: torch.Tensor | None = None) -> HostEntry:
+        """Copy the entry to host memory: into views of `buffer` (from the pool), or new tensors."""
+        sources = entry.tensors()
+        targets = _views(buffer, sources) if buffer is not None else [
+            (torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)) for k, v in sources]
+        if self._stream is None:
+            for (host_keys, host_values), (keys, values) in zip(targets, sources, strict=True):
+                host_keys.copy_(keys)
+                host_values.copy_(values)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                for (host_keys, host_values), (keys, values) in zip(targets, sources, strict=True):
+                    host_keys.copy_(keys, non_blocking=True)
+                    host_values.copy_(values, non_blocking=True)
+                    keys.record_stream(self._stream)  # keep the device memory until the copy has run
+                    values.record_stream(self._stream)
+            self._stream.synchronize()  # the checksum needs the bytes on the host
+        return HostEntry(targets, list(entry.token_ids), entry.fingerprint, checksum(targets), entry.session_version,
+                         buffer)
+
+    def restore(self, host: HostEntry, new_cache: Callable[[], DynamicCache]
+                ) -> tuple[CacheEntry, torch.cuda.Event | None]:
+        """The host entry as a device cache, and the event after which its host memory may be reused
+        (None: at once)."""
+        copied = None
         if self._stream is None:
             tensors = [(k.clone(), v.clone()) for k, v in host.tensors]
         else:
-            tensors = self._to_device(host.tensors)
+            tensors, copied = self._to_device(host.tensors)
         entry = entry_from_tensors(new_cache, tensors, host.token_ids, host.fingerprint)
         entry.session_version = host.session_version
-        return entry
+        return entry, copied
 
-    def _to_device(self, host_tensors: KVTensors) -> KVTensors:
+    def _to_device(self, host_tensors: KVTensors) -> tuple[KVTensors, torch.cuda.Event]:
         with torch.cuda.stream(self._stream):
             tensors = [(k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True))
                        for k, v in host_tensors]
@@ -73,10 +102,17 @@ class Offloader:
         for keys, values in tensors:  # allocated on the copy stream, used on the compute stream
             keys.record_stream(compute)
             values.record_stream(compute)
-        return tensors
+        return tensors, restored
 
-    def _to_pinned(self, tensor: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        tensor.record_stream(self._stream)  # keep the device memory until the copy has run
-        return host
+
+def _views(buffer: torch.Tensor, like: KVTensors) -> KVTensors:
+    """Consecutive views of a flat byte buffer shaped like `like`."""
+    views, offset = [], 0
+    for pair in like:
+        shaped = []
+        for tensor in pair:
+            size = tensor.nbytes
+            shaped.append(buffer[offset:offset + size].view(tensor.dtype).view(tensor.shape))
+            offset += size
+        views.append((shaped[0], shaped[1]))
+    return views

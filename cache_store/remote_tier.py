@@ -29,7 +29,7 @@ from cache_store.offload import HostEntry
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: checksums carry their kind (xxh3:…)
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 PROBE_BYTES = 4 * 2**20
 BACK_OFF_S = 5.0  # after a failure, turns skip the remote tier this long instead of waiting on Redis
@@ -72,7 +72,9 @@ class RemoteTier:
     def __init__(self, url: str, ttl_s: float, timeout_s: float = 1.0):
         self.ttl_s = int(ttl_s)
         self.throughput = Throughput()
-        self.errors = 0
+        self.errors = 0  # reads that failed
+        self.write_errors = 0  # snapshots that could not be written
+        self._write_error_logged_at = float("-inf")
         self._down_until = 0.0
         self._usage = (0, 0)
         self._usage_at = float("-inf")
@@ -177,14 +179,21 @@ class RemoteTier:
         self._redis.close()
 
     def _write_loop(self) -> None:
+        """Write snapshots until closed. No error ends the thread: a failed write (Redis unreachable,
+        out of memory, refused) is counted and logged once per back-off, and the next snapshot goes on."""
         while (session_id := self._writes.get()) is not None:
             with self._lock:
                 entry = self._latest.pop(session_id)
             try:
                 self._write(session_id, entry)
-            except UNREACHABLE:
-                self.errors += 1
-                log.warning("session %s: Redis unreachable; its cache was not written to the remote tier", session_id)
+            except Exception as error:
+                self.write_errors += 1
+                now = time.monotonic()
+                if now >= self._write_error_logged_at + BACK_OFF_S:
+                    self._write_error_logged_at = now
+                    log.warning("remote KV tier: writing session %s's cache failed (%s: %s); %d writes have "
+                                "failed so far, later snapshots are still written", session_id,
+                                type(error).__name__, error, self.write_errors)
 
     def _write(self, session_id: str, entry: HostEntry) -> None:
         tensors = [t for pair in entry.tensors for t in pair]

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 from cache_store.cost_model import CostModel, RemoteDecision
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry
+from cache_store.host_pool import HostBufferPool
 from cache_store.host_tier import HostTier
 from cache_store.integrity import (
     CacheLayout,
@@ -30,9 +31,10 @@ from cache_store.integrity import (
     checksum,
     fingerprint,
 )
-from cache_store.offload import HostEntry, Offloader
+from cache_store.offload import HostEntry, Offloader, kv_nbytes
 from cache_store.policy import EvictionPolicy
 from cache_store.remote_tier import RemoteHeader, RemoteTier, Throughput
+from cache_store.stage_faults import FaultPoints
 
 CacheSource = Literal["device", "host", "remote", "prefix", "miss"]
 CopyObserver = Callable[[Literal["offload", "restore"], Literal["host", "remote"], float], None]
@@ -40,6 +42,10 @@ MissReason = Literal["new", "cold", "evicted", "disabled", "drift", "corrupt", "
 log = logging.getLogger(__name__)
 _PREFIX = "prefix:"
 _REMEMBERED_LOSSES = 100_000
+
+
+class SessionRunning(RuntimeError):
+    """A turn of the session is running: its cache is that turn's until write-back. Retry later."""
 
 
 @dataclass(frozen=True)
@@ -68,14 +74,15 @@ class CacheStore:
                  model_key: str, device_budget_bytes: int, host_budget_bytes: int, enabled: bool = True,
                  policy: EvictionPolicy | None = None, ttl_s: float | None = None,
                  remote: RemoteTier | None = None, clock: Callable[[], float] = time.monotonic,
-                 on_copy: CopyObserver | None = None):
+                 on_copy: CopyObserver | None = None, faults: FaultPoints | None = None):
         self.enabled = enabled
         self.remote = remote
         self.cost = CostModel(remote.throughput if remote else Throughput())
         self.layout = layout
         self.model_key = model_key
         self.device = DeviceTier(device_budget_bytes, policy, clock)
-        self.host = HostTier(host_budget_bytes, clock)
+        self.host = HostTier(host_budget_bytes, HostBufferPool(pinned=offloader.pins_memory), clock)
+        self.faults = faults or FaultPoints()
         self.ttl_s = ttl_s
         self.counters: Counter[str] = Counter()
         self.new_cache = new_cache
@@ -84,15 +91,41 @@ class CacheStore:
         self._on_copy = on_copy or (lambda direction, tier, seconds: None)  # for latency metrics
         self._connected: set[str] = set()
         self._lost: OrderedDict[str, None] = OrderedDict()  # sessions whose cache was dropped
+        self._turns: dict[str, object] = {}  # session id -> its running turn, from admit to put or abandon
 
     # ##### Public API #####
 
+    def admit(self, session_id: str, turn: object, nbytes: int, alone: bool = False) -> bool:
+        """Start `turn` (any object that stands for it) of the session: from now until its write-back
+        (`put`) or `abandon`, its cache counts as `nbytes` (what it may reach) against the device
+        budget, and no other turn may have it (`SessionRunning`). Evicts idle caches to make room.
+        When even evicting every idle cache is not enough, the turn is not admitted (False: wait for a
+        running turn to finish), unless it is `alone`, with no other turn running to wait for: then it
+        runs over the budget, and its cache leaves the device at write-back."""
+        if self.device.is_running(session_id):
+            raise SessionRunning(f"session {session_id} is already running a turn")
+        victims, fits = self.device.plan_room(self.device.extra_bytes(session_id, nbytes), keep=session_id)
+        if not fits and not alone:
+            return False
+        if not fits:
+            victims = [key for key in self.device if not self.device.is_running(key) and key != session_id]
+        for key in victims:
+            self._evict(key)
+        self.device.reserve(session_id, nbytes)
+        self._turns[session_id] = turn
+        return True
+
     def lookup(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int = 0,
-               session_version: int = 0) -> CacheLookup:
+               session_version: int = 0, turn: object | None = None) -> CacheLookup:
         """Find the session's cache (device, host, then remote), check it, crop it to what the prompt
-        shares with it, and mark it running. Without one, start from the shared prefix of the first
-        `prefix_len` prompt ids when it is cached. A cache older than `session_version` is stale. The
-        last prompt token is always left to feed: its logits pick the first reply token."""
+        shares with it, and hand it to `turn`, which `admit` admitted (a lookup for a turn not admitted
+        admits it as it goes). Raises `SessionRunning` while another turn of the session runs: a
+        running cache is never handed to a second turn. Without a cache, start from the shared prefix
+        of the first `prefix_len` prompt ids when it is cached. A cache older than `session_version` is
+        stale. The last prompt token is always left to feed: its logits pick the first reply token."""
+        turn = object() if turn is None else turn
+        if self._turns.get(session_id) is not turn:
+            self.admit(session_id, turn, 0, alone=True)
         if not self.enabled:
             return CacheLookup("miss", 0, miss_reason="disabled")
         if self._older_than(session_id, session_version):
@@ -126,22 +159,21 @@ class CacheStore:
             self.drop(session_id)  # nothing in it is of use, in any tier
             return CacheLookup("miss", 0, miss_reason="drift")
         entry.crop(reusable)
-        self.device.residency(session_id).running = True
+        entry.checksum = None  # the turn changes it; write-back takes a new one
         return CacheLookup(source, reusable, entry, remote=decision)
 
-    def reserve(self, session_id: str, more_bytes: int) -> None:
-        """Make room on the device for a running cache to grow by `more_bytes`."""
-        self._make_room(more_bytes, keep=session_id)
-
     def put(self, session_id: str, entry: CacheEntry, session_version: int = 0) -> None:
-        """Write a session's cache back after its turn; it becomes evictable again. `session_version`
-        counts the completed turns the cache includes."""
+        """Write a session's cache back after its turn, with the fingerprint and checksum that its next
+        reuse verifies; it becomes evictable again. `session_version` counts the completed turns the
+        cache includes."""
+        self._end_turn(session_id)
         if not self.enabled or entry.num_tokens == 0:
             self.drop(session_id)
             return
         self.device.pop(session_id)
         self._lost.pop(session_id, None)
         entry.fingerprint = fingerprint(entry, self.model_key, session_id, self.layout)
+        entry.checksum = checksum(entry.tensors())
         entry.session_version = session_version
         self._make_room(entry.nbytes())
         self.device.put(session_id, entry, connected=session_id in self._connected)
@@ -150,6 +182,16 @@ class CacheStore:
         if self.device.used_bytes() > self.device.budget_bytes:  # alone larger than the budget
             self._offload(session_id)
 
+    def release(self, session_id: str) -> None:
+        """The session's turn ended without touching its cache (cancelled before its lookup)."""
+        self._end_turn(session_id)
+
+    def abandon(self, session_id: str) -> None:
+        """The session's turn failed: drop its cache from every tier (it may be half-written) and end
+        the turn's hold on the budget."""
+        self.drop(session_id)
+        self._end_turn(session_id)
+
     def put_prefix(self, entry: CacheEntry) -> None:
         """Share a copy of `entry` as the start of every new session whose prompt begins with its ids."""
         if not self.enabled:
@@ -157,6 +199,7 @@ class CacheStore:
         key = _prefix_key(entry.token_ids)
         shared = entry.clone(self.new_cache)
         shared.fingerprint = fingerprint(shared, self.model_key, key, self.layout)
+        shared.checksum = checksum(shared.tensors())
         self._make_room(shared.nbytes())
         if self.device.used_bytes() + shared.nbytes() <= self.device.budget_bytes:
             self.device.put(key, shared)
@@ -190,7 +233,7 @@ class CacheStore:
     def drop(self, session_id: str) -> None:
         """Drop a session's cache from every tier; its next turn recomputes."""
         self.device.pop(session_id)
-        self.host.pop(session_id)
+        self.host.discard(session_id)
         if self.remote is not None:
             self.remote.delete(session_id)
 
@@ -202,7 +245,7 @@ class CacheStore:
 
     def evict_idle(self) -> int:
         """Offload every cache that is not running (used when the device runs out of memory)."""
-        victims = [key for key in self.device if not self.device.residency(key).running]
+        victims = [key for key in self.device if not self.device.is_running(key)]
         for key in victims:
             self._evict(key)
         return len(victims)
@@ -218,7 +261,7 @@ class CacheStore:
                     if key not in self._connected and self.host.put_at(key) < deadline]
         for key in expired:
             self.device.pop(key)
-            self.host.pop(key)
+            self.host.discard(key)
             self._remember_loss(key)
             self.counters["expired"] += 1
         return expired
@@ -229,13 +272,15 @@ class CacheStore:
         cached = {*device_sessions, *self.host.keys()}
         stats = {
             "device_bytes": self.device.used_bytes(), "device_budget_bytes": self.device.budget_bytes,
-            "device_sessions": len(device_sessions),
+            "device_reserved_bytes": self.device.reserved_bytes(), "device_sessions": len(device_sessions),
             "prefixes": sum(1 for key in self.device if key.startswith(_PREFIX)),
             "host_bytes": self.host.used_bytes(), "host_budget_bytes": self.host.budget_bytes,
+            "host_free_bytes": self.host.pool.free_bytes,
             "host_sessions": len(self.host), "idle_sessions": len(cached - self._connected), **self.counters,
         }
         if self.remote is not None:
             stats["remote_bytes"], stats["remote_budget_bytes"] = self.remote.usage()
+            stats["remote_read_errors"], stats["remote_write_errors"] = self.remote.errors, self.remote.write_errors
         return stats
 
     # ##### Helpers #####
@@ -250,9 +295,9 @@ class CacheStore:
                 shared = None
             if shared is not None and shared.token_ids == list(prompt_ids[:prefix_len]):  # verify, never trust a hash
                 entry = shared.clone(self.new_cache)
-                self._make_room(entry.nbytes())
+                entry.checksum = None
+                self._make_room(self.device.extra_bytes(session_id, entry.nbytes()), keep=key)
                 self.device.put(session_id, entry, connected=session_id in self._connected)
-                self.device.residency(session_id).running = True
                 return CacheLookup("prefix", prefix_len, entry)
         return CacheLookup("miss", 0, miss_reason=reason)
 
@@ -277,8 +322,11 @@ class CacheStore:
         return entry is not None and entry.session_version < session_version
 
     def _check_resident(self, owner: str, entry: CacheEntry) -> tuple[Check, ...]:
+        """Every check of a device-resident cache, its checksum included: a cache is only ever reused
+        with the bytes it was written back with."""
         failed = (check_identity(entry.fingerprint, self.model_key, owner, entry.token_ids, self.layout)
-                  or check_tensors(entry.tensors(), entry.num_tokens, self.layout))
+                  or check_tensors(entry.tensors(), entry.num_tokens, self.layout)
+                  or (checksum(entry.tensors()) != entry.checksum and "checksum"))
         return (failed,) if failed else ()
 
     def _restore(self, session_id: str) -> tuple[CacheEntry | None, tuple[Check, ...]]:
@@ -286,6 +334,7 @@ class CacheStore:
         started = time.perf_counter()
         host_entry = self.host.pop(session_id)  # first: making room offloads others into the host tier
         if failed := self._check_host_entry(session_id, host_entry):
+            self.host.release(host_entry)
             return None, failed
         self.counters["restores"] += 1
         return self._adopt(session_id, host_entry, "host", started), ()
@@ -302,15 +351,20 @@ class CacheStore:
         """Put a checked host entry back on the device. Its restore time, observed from `started`, counts
         the fetch, the checks and the copy, not the evictions that made room for it."""
         fetched_s = time.perf_counter() - started
-        self._make_room(host_entry.nbytes)
+        self._make_room(self.device.extra_bytes(session_id, host_entry.nbytes), keep=session_id)
         copy_started = time.perf_counter()
-        entry = self._offloader.restore(host_entry, self.new_cache)
+        entry, copied = self._offloader.restore(host_entry, self.new_cache)
+        self.host.release(host_entry, copied)
+        # The checksum verified on the host is the device's when both are read the same way (on a CPU);
+        # a GPU reads the device copy with its own kind, taken here.
+        entry.checksum = host_entry.checksum if entry.tensors()[0][0].device.type == "cpu" else checksum(
+            entry.tensors())
         self.device.put(session_id, entry, connected=session_id in self._connected)
         self._on_copy("restore", tier, fetched_s + time.perf_counter() - copy_started)
         return entry
 
     def _make_room(self, need_bytes: int, keep: str | None = None) -> None:
-        for key in self.device.victims(need_bytes, keep=keep):
+        for key in self.device.plan_room(need_bytes, keep=keep)[0]:
             self._evict(key)
 
     def _evict(self, key: str) -> None:
@@ -321,23 +375,62 @@ class CacheStore:
         self._offload(key)
 
     def _offload(self, session_id: str) -> None:
+        """Move a device cache to the host tier, whose oldest entries make room; a cache that does not
+        fit there, or whose offload fails, is lost (its next turn recomputes) and nothing else fails."""
         entry = self.device.pop(session_id)
         self.counters["device_evictions"] += 1
         started = time.perf_counter()
-        host_entry = self._offloader.offload(entry)
+        buffer = None
+        try:
+            self.faults.check("offload", session_id)
+            dropped, fits = self.host.make_room(kv_nbytes(entry))
+            for key in dropped:
+                self._remember_loss(key)
+                self.counters["host_evictions"] += 1
+            if not fits:
+                self._remember_loss(session_id)
+                self.counters["host_evictions"] += 1
+                return
+            buffer = self.host.pool.take(kv_nbytes(entry))
+            host_entry = self._offloader.offload(entry, buffer)
+        except Exception:
+            log.exception("offloading session %s's cache failed; it is dropped and its next turn recomputes",
+                          session_id)
+            if buffer is not None:
+                self.host.pool.give(buffer)
+            self.faults.disarm(session_id)
+            self.counters["offload_failures"] += 1
+            self.drop(session_id)
+            self._remember_loss(session_id)
+            return
         self._on_copy("offload", "host", time.perf_counter() - started)
-        for dropped in self.host.put(session_id, host_entry):
-            self._remember_loss(dropped)
-            self.counters["host_evictions"] += 1
+        if not _left_intact(entry, host_entry):  # changed while resident: never launder it into the host tier
+            self.host.release(host_entry)
+            self.report_corruption(session_id, ("checksum",))
+            return
+        self.host.put(session_id, host_entry)
 
     def _remember_loss(self, session_id: str) -> None:
         self._lost[session_id] = None
         while len(self._lost) > _REMEMBERED_LOSSES:
             self._lost.popitem(last=False)
 
+    def _end_turn(self, session_id: str) -> None:
+        self.device.unreserve(session_id)
+        self._turns.pop(session_id, None)
+
     def _idle_since(self, key: str) -> float:
         residency = self.device.residency(key)
         return float("inf") if residency.running or residency.connected else residency.last_access
+
+
+def _left_intact(entry: CacheEntry, host_entry: HostEntry) -> bool:
+    """Whether the cache reached the host with the bytes it was written back with."""
+    if entry.checksum is None:
+        return True
+    if entry.checksum.split(":")[0] == host_entry.checksum.split(":")[0]:
+        return host_entry.checksum == entry.checksum  # read the same way: the copy's checksum says it
+    return checksum(entry.tensors()) == entry.checksum
 
 
 def _prefix_key(token_ids: Sequence[int]) -> str:

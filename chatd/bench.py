@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 import shlex
@@ -176,12 +177,15 @@ def summarize(samples: list[TurnSample], wall_s: float) -> dict:
 
 
 class ServerProcess:
-    """`chatd serve` with the given flags on a free port, for as long as the benchmark runs."""
+    """`chatd serve` with the given flags on a free port, for as long as the benchmark runs; with
+    `checkout`, the code of that checkout serves (to compare a change with the commit before it)."""
 
-    def __init__(self, flags: str):
+    def __init__(self, flags: str, checkout: Path | None = None):
         command = [sys.executable, "-m", "chatd", "serve", "--port", "0", "--log-level", "warning",
                    *shlex.split(flags)]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        env = None if checkout is None else {**os.environ, "PYTHONPATH": str(checkout.resolve())}
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env,
+                                        cwd=checkout.resolve() if checkout else None)
         line = self.process.stdout.readline()
         match = re.search(r"ws://\S+/ws", line)
         if not match:
@@ -254,12 +258,13 @@ def main(args) -> None:
     workload = Workload(load_scenarios(args.scenarios), args.customers, args.turns, args.think_s,
                         args.max_new_tokens, args.seed, args.api_key)
     flag_sets = [args.a, args.b] if args.compare else ([args.serve] if args.serve is not None else [])
-    servers = [ServerProcess(flags) for flags in flag_sets]
+    checkouts = [args.a_checkout, args.b_checkout] if args.compare else [None]
+    servers = [ServerProcess(flags, checkout) for flags, checkout in zip(flag_sets, checkouts, strict=False)]
     targets = [(args.url, "server")] if args.url else [(server.url, label) for server, label
                                                       in zip(servers, "AB" if len(servers) == 2 else ["server"],
                                                              strict=True)]
-    described = {label: (args.url or flags or "(defaults)") for (_, label), flags
-                 in zip(targets, flag_sets or [args.url], strict=True)}
+    described = {label: (args.url or flags or "(defaults)") + (f" (code of {checkout})" if checkout else "")
+                 for (_, label), flags, checkout in zip(targets, flag_sets or [args.url], checkouts, strict=False)}
     runs = {label: ([], 0.0) for _, label in targets}
     try:
         for _ in range(args.rounds):  # alternate, so that drift of the machine affects both alike

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from chatd.config import Settings
 
@@ -28,6 +29,14 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         else:
             serve.add_argument(flag, dest=name, default=None,
                                help=f"{field.description} (default: {field.get_default(call_default_factory=True)})")
+
+
+def _setting_source(loc: tuple, overrides: dict) -> str:
+    """Where a bad value came from: its flag, or its environment variable."""
+    if not loc:
+        return "settings"
+    name = str(loc[0])
+    return "--" + name.replace("_", "-") if name in overrides else "CHATD_" + name.upper()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,6 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("--a", default="", metavar="FLAGS", help="`chatd serve` flags of configuration A "
                        "(write --a=FLAGS when FLAGS starts with a dash)")
     bench.add_argument("--b", default="", metavar="FLAGS", help="`chatd serve` flags of configuration B")
+    bench.add_argument("--a-checkout", type=Path, default=None, metavar="DIR",
+                       help="serve configuration A with the code of this checkout (a git worktree of the commit "
+                            "before a change), so that both are measured in one run")
+    bench.add_argument("--b-checkout", type=Path, default=None, metavar="DIR",
+                       help="the same for configuration B")
     bench.add_argument("--customers", type=int, default=8)
     bench.add_argument("--turns", type=int, default=6)
     bench.add_argument("--think-s", type=float, default=1.0, help="mean pause between a customer's turns")
@@ -76,16 +90,22 @@ def main(argv: list[str] | None = None) -> None:
                      if name in Settings.model_fields and value is not None}
         try:
             settings = Settings(**overrides)
-        except ValidationError as error:
-            parser.error("; ".join(f"--{e['loc'][0].replace('_', '-')}: {e['msg']}" for e in error.errors()))
+        except ValidationError as error:  # one line naming the flag or variable, never a traceback
+            print("chatd serve: " + "; ".join(f"{_setting_source(e['loc'], overrides)}: "
+                                              f"{e['msg'].removeprefix('Value error, ')}" for e in error.errors()),
+                  file=sys.stderr)
+            sys.exit(2)
+        except SettingsError as error:  # a value pydantic-settings itself could not read
+            print(f"chatd serve: {error}", file=sys.stderr)
+            sys.exit(2)
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         # One line per connection and probe is noise in production; frame dumps (DEBUG) would show API keys.
         logging.getLogger("websockets").setLevel(logging.INFO if settings.log_level == "debug" else logging.WARNING)
-        from chatd.server import ModelLoadError, run
+        from chatd.server import EngineFailed, ModelLoadError, run
 
         try:
             asyncio.run(run(settings))
-        except ModelLoadError as error:
+        except (ModelLoadError, EngineFailed) as error:
             sys.exit(f"chatd: {error}")
     elif args.command == "bench":
         from chatd import bench as bench_command

@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BeforeValidator, Field, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from chatd.http_responses import DEFAULT_WEB_DIR
 from chatd.model_loader import default_cache_dir
 
 CPU_DEVICE_CACHE_MB = 2048
+
+
+def _list_from_text(value: object) -> object:
+    """A list setting from the environment: one value, comma-separated values, or a JSON list."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not a JSON list ({error.msg} at character {error.pos})") from None
+        if not isinstance(parsed, list) or not all(isinstance(item, str) for item in parsed):
+            raise ValueError("a JSON list here must hold strings only")
+        return parsed
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+# pydantic-settings would parse a list from the environment only as JSON; NoDecode hands us the text.
+TextList = Annotated[list[str], NoDecode, BeforeValidator(_list_from_text)]
 
 
 class Settings(BaseSettings):
@@ -50,10 +71,10 @@ class Settings(BaseSettings):
     remote_kv_ttl_s: float = Field(3600.0, gt=0, description="how long Redis keeps a session's cache")
     lease_ttl_s: float = Field(15.0, gt=0, description="how long a worker that died mid-turn keeps a session locked")
     web_dir: Path = Field(DEFAULT_WEB_DIR, description="folder of the chat UI and dashboard pages")
-    api_key: list[str] = Field(default_factory=list, description="an API key clients must present (repeatable); "
+    api_key: TextList = Field(default_factory=list, description="an API key clients must present (repeatable); "
                                                                  "none: no authentication")
     api_key_file: Path | None = Field(None, description="a file of API keys, one per line (# comments)")
-    allowed_origins: list[str] = Field(default_factory=list, description="Origin headers accepted from browsers "
+    allowed_origins: TextList = Field(default_factory=list, description="Origin headers accepted from browsers "
                                                                          "(repeatable); none: any origin")
     max_message_bytes: int = Field(1 << 20, ge=1024, description="largest websocket frame; a larger one closes "
                                                                  "the connection with 1009")

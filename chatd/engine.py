@@ -1,8 +1,14 @@
-"""The engine thread: all model work happens here, one turn at a time, off the event loop.
+"""The engine thread: all model work happens here, off the event loop.
 
-The data path of a turn, top to bottom: render the prompt, look up the session's cache (device,
-host, shared prefix, miss), prefill only the tokens the cache does not cover, stream the reply
-token by token, write the cache back.
+The data path of a turn, top to bottom: render the prompt, admit it under the device budget, look up
+the session's cache (device, host, shared prefix, miss), prefill only the tokens the cache does not
+cover, stream the reply token by token, write the cache back.
+
+Supervision: a failure at any stage fails only the turns of that stage (each gets `internal`, its
+cache is dropped from every tier) and the engine goes on. A failure it cannot go on from (its thread
+ending, a CUDA error that poisons the context) answers every waiting and running turn `unavailable`,
+refuses new ones at once, and is reported to `on_fatal` so that the process can exit for its
+supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -22,8 +28,18 @@ from typing import TypeVar
 
 import torch
 
-from cache_store import CacheEntry, CacheLayout, CacheLookup, CacheStore, KVGeometry, Offloader, kv_bytes_per_token
+from cache_store import (
+    CacheEntry,
+    CacheLayout,
+    CacheLookup,
+    CacheStore,
+    KVGeometry,
+    Offloader,
+    SessionRunning,
+    kv_bytes_per_token,
+)
 from cache_store.remote_tier import RemoteTier
+from cache_store.stage_faults import FaultPoints, InjectedFatalFault, Stage
 from cache_store.store import CopyObserver
 from chatd.config import Settings
 from chatd.context_window import DoesNotFit, fit
@@ -54,17 +70,42 @@ class _CacheCommand:
 
 
 _STOP = object()
+_CUDA_FAILURES = ("CUDA error", "device-side assert", "illegal memory access", "CUBLAS_STATUS", "cuDNN error")
+
+
+def is_fatal(error: BaseException) -> bool:
+    """Whether the engine cannot go on after `error`: anything but an ordinary exception, an error of
+    the accelerator (its context is poisoned; out of memory is not), or an injected fatal fault."""
+    if not isinstance(error, Exception) or isinstance(error, InjectedFatalFault):
+        return True
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return False
+    return isinstance(error, torch.AcceleratorError) or (
+        isinstance(error, RuntimeError) and any(text in str(error) for text in _CUDA_FAILURES))
+
+
+def _queue_ms(turn: Turn) -> float:
+    return (time.perf_counter() - turn.received_at) * 1000.0
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine has stopped serving (see `Engine.failure`)."""
 
 
 class Engine:
     """Owns the model and the session caches. Talk to it only through `submit`, `cancel` (on the
-    turn), `drop_session`, `session_connected` and `prefetch`; all are safe from any thread."""
+    turn), `drop_session`, `session_connected`, `prefetch` and `call`; all are safe from any thread."""
 
     def __init__(self, load: Callable[[], LoadedModel], settings: Settings | None = None,
-                 on_cache_copy: CopyObserver | None = None):
+                 on_cache_copy: CopyObserver | None = None, on_fatal: Callable[[str], None] | None = None):
         self._load = load
         self.settings = settings or Settings()
         self._on_cache_copy = on_cache_copy
+        self._on_fatal = on_fatal or (lambda reason: None)
+        self.faults = FaultPoints()  # armed only through --enable-fault-injection (and by tests)
+        self.failure: str | None = None  # why the engine could not go on, once it could not
+        self._closed: str | None = None  # why it takes no more turns: its failure, or a stop
+        self.failures: Counter[str] = Counter()  # turns failed, by stage
         self._commands: queue.Queue[object] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="chatd-engine", daemon=True)
         self.ready = threading.Event()
@@ -74,6 +115,8 @@ class Engine:
         self.runner: ModelRunner | None = None
         self.deep_check_distances: deque[float] = deque(maxlen=256)
         self._queued: deque[Turn] = deque()  # submitted, not started: admitted oldest first
+        self._head: RunningTurn | None = None  # the oldest, rendered, waiting for device memory
+        self._live: dict[int, Turn] = {}  # every turn taken from the queue and not yet ended, by id
         self._prefilling: deque[RunningTurn] = deque()  # admitted, prompt being fed chunk by chunk
         self._running: list[RunningTurn] = []  # the decode batch
         self.prefill_chunks = 0
@@ -81,7 +124,7 @@ class Engine:
         self._deferred: list[_CacheCommand] = []
         self._waiting = 0
         self._active = 0
-        self._waiting_lock = threading.Lock()
+        self._lock = threading.Lock()  # the waiting count, and submissions against a failure
         self._sampling = random.Random()
 
     def start(self) -> None:
@@ -104,9 +147,12 @@ class Engine:
         return self._active
 
     def submit(self, turn: Turn) -> None:
-        with self._waiting_lock:
-            self._waiting += 1
-        self._commands.put(turn)
+        with self._lock:
+            if self._closed is None:
+                self._waiting += 1
+                self._commands.put(turn)
+                return
+        turn.emit(TurnFailed("unavailable", self._unavailable()))
 
     def drop_session(self, session_id: str) -> None:
         """Free a session's cache once the turns queued before this call have finished."""
@@ -127,7 +173,11 @@ class Engine:
         """Run `action` on the cache store in the engine thread, between decode steps (and, with a
         `session_id`, once no turn of that session is running)."""
         result: Future[T] = Future()
-        self._commands.put(_CacheCommand(action, result, session_id))
+        with self._lock:
+            if self._closed is None:
+                self._commands.put(_CacheCommand(action, result, session_id))
+                return result
+        result.set_exception(EngineUnavailable(self._unavailable()))
         return result
 
     def _run(self) -> None:
@@ -139,8 +189,21 @@ class Engine:
             self.ready.set()
             return
         self.ready.set()
+        try:
+            self._serve()
+        except BaseException as error:  # whatever ends the loop ends the engine: say so, to everyone
+            reason = f"{type(error).__name__}: {error}"
+            log.critical("the engine cannot go on (%s); failing every turn and stopping", reason, exc_info=error)
+            with self._lock:
+                self.failure = reason
+            self._stop_serving(reason)
+            self._on_fatal(reason)
+        else:
+            self._stop_serving("it was stopped")
+
+    def _serve(self) -> None:
         expired_at = time.monotonic()
-        while self._take_commands(block=not (self._running or self._prefilling)):
+        while self._take_commands(block=not (self._running or self._prefilling or self._head)):
             self._admit()
             if self._prefilling:
                 self._prefill_step()
@@ -150,6 +213,36 @@ class Engine:
             if time.monotonic() - expired_at >= EXPIRE_EVERY_S:
                 self._housekeep(CacheStore.expire)
                 expired_at = time.monotonic()
+
+    def _stop_serving(self, reason: str) -> None:
+        """Every turn the engine still has, or is sent from now on, gets `unavailable`."""
+        with self._lock:
+            self._closed = reason
+        turns = list(self._live.values())  # wherever each was when the engine stopped
+        self._queued.clear()
+        self._head, self._prefilling, self._running = None, deque(), []
+        commands = [*self._deferred]
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            (turns if isinstance(command, Turn) else commands).append(command)
+        for command in commands:
+            if isinstance(command, _CacheCommand) and command.result is not None:
+                command.result.set_exception(EngineUnavailable(self._unavailable()))
+        for turn in turns:
+            self._end(turn, TurnFailed("unavailable", self._unavailable()))
+        self._waiting = 0
+        self._active = 0
+
+    def _end(self, turn: Turn, event: TurnResult | TurnFailed) -> None:
+        """A turn's last event: it is no longer the engine's."""
+        self._live.pop(id(turn), None)
+        turn.emit(event)
+
+    def _unavailable(self) -> str:
+        return f"the engine has stopped ({self._closed}); retry on another worker or after its restart"
 
     def _take_commands(self, block: bool) -> bool:
         """Queue new turns (FIFO) and run cache housekeeping; False once asked to stop. Waits for a
@@ -163,6 +256,7 @@ class Engine:
                 return False
             if isinstance(command, Turn):
                 self._queued.append(command)
+                self._live[id(command)] = command
             else:
                 self._deferred.append(command)
             try:
@@ -177,20 +271,49 @@ class Engine:
         return True
 
     def _admit(self) -> None:
-        """Start waiting turns, oldest first, while the batch has room: each is looked up and then
-        prefilled chunk by chunk before it joins the decode batch."""
-        while self._queued and len(self._running) + len(self._prefilling) < self.settings.max_batch:
-            turn = self._queued.popleft()
-            with self._waiting_lock:
-                self._waiting -= 1
-            try:
-                with torch.inference_mode():
-                    running = self._prepare_turn(turn)
-            except Exception as error:
-                self._fail(turn, error)
+        """Start waiting turns, oldest first, while the batch has room and the device budget can hold
+        what their caches may reach; each is then looked up and prefilled chunk by chunk before it
+        joins the decode batch. The oldest that does not fit waits, and the others behind it, for a
+        running turn to finish (first come, first served)."""
+        while (self._head or self._queued) and len(self._running) + len(self._prefilling) < self.settings.max_batch:
+            running, self._head = self._head or self._render(self._queued.popleft()), None
+            if running is None:
+                self._left_queue()
                 continue
-            if running is not None:
-                self._prefilling.append(running)
+            turn = running.turn
+            if turn.cancelled.is_set():
+                self._left_queue()
+                self._end(turn, TurnResult.cancelled_before_start(_queue_ms(turn)))
+                continue
+            try:
+                admitted = self.cache.admit(turn.session_id, turn, running.reserve_bytes,
+                                            alone=not (self._running or self._prefilling))
+            except SessionRunning as error:  # a second turn of a session: never let it near the cache
+                self._left_queue()
+                self._end(turn, TurnFailed("busy", f"{error}; retry when it has finished"))
+                continue
+            except Exception as error:
+                self._left_queue()
+                self._fail(turn, error, "admission")
+                continue
+            if not admitted:
+                self._head = running
+                return
+            self._left_queue()
+            self._prefilling.append(running)
+
+    def _render(self, turn: Turn) -> RunningTurn | None:
+        try:
+            self.faults.check("render", turn.session_id)
+            with torch.inference_mode():
+                return self._prepare_turn(turn)
+        except Exception as error:
+            self._fail(turn, error, "render")
+            return None
+
+    def _left_queue(self) -> None:
+        with self._lock:
+            self._waiting -= 1
 
     def _prefill_step(self) -> None:
         """Spend up to --prefill-chunk prompt tokens on the oldest prefilling turns, so that prefill
@@ -206,20 +329,25 @@ class Engine:
         if running.turn.cancelled.is_set():
             self._prefilling.popleft()
             if running.lookup is None:  # its cache was never touched
-                running.turn.emit(TurnResult.cancelled_before_start(
-                    queue_ms=(time.perf_counter() - running.turn.received_at) * 1000.0))
+                self.cache.release(running.turn.session_id)
+                self._end(running.turn, TurnResult.cancelled_before_start(_queue_ms(running.turn)))
                 return 0
             running.first_token_at = time.perf_counter()
             self._finish(running, "cancelled")
             return 0
+        session_id = running.turn.session_id
+        stage: Stage = "lookup"
         try:
             with torch.inference_mode():
                 if running.lookup is None:  # as late as possible: turns ahead may have shared a prefix
+                    self.faults.check("lookup", session_id)
                     self._begin_prefill(running, self._lookup(running))
+                stage = "prefill"
+                self.faults.check("prefill", session_id)
                 first_logits, fed = self._prefill_chunk(running, budget)
         except Exception as error:
             self._prefilling.popleft()
-            self._fail(running.turn, error)
+            self._fail(running, error, stage)
             return 0
         if first_logits is None:
             return fed
@@ -227,16 +355,25 @@ class Engine:
         if running.lookup.cached_tokens and not bool(torch.isfinite(first_logits).all()):
             # A NaN or Inf anywhere in the reused keys and values reaches these logits: the cheapest
             # finite check there is, on every turn. Start over from scratch.
-            self._begin_prefill(running, self.cache.report_corruption(running.turn.session_id, ("finite",)))
+            self._begin_prefill(running, self.cache.report_corruption(session_id, ("finite",)))
             self._prefilling.appendleft(running)
             return fed
-        token = running.sampler.next_token(first_logits)
         running.first_token_at = time.perf_counter()
-        if finish := running.accept(token, self.loaded.stop_token_ids):
+        self._sample(running, first_logits)
+        return fed
+
+    def _sample(self, running: RunningTurn, logits: torch.Tensor) -> None:
+        """Pick the turn's next token and stream it; it then decodes on, or ends and writes back."""
+        try:
+            self.faults.check("sampling", running.turn.session_id)
+            finish = running.accept(running.sampler.next_token(logits), self.loaded.stop_token_ids)
+        except Exception as error:
+            self._fail(running, error, "sampling")
+            return
+        if finish:
             self._finish(running, finish)
         else:
             self._running.append(running)
-        return fed
 
     def _prefill_chunk(self, running: RunningTurn, budget: int) -> tuple[torch.Tensor | None, int]:
         """Feed the next chunk; return the logits after the prompt's last token (None before it)
@@ -254,31 +391,56 @@ class Engine:
         return (None if running.pending else logits), len(chunk)
 
     def _decode_step(self) -> None:
-        """Advance every running turn by one token, in one forward pass."""
-        batch = self._running
+        """Advance every running turn by one token, in one forward pass. If the batched pass fails, each
+        turn is tried alone, so that only the turns that fail by themselves are failed."""
+        batch, self._running = self._running, []
         self.batch_sizes[len(batch)] += 1
         try:
+            rows = list(zip(batch, self._forward_decode(batch), strict=True))
+        except Exception as error:
+            if len(batch) == 1 or is_fatal(error):
+                for running in batch:
+                    self._fail(running, error, "decode")
+                return
+            log.warning("a batched decode step of %d turns failed (%s: %s); trying each turn alone", len(batch),
+                        type(error).__name__, error)
+            rows = []
+            for running in batch:
+                try:
+                    rows.append((running, self._forward_decode([running])[0]))
+                except Exception as alone_error:
+                    self._fail(running, alone_error, "decode")
+        for running, logits in rows:
+            self._sample(running, logits)
+
+    def _forward_decode(self, batch: list[RunningTurn]) -> torch.Tensor:
+        """One decode pass over `batch`: the logits [B, V]. A pass that fails leaves every cache as it was."""
+        lengths = [running.entry.num_tokens for running in batch]
+        try:
+            for running in batch:
+                self.faults.check("decode", running.turn.session_id)
             with torch.inference_mode():
                 if len(batch) == 1:
-                    logits = self.runner.forward(batch[0].entry, [batch[0].next_input])[None]
-                else:
-                    logits = self.runner.forward_batch([r.entry for r in batch], [r.next_input for r in batch])
-        except Exception as error:
-            for running in batch:
-                self._fail(running.turn, error)
-            self._running = []
-            return
-        self._running = []
-        for running, row in zip(batch, logits, strict=True):
-            if finish := running.accept(running.sampler.next_token(row), self.loaded.stop_token_ids):
-                self._finish(running, finish)
-            else:
-                self._running.append(running)
+                    return self.runner.forward(batch[0].entry, [batch[0].next_input])[None]
+                return self.runner.forward_batch([r.entry for r in batch], [r.next_input for r in batch])
+        except BaseException:
+            for running, length in zip(batch, lengths, strict=True):
+                running.entry.crop(length)  # some layers may already hold the new token
+            raise
 
-    def _fail(self, turn: Turn, error: Exception) -> None:
-        log.error("turn %s of session %s failed", turn.turn_id, turn.session_id, exc_info=error)
-        self.cache.drop(turn.session_id)  # never keep a cache a failed turn may have half-written
-        turn.emit(TurnFailed("internal", f"the turn failed: {type(error).__name__}"))
+    def _fail(self, failed: RunningTurn | Turn, error: Exception, stage: str) -> None:
+        """One turn failed at `stage`: it gets `internal`, and its cache, which the failure may have left
+        half-written, is dropped from every tier. An error the engine cannot go on from propagates."""
+        if is_fatal(error):
+            raise error
+        turn = failed.turn if isinstance(failed, RunningTurn) else failed
+        log.error("turn %s of session %s failed at the %s stage; its cache is dropped", turn.turn_id,
+                  turn.session_id, stage, exc_info=error)
+        self.failures[stage] += 1
+        self.faults.disarm(turn.session_id)
+        if isinstance(failed, RunningTurn) or not self.cache.device.is_running(turn.session_id):
+            self.cache.abandon(turn.session_id)  # never another turn's running cache
+        self._end(turn, TurnFailed("internal", f"the turn failed at the {stage} stage: {type(error).__name__}"))
 
     def _housekeep(self, action: Callable[[CacheStore], object], result: Future | None = None) -> None:
         """Cache housekeeping is best effort: a failure is logged (and handed to a caller that waits
@@ -289,6 +451,8 @@ class Engine:
             with torch.inference_mode():
                 value = action(self.cache)
         except Exception as error:
+            if is_fatal(error):
+                raise
             log.exception("cache housekeeping failed")
             if result is not None:
                 result.set_exception(error)
@@ -313,7 +477,7 @@ class Engine:
             model_key=loaded.identity(),
             device_budget_bytes=int(settings.device_budget_mb(loaded.device) * MB),
             host_budget_bytes=int(settings.host_cache_mb * MB), ttl_s=settings.session_ttl_s, remote=remote,
-            on_copy=self._on_cache_copy)
+            on_copy=self._on_cache_copy, faults=self.faults)
         if remote is not None:
             remote.probe()
             self._measure_prefill()
@@ -331,40 +495,45 @@ class Engine:
         loaded = self.loaded
         message_tokens = self._renderer.count(turn.messages[-1].content)
         if message_tokens > self.settings.max_prompt_tokens:
-            turn.emit(TurnFailed("too_long", f"the message is {message_tokens} tokens; this server takes at most "
-                                             f"{self.settings.max_prompt_tokens} per message"))
+            self._end(turn, TurnFailed("too_long", f"the message is {message_tokens} tokens; this server takes "
+                                                   f"at most {self.settings.max_prompt_tokens} per message"))
             return None
         room = min(turn.params.max_new_tokens, loaded.max_context // 4)
         try:
             window = fit(self._renderer, turn.messages, turn.dropped_turns, loaded.max_context, room)
         except DoesNotFit as error:
-            turn.emit(TurnFailed("too_long", str(error)))
+            self._end(turn, TurnFailed("too_long", str(error)))
             return None
         prompt_ids = window.prompt_ids
         prefix_len = self._shared_prefix_length(window.messages, prompt_ids)
-        return RunningTurn(turn, prompt_ids, prefix_len, min(turn.params.max_new_tokens,
-                                                             loaded.max_context - len(prompt_ids)),
-                           TokenSampler(turn.params), TextStream(loaded.tokenizer, turn.params.stop), started,
-                           messages=window.messages, dropped_turns=window.dropped_turns)
+        max_new_tokens = min(turn.params.max_new_tokens, loaded.max_context - len(prompt_ids))
+        return RunningTurn(turn, prompt_ids, prefix_len, max_new_tokens, TokenSampler(turn.params),
+                           TextStream(loaded.tokenizer, turn.params.stop), started, messages=window.messages,
+                           dropped_turns=window.dropped_turns,
+                           reserve_bytes=(len(prompt_ids) + max_new_tokens) * self._bytes_per_token)
 
     def _begin_prefill(self, running: RunningTurn, lookup: CacheLookup) -> None:
-        """Take the cache the lookup found (or a new one), make room for the turn's growth, and line
-        up the prompt tokens it does not cover."""
+        """Take the cache the lookup found (or a new one) and line up the prompt tokens it does not cover."""
         running.lookup = lookup
         running.entry = lookup.entry or CacheEntry(self.runner.new_cache())
         running.start = lookup.cached_tokens
         running.pending = running.prompt_ids[lookup.cached_tokens:]
         running.share_prefix = lookup.source == "miss" and running.prefix_len > 0
-        growth = len(running.pending) + running.max_new_tokens
-        self.cache.reserve(running.turn.session_id, growth * self._bytes_per_token)
 
     def _finish(self, running: RunningTurn, finish: FinishReason) -> None:
         """Write the cache back (rolled back first if cancelled) and report the result."""
         turn, entry = running.turn, running.entry
-        if finish == "cancelled":
-            entry.crop(running.start)  # the turn is not recorded: roll its tokens back
-        self.cache.put(turn.session_id, entry, turn.session_version + (finish != "cancelled"))
-        turn.emit(running.result(finish))
+        try:
+            self.faults.check("write-back", turn.session_id)
+            if finish == "cancelled":
+                entry.crop(running.start)  # the turn is not recorded: roll its tokens back
+            result = running.result(finish)
+            with torch.inference_mode():
+                self.cache.put(turn.session_id, entry, turn.session_version + (finish != "cancelled"))
+        except Exception as error:
+            self._fail(running, error, "write-back")
+            return
+        self._end(turn, result)
 
     def _lookup(self, running: RunningTurn) -> CacheLookup:
         """The turn's cache; none when its window just moved past turns the cache covered."""
@@ -373,12 +542,12 @@ class Engine:
             self.cache.drop(turn.session_id)
             return CacheLookup("miss", 0, miss_reason="truncated")
         return self._checked_lookup(turn.session_id, running.messages, running.prompt_ids, running.prefix_len,
-                                    turn.session_version)
+                                    turn.session_version, turn)
 
     def _checked_lookup(self, session_id: str, messages: list[Message], prompt_ids: list[int],
-                        prefix_len: int, version: int) -> CacheLookup:
+                        prefix_len: int, version: int, turn: Turn | None = None) -> CacheLookup:
         """The cache store's lookup (with its cheap checks), plus the sampled deep check."""
-        lookup = self.cache.lookup(session_id, prompt_ids, prefix_len, version)
+        lookup = self.cache.lookup(session_id, prompt_ids, prefix_len, version, turn=turn)
         if lookup.miss_reason == "new" and any(m.role == "assistant" for m in messages):
             lookup = dataclasses.replace(lookup, miss_reason="cold")  # history, but no cache here yet
         if (lookup.entry is None or lookup.cached_tokens < 2

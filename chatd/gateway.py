@@ -98,7 +98,8 @@ class Gateway:
         self.draining = False
         self._on_turn = on_turn
         self._on_error = on_error
-        self._running: dict[str, Turn] = {}  # session id -> its running turn: one at a time per session
+        self._claims: dict[str, str] = {}  # session id -> the turn id that holds it: one turn per session
+        self._turns: dict[str, Turn] = {}  # session id -> its turn in the engine
         self._attached: Counter[str] = Counter()  # session id -> connections using it
         self._forwarders: set[asyncio.Task] = set()
 
@@ -109,7 +110,7 @@ class Gateway:
 
     @property
     def running_turns(self) -> list[Turn]:
-        return list(self._running.values())
+        return list(self._turns.values())
 
     async def handle(self, websocket: ServerConnection) -> None:
         sent_header, owner = self.keys.bearer(websocket.request.headers)
@@ -220,37 +221,55 @@ class Gateway:
                                            worker=WORKER, history=history))
 
     async def start_turn(self, connection: Connection, message: ChatRequest) -> None:
+        """Claim the session for this turn before anything else can interleave (the first await),
+        then start the turn; the claim is released on every path, by its forwarder once it has one."""
         turn_id = message.turn_id or secrets.token_urlsafe(8)
         refusal = self._refuse_turn(connection, message, turn_id)
         if refusal is not None:
             await connection.send(refusal)
             return
+        session_id = message.session_id
+        if session_id in self._claims:
+            await connection.send(ErrorMessage(turn_id=turn_id, code="busy", retryable=True,
+                                               message=f"session {session_id} is already running a turn"))
+            return
+        self._claims[session_id] = turn_id
+        forwarding = False
+        try:
+            forwarding = await self._start_claimed_turn(connection, message, turn_id)
+        finally:
+            if not forwarding:
+                del self._claims[session_id]
+
+    async def _start_claimed_turn(self, connection: Connection, message: ChatRequest, turn_id: str) -> bool:
+        """The rest of `start_turn`; True once a forwarder owns the claim."""
         session = await self._owned_session(connection, message.session_id)
         if session is None:
             await connection.send(_unknown_session(message.session_id, turn_id))
-            return
-        if running := self._running.get(session.session_id):
-            await connection.send(ErrorMessage(
-                turn_id=turn_id, code="busy", retryable=True,
-                message=f"session {session.session_id} is already running turn {running.turn_id}"))
-            return
+            return False
         if not await self._attach(connection, session.session_id, turn_id):
-            return
+            return False
         if (wait := self.rate_limit.acquire(connection.client)) is not None:
             await connection.send(ErrorMessage(
                 turn_id=turn_id, code="rate_limited", retryable=True, retry_after_s=round(wait, 2),
                 message=f"over {self.settings.rate_limit_per_min:g} turns per minute; retry in {wait:.1f} s"))
-            return
+            return False
         try:
             lease = await self.store.lease(session.session_id)
         except SessionBusy as error:
             await connection.send(ErrorMessage(turn_id=turn_id, code="busy", retryable=True, message=str(error)))
-            return
+            return False
         try:
             session = await self.store.get(session.session_id) or session  # fresh: another worker may have written
         except BaseException:
             await lease.release()
             raise
+        if self.draining:  # the shutdown began while the store answered
+            await lease.release()
+            await connection.send(ErrorMessage(
+                turn_id=turn_id, code="unavailable", retryable=True,
+                message="the server is shutting down; reconnect and send the message again"))
+            return False
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TurnEvent] = asyncio.Queue()
         turn = Turn(
@@ -262,12 +281,13 @@ class Gateway:
             session_version=session.version,
             dropped_turns=session.dropped_turns,
         )
-        self._running[session.session_id] = turn
+        self._turns[session.session_id] = turn
         turn_log = self.turn_logs.start(turn, connection.owner, connection)
-        self.engine.submit(turn)
         task = asyncio.create_task(self._forward(connection, session, turn_log, message.content, events, lease))
         self._forwarders.add(task)
         task.add_done_callback(self._forwarders.discard)
+        self.engine.submit(turn)
+        return True
 
     def _refuse_turn(self, connection: Connection, message: ChatRequest, turn_id: str) -> ErrorMessage | None:
         """The checks that need no session: shutdown, limits, capacity, a duplicate turn id."""
@@ -310,7 +330,8 @@ class Gateway:
                                                        "this reply was not recorded")
         finally:
             # Free the session before the reply goes out, so the client's next request is never `busy`.
-            del self._running[session.session_id]
+            del self._turns[session.session_id]
+            del self._claims[session.session_id]
             await lease.release()
         self.turn_logs.finish(turn_log)
         await turn_log.publish(_reply(turn.turn_id, event))
@@ -324,7 +345,7 @@ class Gateway:
         turn_log.turn.cancel()  # the engine stops at its next step and answers chat.done with finish_reason cancelled
 
     async def resume_turn(self, connection: Connection, message: ChatResume) -> None:
-        """Send what the client missed of a turn, then make this connection the one its stream goes to."""
+        """Make this connection the one the turn's stream goes to, then send it what it missed."""
         turn_log = self.turn_logs.get(connection.owner, message.turn_id)
         if turn_log is None:
             await connection.send(ErrorMessage(
@@ -334,14 +355,11 @@ class Gateway:
             return
         if not await self._attach(connection, turn_log.turn.session_id, message.turn_id):
             return
-        for missed in turn_log.after(message.last_seq):
-            await connection.send(missed)
-        if turn_log.running:
-            turn_log.subscriber = connection
+        await turn_log.subscribe(connection, message.last_seq)
 
     async def prefetch(self, connection: Connection, message: Typing) -> None:
         """A hint, so it answers nothing, not even for an unknown session."""
-        if message.session_id not in self._running and await self._owned_session(connection, message.session_id):
+        if message.session_id not in self._claims and await self._owned_session(connection, message.session_id):
             self.engine.prefetch(message.session_id)
 
     async def close_session(self, connection: Connection, message: SessionClose) -> None:
@@ -349,7 +367,7 @@ class Gateway:
         if session is None:
             await connection.send(_unknown_session(message.session_id))
             return
-        if running := self._running.get(session.session_id):
+        if running := self._turns.get(session.session_id):
             running.cancel()
         await self.store.delete(session.session_id)
         self.engine.drop_session(session.session_id)
@@ -367,7 +385,7 @@ class Gateway:
         deadline = asyncio.get_running_loop().time() + timeout_s
         while self._forwarders and asyncio.get_running_loop().time() < deadline:
             await asyncio.wait(set(self._forwarders), timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
-        late = list(self._running.values())
+        late = list(self._turns.values())
         for turn in late:
             turn.cancel()
         if self._forwarders:
@@ -382,7 +400,7 @@ def _unknown_session(session_id: str, turn_id: str | None = None) -> ErrorMessag
 def _reply(turn_id: str, event: TurnResult | TurnFailed) -> ChatDone | ErrorMessage:
     if isinstance(event, TurnFailed):
         return ErrorMessage(turn_id=turn_id, code=event.code, message=event.message,
-                            retryable=event.code == "conflict")
+                            retryable=event.code in ("conflict", "busy", "unavailable"))
     return ChatDone(
         turn_id=turn_id,
         finish_reason=event.finish_reason,

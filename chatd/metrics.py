@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cache_store.integrity import CHECKS
+from cache_store.stage_faults import STAGES
 from cache_store.store import CacheSource, MissReason
 from chatd.protocol import ErrorCode
 from chatd.turn import TurnResult
@@ -38,6 +39,8 @@ class LiveState:
     waiting: int = 0
     connected_sessions: int = 0
     cache: dict[str, int] = field(default_factory=dict)  # CacheStore.stats(); empty before the model loads
+    engine_up: bool = True  # False once the engine has stopped serving
+    engine_failures: dict[str, int] = field(default_factory=dict)  # turns failed, by engine stage
 
     def tier_bytes(self, tier: str) -> tuple[int, int]:
         """Bytes in use and the budget of a tier (0, 0 when it does not exist)."""
@@ -171,4 +174,19 @@ class _LiveCollector(Collector):
                                           labels=[*label, "check"])
         for check, count in live.corruptions().items():
             corruptions.add_metric([*name, check], count)
-        yield from (running, waiting, usage, sessions, evictions, corruptions)
+        engine_up = GaugeMetricFamily("chatd:engine_up", "1 while the engine serves; 0 once it has stopped "
+                                      "(the process then exits).", labels=label)
+        engine_up.add_metric(name, 1.0 if live.engine_up else 0.0)
+        failures = CounterMetricFamily("chatd:engine_turn_failures", "Turns failed by an error at an engine stage "
+                                       "(each got internal; the engine went on).", labels=[*label, "stage"])
+        for stage in ("admission", *STAGES):
+            failures.add_metric([*name, stage], live.engine_failures.get(stage, 0))
+        remote_errors = CounterMetricFamily("chatd:remote_kv_errors", "Remote KV tier operations that failed "
+                                            "(Redis unreachable, out of memory, refused).", labels=[*label, "op"])
+        remote_errors.add_metric([*name, "read"], live.cache.get("remote_read_errors", 0))
+        remote_errors.add_metric([*name, "write"], live.cache.get("remote_write_errors", 0))
+        offload_failures = CounterMetricFamily("chatd:cache_offload_failures", "Evicted caches whose copy to the "
+                                               "host failed; each was dropped.", labels=label)
+        offload_failures.add_metric(name, live.cache.get("offload_failures", 0))
+        yield from (running, waiting, usage, sessions, evictions, corruptions, engine_up, failures, remote_errors,
+                    offload_failures)

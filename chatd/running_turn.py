@@ -24,6 +24,7 @@ class RunningTurn:
     started: float
     messages: list[Message] = field(default_factory=list)  # the window the prompt renders
     dropped_turns: int = 0  # oldest turns the window leaves out
+    reserve_bytes: int = 0  # what its cache may reach: counted against the device budget while it runs
     lookup: CacheLookup | None = None
     entry: CacheEntry | None = None
     start: int = 0  # where this turn's feeding started: a cancel rolls the cache back to it

@@ -17,6 +17,7 @@ from websockets.http11 import Request, Response
 
 from cache_store import CacheStore
 from cache_store.faults import FAULT_KINDS, TIERS, NoCache, corrupt
+from cache_store.stage_faults import STAGES
 from chatd.config import Settings
 from chatd.engine import Engine
 from chatd.gateway import Gateway
@@ -31,10 +32,15 @@ from sessions.redis_store import RedisSessionStore
 log = logging.getLogger(__name__)
 SAMPLE_EVERY_S = 5.0  # how often tier occupancy and cache counters are sampled for /v1/stats
 LIVE_TIMEOUT_S = 2.0
+FATAL_GRACE_S = 1.0  # after the engine failed: answer 503 this long before exiting
 
 
 class ModelLoadError(RuntimeError):
     """The model could not be loaded; the server cannot serve."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine stopped serving; the process should exit so that its supervisor restarts it."""
 
 
 class ChatServer:
@@ -49,7 +55,9 @@ class ChatServer:
         self.stats = StatsRecorder(settings.model)
         self.engine = Engine(load or (lambda: load_model(settings.model, settings.device, settings.dtype,
                                                          settings.cache_dir)), settings,
-                             on_cache_copy=self.metrics.observe_cache_copy)
+                             on_cache_copy=self.metrics.observe_cache_copy, on_fatal=self._engine_stopped)
+        self.engine_failed = asyncio.Event()  # set (from the engine thread) when the engine cannot go on
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.sessions: SessionStore = (
             RedisSessionStore(settings.redis_url, settings.session_retention_s, lease_ttl_s=settings.lease_ttl_s)
             if settings.redis_url else InMemorySessionStore(settings.session_retention_s))
@@ -68,6 +76,7 @@ class ChatServer:
         return f"ws://{self.settings.host}:{self.port}/ws"
 
     async def __aenter__(self) -> ChatServer:
+        self._loop = asyncio.get_running_loop()
         self.engine.start()
         self._server = await serve(self.gateway.handle, self.settings.host, self.settings.port,
                                    process_request=self._process_request, max_size=self.settings.max_message_bytes)
@@ -103,14 +112,20 @@ class ChatServer:
     async def live_state(self) -> LiveState:
         """What the server is doing now. The cache counters come from the engine thread (between two
         steps); if it does not answer in time, the last ones it gave are reported."""
-        if self.engine.ready.is_set() and self.engine.cache is not None:
+        if self.engine.failure is None and self.engine.ready.is_set() and self.engine.cache is not None:
             try:
                 self._last_cache_stats = await asyncio.wait_for(
                     asyncio.wrap_future(self.engine.call(CacheStore.stats)), LIVE_TIMEOUT_S)
             except TimeoutError:
                 log.warning("the engine did not report cache stats within %.0f s", LIVE_TIMEOUT_S)
         return LiveState(running=self.engine.running, waiting=self.engine.waiting,
-                         connected_sessions=self.gateway.connected_sessions, cache=self._last_cache_stats)
+                         connected_sessions=self.gateway.connected_sessions, cache=self._last_cache_stats,
+                         engine_up=self.engine.failure is None, engine_failures=dict(self.engine.failures))
+
+    def _engine_stopped(self, reason: str) -> None:
+        """Called from the engine thread once it has failed every turn it had."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.engine_failed.set)
 
     def _turn_finished(self, result: TurnResult) -> None:
         self.metrics.observe_turn(result)
@@ -133,10 +148,15 @@ class ChatServer:
         path = url.path
         if (corrupt := _CORRUPT_PATH.fullmatch(path)) and request.method == "POST":
             return await self._corrupt(corrupt.group(1), parse_qs(url.query), request)
+        if path == "/admin/engine/fault" and request.method == "POST":
+            return await self._arm_engine_fault(parse_qs(url.query), request)
         match path:
             case "/ws":
                 return self._admit_websocket(request)
             case "/healthz":
+                if self.engine.failure is not None:
+                    return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE,
+                                         f"engine failed: {self.engine.failure}\n")
                 if self.engine.ready.is_set() and self.engine.load_error is None:
                     return text_response(http.HTTPStatus.OK, "ok\n")
                 return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE, "loading\n")
@@ -169,16 +189,44 @@ class ChatServer:
             return text_response(http.HTTPStatus.UNAUTHORIZED, "unknown API key\n")
         return None
 
-    async def _corrupt(self, session_id: str, query: dict[str, list[str]], request: Request) -> Response:
-        """POST /admin/sessions/{id}/corrupt?kind=…&tier=…: fault injection, only when enabled, and with
-        API keys only by the key that owns the session."""
+    def _refuse_fault_injection(self, request: Request) -> tuple[Response | None, str | None]:
+        """Fault injection only when enabled, and with API keys only with a key: (refusal, the key's id)."""
         if not self.settings.enable_fault_injection:
-            return json_response(http.HTTPStatus.FORBIDDEN,
-                         {"error": "fault injection is disabled; start the server with --enable-fault-injection"})
+            return json_response(http.HTTPStatus.FORBIDDEN, {
+                "error": "fault injection is disabled; start the server with --enable-fault-injection"}), None
         _, owner = self.gateway.keys.bearer(request.headers)
         if self.gateway.keys.required and owner is None:
             return json_response(http.HTTPStatus.UNAUTHORIZED,
-                                 {"error": "send the session owner's key as Authorization: Bearer <key>"})
+                                 {"error": "send the session owner's key as Authorization: Bearer <key>"}), None
+        return None, owner
+
+    async def _arm_engine_fault(self, query: dict[str, list[str]], request: Request) -> Response:
+        """POST /admin/engine/fault?stage=…[&session=…][&fatal=true]: the next time that engine stage
+        runs (for that session, until its turn has failed; or for any, once), it raises."""
+        refusal, owner = self._refuse_fault_injection(request)
+        if refusal is not None:
+            return refusal
+        stage, session_id = query.get("stage", [""])[0], query.get("session", [None])[0]
+        fatal = query.get("fatal", ["false"])[0].lower() in ("1", "true", "yes")
+        if stage not in STAGES:
+            return json_response(http.HTTPStatus.BAD_REQUEST, {"error": f"stage must be one of {', '.join(STAGES)}"})
+        if session_id is not None:
+            session = await self.sessions.get(session_id)
+            if session is None or session.owner != owner:
+                return json_response(http.HTTPStatus.NOT_FOUND, {"error": f"no session {session_id!r}"})
+        elif self.gateway.keys.required:
+            return json_response(http.HTTPStatus.BAD_REQUEST, {"error": "with API keys, name one of your sessions"})
+        self.engine.faults.arm(stage, session_id, fatal)
+        log.warning("fault armed at the engine's %s stage (%s%s)", stage, session_id or "any session",
+                    ", fatal" if fatal else "")
+        return json_response(http.HTTPStatus.OK, {"stage": stage, "session_id": session_id, "fatal": fatal})
+
+    async def _corrupt(self, session_id: str, query: dict[str, list[str]], request: Request) -> Response:
+        """POST /admin/sessions/{id}/corrupt?kind=…&tier=…: fault injection, only when enabled, and with
+        API keys only by the key that owns the session."""
+        refusal, owner = self._refuse_fault_injection(request)
+        if refusal is not None:
+            return refusal
         kind, tier = query.get("kind", [""])[0], query.get("tier", ["device"])[0]
         if kind not in FAULT_KINDS or tier not in TIERS:
             return json_response(http.HTTPStatus.BAD_REQUEST,
@@ -212,6 +260,15 @@ async def run(settings: Settings) -> None:
         print(f"chatd listening on {server.url} (model {loaded.name}, {loaded.device}, "
               f"{loaded.model.dtype}); chat UI at http://{settings.host}:{server.port}/, "
               f"dashboard at /dashboard, metrics at /metrics", flush=True)
-        await stop.wait()
+        stopping = asyncio.create_task(stop.wait())
+        failed = asyncio.create_task(server.engine_failed.wait())
+        await asyncio.wait({stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        failed.cancel()
+        if server.engine_failed.is_set():
+            # /healthz says 503 meanwhile, so that a load balancer stops sending turns here.
+            await asyncio.sleep(FATAL_GRACE_S)
         await server.shutdown()
+    if server.engine.failure is not None:
+        raise EngineFailed(f"the engine stopped: {server.engine.failure}")
     log.info("stopped")

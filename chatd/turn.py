@@ -52,7 +52,7 @@ class TurnResult:
 
 @dataclass(frozen=True)
 class TurnFailed:
-    code: Literal["too_long", "conflict", "internal"]
+    code: Literal["too_long", "conflict", "busy", "unavailable", "internal"]
     message: str
 
 

@@ -21,13 +21,19 @@ class Sink(Protocol):
 @dataclass
 class TurnLog:
     """Every message a turn sent, in order: its deltas (message i has seq i), then its end. They go
-    to `subscriber`: the connection that started the turn, or the last one that resumed it."""
+    to `subscriber`: the connection that started the turn, or the last one that resumed it.
+
+    One delivery loop at a time sends the subscriber every message from its cursor on, so that a
+    resume (a new subscriber and cursor) and the turn's own publishing can interleave in any order
+    without a message being lost or sent twice to the subscriber."""
 
     turn: Turn
     owner: str | None
     subscriber: Sink
     messages: list[OutMessage] = field(default_factory=list)
     finished_at: float | None = None
+    _next: int = 0  # the index of the next message the subscriber has not been sent
+    _delivering: bool = False
 
     @property
     def running(self) -> bool:
@@ -35,11 +41,25 @@ class TurnLog:
 
     async def publish(self, message: OutMessage) -> None:
         self.messages.append(message)
-        await self.subscriber.send(message)
+        await self._deliver()
 
-    def after(self, last_seq: int) -> list[OutMessage]:
-        """What a client that received the deltas up to `last_seq` has not seen."""
-        return self.messages[last_seq + 1:]
+    async def subscribe(self, subscriber: Sink, last_seq: int) -> None:
+        """Switch the stream to `subscriber` first, then replay it everything after its `last_seq`."""
+        self.subscriber = subscriber
+        self._next = min(last_seq + 1, len(self.messages))
+        await self._deliver()
+
+    async def _deliver(self) -> None:
+        if self._delivering:
+            return  # the loop already sending will send this too
+        self._delivering = True
+        try:
+            while self._next < len(self.messages):
+                message = self.messages[self._next]
+                self._next += 1
+                await self.subscriber.send(message)
+        finally:
+            self._delivering = False
 
 
 class TurnLogs:

@@ -6,7 +6,10 @@ the retention TTL.
 
 When Redis cannot be reached, sessions this worker already holds keep chatting: their completed
 turns are recorded locally and queued, and a background task writes them, in order, when Redis
-returns. Whatever needs Redis and has no local answer raises `StoreUnavailable`.
+returns. Whatever needs Redis and has no local answer raises `StoreUnavailable`. After a call finds
+Redis unreachable, calls skip it for BACK_OFF_S instead of each waiting out the timeouts again (a
+hung Redis would otherwise cost every turn several seconds per call); the queue's flusher keeps
+trying, and its first success ends the back-off.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 LOCAL_SESSIONS = 10_000
 RETRY_FLUSH_S = 0.5
 LEASE_WAIT_S = 2.0
+BACK_OFF_S = 5.0
 # Take the lease if free, and only then advance the session's fence: returns the new fence or nil.
 _ACQUIRE = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
@@ -80,27 +84,32 @@ class RedisSessionStore:
         self._local: OrderedDict[str, Session] = OrderedDict()
         self._pending: deque[tuple[str, Callable[[], Awaitable[None]]]] = deque()
         self._flusher: asyncio.Task | None = None
+        self._down_until = float("-inf")  # monotonic time until which calls skip Redis
 
     # ##### Public API #####
 
     async def create(self, system: str | None, owner: str | None = None) -> Session:
         session = Session(session_id=new_session_id(), system=system, owner=owner)
+        if self._down():
+            raise StoreUnavailable("the session store (Redis) is unreachable")
         try:
             await self._write_new(session)
         except UNREACHABLE as error:
-            self.errors += 1
+            self._unreachable()
             raise StoreUnavailable("the session store (Redis) is unreachable") from error
         self._remember(session)
         return session
 
     async def get(self, session_id: str) -> Session | None:
         local = self._local.get(session_id)
-        if local is not None and self._has_pending(session_id):
-            return local  # our own queued writes are newer than what Redis has
+        if local is not None and (self._has_pending(session_id) or self._down()):
+            return local  # our own queued writes are newer than what Redis has (or Redis is down)
+        if self._down():
+            raise StoreUnavailable("the session store (Redis) is unreachable")
         try:
             stored = await self._read(session_id)
         except UNREACHABLE as error:
-            self.errors += 1
+            self._unreachable()
             if local is not None:
                 return local
             raise StoreUnavailable("the session store (Redis) is unreachable") from error
@@ -120,10 +129,12 @@ class RedisSessionStore:
         deadline = asyncio.get_running_loop().time() + LEASE_WAIT_S
         while True:
             try:
+                if self._down():
+                    raise RedisConnectionError("backing off after Redis was unreachable")
                 fence = await self._redis.eval(_ACQUIRE, 2, _key(session_id, "lease"), _key(session_id, "fence"),
                                                token, self.lease_ttl_ms, int(self.retention_s * 1000))
             except UNREACHABLE as error:
-                self.errors += 1
+                self._unreachable()
                 if session_id in self._local:
                     return LocalLease()
                 raise StoreUnavailable("the session store (Redis) is unreachable") from error
@@ -138,11 +149,11 @@ class RedisSessionStore:
         write = _Append(self, session.session_id, session.version, user_content, reply, list(token_ids), time.time(),
                         lease.fence if lease is not None else None,
                         session.dropped_turns if dropped_turns is None else dropped_turns)
-        if not self._pending:
+        if not self._pending and not self._down():
             try:
                 await write()
             except UNREACHABLE:
-                self.errors += 1
+                self._unreachable()
                 self._queue(session.session_id, write)
         else:
             self._queue(session.session_id, write)  # keep the order of writes
@@ -152,9 +163,11 @@ class RedisSessionStore:
     async def delete(self, session_id: str) -> bool:
         self._local.pop(session_id, None)
         try:
+            if self._down():
+                raise RedisConnectionError("backing off after Redis was unreachable")
             return bool(await self._redis.delete(*_all_keys(session_id)))
         except UNREACHABLE:
-            self.errors += 1
+            self._unreachable()
             self._queue(session_id, lambda: self._redis.delete(*_all_keys(session_id)))
             return True
 
@@ -201,6 +214,13 @@ class RedisSessionStore:
         while len(self._local) > LOCAL_SESSIONS:
             self._local.popitem(last=False)
 
+    def _down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def _unreachable(self) -> None:
+        self.errors += 1
+        self._down_until = time.monotonic() + BACK_OFF_S
+
     def _has_pending(self, session_id: str) -> bool:
         return any(owner == session_id for owner, _ in self._pending)
 
@@ -216,6 +236,7 @@ class RedisSessionStore:
             session_id, write = self._pending[0]
             try:
                 await write()
+                self._down_until = float("-inf")  # it answers again
             except UNREACHABLE:
                 self.errors += 1
                 if give_up:
@@ -245,10 +266,12 @@ class _RedisLease:
 
     async def release(self) -> None:
         self._renewer.cancel()
+        if self.store._down():
+            return  # it expires by itself
         try:
             await self.store._redis.eval(_RELEASE, 1, _key(self.session_id, "lease"), self.token)
         except UNREACHABLE:
-            self.store.errors += 1  # it expires by itself
+            self.store._unreachable()
 
 
 class _Append:

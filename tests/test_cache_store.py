@@ -7,7 +7,16 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from cache_store import CacheEntry, CacheLayout, CacheStore, LRUPolicy, Offloader, common_prefix_length
+from cache_store import (
+    CacheEntry,
+    CacheLayout,
+    CacheStore,
+    LRUPolicy,
+    Offloader,
+    SessionRunning,
+    common_prefix_length,
+)
+from cache_store.host_pool import size_class
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 4
 BYTES_PER_TOKEN = 2 * LAYERS * HEADS * HEAD_DIM * 4  # float32
@@ -58,8 +67,10 @@ def test_bytes_are_the_allocated_storage_and_match_the_formula():
 
 def test_first_turn_is_a_miss_new_and_a_disabled_cache_never_stores():
     store = make_store()
-    assert store.lookup("s", [1, 2, 3]) == store.lookup("s", [1, 2, 3])
-    assert (store.lookup("s", [1, 2]).source, store.lookup("s", [1, 2]).miss_reason) == ("miss", "new")
+    first = store.lookup("s", [1, 2, 3])
+    assert (first.source, first.miss_reason) == ("miss", "new")
+    store.abandon("s")
+    assert store.lookup("s", [1, 2]) == first
     disabled = make_store(enabled=False)
     disabled.put("s", make_entry(ids(3)))
     assert disabled.lookup("s", ids(4)).miss_reason == "disabled" and len(disabled.device) == 0
@@ -202,6 +213,77 @@ def test_prefetch_restores_a_host_cache_but_never_evicts_a_running_one():
     assert not store.prefetch("b") and "b" in store.host and "a" in store.device
 
 
+def test_a_running_cache_is_never_handed_to_a_second_turn():
+    store = make_store()
+    store.put("s", make_entry([1, 2, 3, 4]))
+    first_turn = object()
+    assert store.admit("s", first_turn, 10 * BYTES_PER_TOKEN)
+    lookup = store.lookup("s", [1, 2, 3, 4, 5], turn=first_turn)
+    assert lookup.source == "device"
+    with pytest.raises(SessionRunning):
+        store.lookup("s", [1, 2, 3, 4, 5], turn=object())
+    with pytest.raises(SessionRunning):
+        store.lookup("s", [1, 2, 3, 4, 5])
+    with pytest.raises(SessionRunning):
+        store.admit("s", object(), 0)
+    store.put("s", lookup.entry)
+    assert store.lookup("s", [1, 2, 3, 4, 5]).source == "device", "free again after write-back"
+
+
+def test_a_running_turn_counts_at_the_size_it_may_reach_from_its_admission():
+    store = make_store(device_tokens=30)
+    store.put("a", make_entry(ids(10)))
+    store.put("b", make_entry(ids(10)))
+    assert store.admit("new", object(), 20 * BYTES_PER_TOKEN)  # a miss: nothing on the device yet
+    assert store.host.keys() == ["a"] and store.device.used_bytes() == 30 * BYTES_PER_TOKEN
+    assert store.stats()["device_reserved_bytes"] == 20 * BYTES_PER_TOKEN
+    assert not store.admit("later", object(), 25 * BYTES_PER_TOKEN), "waits: only a running turn could make room"
+    assert "b" in store.device, "nothing was evicted for a turn that still does not fit"
+    store.put("new", make_entry(ids(18)))
+    assert store.admit("later", object(), 25 * BYTES_PER_TOKEN)
+    assert store.device.used_bytes() <= store.device.budget_bytes
+
+
+def test_a_turn_alone_is_admitted_over_the_budget_and_its_cache_leaves_the_device_at_write_back():
+    store = make_store(device_tokens=10)
+    store.put("a", make_entry(ids(5)))
+    assert store.admit("big", object(), 40 * BYTES_PER_TOKEN, alone=True)
+    assert "a" in store.host, "every idle cache made room"
+    store.put("big", make_entry(ids(30)))
+    assert "big" in store.host and store.device.used_bytes() == 0
+
+
+def test_a_value_changed_in_a_resident_cache_is_caught_by_its_checksum():
+    store = make_store()
+    store.put("s", make_entry(ids(10)))
+    store.device.get("s").cache.layers[1].values[0, 0, 3, 1] += 1e-3
+    lookup = store.lookup("s", ids(12))
+    assert (lookup.source, lookup.miss_reason, lookup.cleared) == ("miss", "corrupt", ("checksum",))
+    assert "s" not in store.device
+
+
+def test_a_resident_cache_changed_before_its_offload_never_enters_the_host_tier():
+    store = make_store(device_tokens=10)
+    store.put("a", make_entry(ids(10)))
+    store.device.get("a").cache.layers[0].keys[0, 1, 0, 0] = 7.0
+    store.put("b", make_entry(ids(10)))  # evicts a
+    assert "a" not in store.host and store.counters["corrupt_checksum"] == 1
+
+
+def test_host_buffers_are_reused_and_the_budget_counts_what_is_held():
+    store = make_store(device_tokens=10, host_tokens=25)
+    for name in "abcde":
+        store.put(name, make_entry(ids(10)))
+    pool = store.host.pool
+    assert store.host.keys() == ["c", "d"], "a third buffer would not fit 25 tokens"
+    assert pool.held_bytes == 2 * size_class(10 * BYTES_PER_TOKEN) == store.host.used_bytes()
+    store.lookup("c", ids(11))  # restored: its buffer is free again, and still held
+    assert pool.free_bytes == size_class(10 * BYTES_PER_TOKEN) and store.host.used_bytes() == pool.held_bytes
+    store.put("f", make_entry(ids(10)))
+    store.put("g", make_entry(ids(10)))  # reuses the free buffer rather than holding more
+    assert pool.held_bytes == 2 * size_class(10 * BYTES_PER_TOKEN) and pool.free_bytes == 0
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_budgets_are_never_exceeded(seed):
     rng = random.Random(seed)
@@ -213,15 +295,16 @@ def test_budgets_are_never_exceeded(seed):
         action = rng.random()
         if action < 0.5:  # a turn: lookup, grow, write back
             prompt = history[session] + ids(rng.randint(1, 8), start=1000)
-            lookup = store.lookup(session, prompt)
-            kept = lookup.entry.token_ids if lookup.entry else []
-            store.reserve(session, (len(prompt) - len(kept) + 4) * BYTES_PER_TOKEN)
+            turn = object()
+            assert store.admit(session, turn, (len(prompt) + 4) * BYTES_PER_TOKEN)
+            store.lookup(session, prompt, turn=turn)
+            assert store.device.used_bytes() <= store.device.budget_bytes
             grown = prompt + ids(rng.randint(0, 4), start=2000)
             if len(grown) <= 30:
                 store.put(session, make_entry(grown))
                 history[session] = grown
             else:
-                store.drop(session)
+                store.abandon(session)
                 history[session] = []
         elif action < 0.65:
             store.prefetch(session)

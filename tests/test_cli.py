@@ -7,7 +7,10 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from chatd.client import ChatClient
+from chatd.config import Settings
 
 
 def chatd(*args: str) -> subprocess.Popen:
@@ -54,3 +57,35 @@ def test_bad_flags_are_named():
     server = chatd("serve", "--dtype", "float8", "--port", "0")
     _, stderr = server.communicate(timeout=60)
     assert server.returncode == 2 and "--dtype" in stderr
+
+
+LIST_SETTINGS = [name for name, field in Settings.model_fields.items() if field.annotation == list[str]]
+
+
+def test_every_list_setting_is_found():
+    assert set(LIST_SETTINGS) == {"api_key", "allowed_origins"}
+
+
+@pytest.mark.parametrize("name", LIST_SETTINGS)
+@pytest.mark.parametrize(("text", "expected"), [
+    ("https://one.example", ["https://one.example"]),
+    (" https://one.example, https://two.example ,", ["https://one.example", "https://two.example"]),
+    ('["https://one.example", "with,comma"]', ["https://one.example", "with,comma"]),
+])
+def test_every_list_setting_reads_one_value_commas_or_json_from_the_environment(name, text, expected, monkeypatch):
+    monkeypatch.setenv(f"CHATD_{name.upper()}", text)
+    assert getattr(Settings(), name) == expected
+
+
+@pytest.mark.parametrize(("variable", "value", "says"), [
+    ("CHATD_API_KEY", '["unclosed', "not a JSON list"),
+    ("CHATD_ALLOWED_ORIGINS", "[1, 2]", "strings only"),
+    ("CHATD_MAX_BATCH", "eighty", "valid integer"),
+])
+def test_a_bad_environment_value_is_one_line_naming_the_variable(variable, value, says):
+    process = subprocess.run([sys.executable, "-m", "chatd", "serve", "--port", "0"], capture_output=True, text=True,
+                             env={**os.environ, variable: value}, timeout=60)
+    assert process.returncode == 2
+    lines = process.stderr.strip().splitlines()
+    assert len(lines) == 1 and variable in lines[0] and says in lines[0], process.stderr
+    assert "Traceback" not in process.stderr

@@ -21,7 +21,7 @@ SYSTEM = "You are a support agent for Northwind Internet. Answer briefly."
 QUESTIONS = ["My internet is down since this morning.", "The router light is red.", "I restarted it, now green."]
 DONOR_QUESTION = "I want to upgrade my plan."
 EXPECTED_CHECK = {
-    ("nan", "device"): "finite", ("bitflip", "device"): "deep", ("truncate", "device"): "length",
+    ("nan", "device"): "checksum", ("bitflip", "device"): "checksum", ("truncate", "device"): "length",
     ("shape", "device"): "shape", ("foreign", "device"): "fingerprint", ("tokens", "device"): "fingerprint",
     ("nan", "host"): "checksum", ("bitflip", "host"): "checksum", ("truncate", "host"): "length",
     ("shape", "host"): "shape", ("foreign", "host"): "fingerprint", ("tokens", "host"): "fingerprint",
@@ -37,10 +37,9 @@ async def start(smollm2, **settings) -> ChatServer:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def servers(smollm2):
-    """A server that samples no deep checks, one that deep-checks every reuse, and a reference."""
-    started = [await start(smollm2, enable_fault_injection=True, verify_sample_rate=0.0),
-               await start(smollm2, enable_fault_injection=True, verify_sample_rate=1.0),
-               await start(smollm2)]
+    """A server with fault injection and otherwise default settings (the deep check sampled at its
+    default rate), and a reference."""
+    started = [await start(smollm2, enable_fault_injection=True), await start(smollm2)]
     yield started
     for server in started:
         await server.__aexit__(None, None, None)
@@ -49,7 +48,7 @@ async def servers(smollm2):
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def reference(servers) -> list[list[str]]:
     """The deltas of each turn of the conversation, never corrupted."""
-    async with ChatClient(await connect(servers[2].url)) as client:
+    async with ChatClient(await connect(servers[1].url)) as client:
         session_id = (await client.open_session(system=SYSTEM)).session_id
         replies = []
         for question in QUESTIONS:
@@ -70,7 +69,7 @@ def post(url: str) -> tuple[int, dict]:
 
 @pytest.mark.parametrize(("kind", "tier"), list(EXPECTED_CHECK))
 async def test_a_corrupted_cache_is_caught_cleared_and_recomputed(servers, reference, kind, tier):
-    server = servers[1] if kind == "bitflip" and tier == "device" else servers[0]
+    server = servers[0]
     async with ChatClient(await connect(server.url)) as client:
         session_id = (await client.open_session(system=SYSTEM)).session_id
         await (await client.chat(session_id, QUESTIONS[0], max_new_tokens=10)).result()
@@ -98,7 +97,7 @@ async def test_a_corrupted_cache_is_caught_cleared_and_recomputed(servers, refer
 
 
 async def test_the_admin_endpoint_refuses_what_it_cannot_do(servers):
-    healthy, faulty = servers[2], servers[0]
+    healthy, faulty = servers[1], servers[0]
     async with ChatClient(await connect(faulty.url)) as client:
         fresh = (await client.open_session()).session_id
         base = f"http://127.0.0.1:{faulty.port}/admin/sessions"

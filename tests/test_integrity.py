@@ -71,6 +71,7 @@ def test_the_store_clears_a_corrupt_cache_in_every_tier_and_names_the_check():
     assert (lookup.source, lookup.miss_reason, lookup.cleared) == ("miss", "corrupt", ("checksum",))
     assert "a" not in store.host and "a" not in store.device
     assert store.counters["corrupt_checksum"] == 1
+    store.abandon("a")  # that turn ended without a write-back
     assert store.lookup("a", ids(12)).miss_reason == "new", "the next turn starts clean"
 
 

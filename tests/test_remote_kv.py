@@ -131,3 +131,47 @@ def test_after_a_failure_the_remote_tier_is_skipped_instead_of_waited_on():
     assert remote.head("s") is None and remote.errors == 1
     assert remote.head("s") is None and remote.errors == 1, "the second lookup did not try Redis"
     remote.close()
+
+
+def snapshot(tokens: int):
+    """A host copy of a small cache, as the store hands the remote writer."""
+    import torch
+    from transformers import DynamicCache
+
+    from cache_store import CacheEntry, CacheLayout, Offloader
+    from cache_store.integrity import fingerprint
+
+    cache = DynamicCache()
+    for layer in range(2):
+        keys = torch.randn(1, 2, tokens, 8)
+        cache.update(keys, keys + 1, layer)
+    entry = CacheEntry(cache, list(range(tokens)))
+    entry.fingerprint = fingerprint(entry, "model", "owner", CacheLayout(2, 2, 8, torch.float32))
+    return Offloader(torch.device("cpu")).offload(entry)
+
+
+async def test_the_remote_writer_goes_on_after_redis_refuses_a_write(redis_server):
+    """A `maxmemory` refusal (an OOM ResponseError, not a connection error) fails that snapshot only."""
+    tier = RemoteTier(redis_server.url, ttl_s=60)
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        await admin.config_set("maxmemory-policy", "noeviction")
+        await admin.config_set("maxmemory", 1)  # below what Redis already uses: every write is refused
+        tier.put("refused", snapshot(64))
+        for _ in range(200):
+            if tier.write_errors:
+                break
+            await asyncio.sleep(0.02)
+        assert tier.write_errors == 1
+        await admin.config_set("maxmemory", 0)
+        for name in ("later", "and-later"):
+            tier.put(name, snapshot(64))
+        for _ in range(200):
+            if tier.head("and-later") is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert tier.head("later") is not None and tier.head("and-later") is not None, "later snapshots arrive"
+        assert tier.head("refused") is None and tier.write_errors == 1
+    finally:
+        tier.close()
+        await admin.aclose()

@@ -1,0 +1,164 @@
+"""Engine supervision, through a real server and real websocket clients with the tiny model: a fault
+at any engine stage fails only the turns it touched (internal, cache dropped everywhere, the next turn
+recomputes the same reply), and a fatal fault answers unavailable, turns /healthz to 503 and makes
+`chatd serve` exit non-zero."""
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+from websockets.asyncio.client import connect
+
+from cache_store import CacheStore
+from chatd.client import ChatClient, ChatError
+from chatd.config import Settings
+from chatd.server import ChatServer
+
+SYSTEM = "You are a support agent."
+FIRST = {"a": "My parcel never arrived.", "b": "I need a copy of my invoice."}
+SECOND = {"a": "It was order 1234, sent last week.", "b": "The invoice is for March."}
+TOKENS = 12
+
+
+def post(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+async def arm(server: ChatServer, stage: str, session_id: str | None = None, fatal: bool = False) -> None:
+    query = f"stage={stage}" + (f"&session={session_id}" if session_id else "") + ("&fatal=true" if fatal else "")
+    status, body = await asyncio.to_thread(post, f"http://127.0.0.1:{server.port}/admin/engine/fault?{query}")
+    assert status == 200, body
+
+
+async def two_turns_each(server: ChatServer) -> dict[str, list[list[str]]]:
+    """The deltas of both turns of both conversations, run without faults."""
+    async with ChatClient(await connect(server.url)) as client:
+        replies = {}
+        for name in FIRST:
+            session_id = (await client.open_session(system=SYSTEM)).session_id
+            replies[name] = []
+            for content in (FIRST[name], SECOND[name]):
+                turn = await client.chat(session_id, content, max_new_tokens=TOKENS)
+                await turn.result()
+                replies[name].append(turn.deltas)
+        return replies
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    async def run():
+        async with ChatServer(Settings(port=0), load=lambda: tiny) as server:
+            await server.wait_ready()
+            return await two_turns_each(server)
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("stage", ["render", "lookup", "prefill", "sampling", "decode", "write-back"])
+async def test_a_fault_at_an_engine_stage_fails_only_its_turn(tiny, reference, stage, caplog):
+    async with ChatServer(Settings(port=0, enable_fault_injection=True), load=lambda: tiny) as server:
+        await server.wait_ready()
+        async with ChatClient(await connect(server.url)) as client:
+            sessions = {name: (await client.open_session(system=SYSTEM)).session_id for name in FIRST}
+            for name, session_id in sessions.items():
+                await (await client.chat(session_id, FIRST[name], max_new_tokens=TOKENS)).result()
+            await arm(server, stage, sessions["a"])
+            faulty = await client.chat(sessions["a"], SECOND["a"], max_new_tokens=TOKENS)
+            healthy = await client.chat(sessions["b"], SECOND["b"], max_new_tokens=TOKENS)
+            with pytest.raises(ChatError) as failed:
+                await faulty.result()
+            assert failed.value.code == "internal" and stage in failed.value.message
+            assert (await healthy.result()).finish_reason in ("stop", "length")
+            assert healthy.deltas == reference["b"][1], "the other turn is untouched"
+            assert not await asyncio.wrap_future(server.engine.call(
+                lambda store: sessions["a"] in store.device or sessions["a"] in store.host))
+
+            retry = await client.chat(sessions["a"], SECOND["a"], max_new_tokens=TOKENS)
+            done = await retry.result()
+            # The failed session's cache was dropped: it recomputes its history (from the shared system prompt).
+            assert done.cache.source in ("miss", "prefix")
+            assert retry.deltas == reference["a"][1]
+        assert server.engine.failure is None and server.engine.failures[stage] == 1
+        status, _ = await asyncio.to_thread(get, f"http://127.0.0.1:{server.port}/healthz")
+        assert status == 200
+
+
+async def test_a_failed_offload_loses_only_that_cache(tiny, reference):
+    async with ChatServer(Settings(port=0, enable_fault_injection=True), load=lambda: tiny) as server:
+        await server.wait_ready()
+        async with ChatClient(await connect(server.url)) as client:
+            sessions = {name: (await client.open_session(system=SYSTEM)).session_id for name in FIRST}
+            for name, session_id in sessions.items():
+                await (await client.chat(session_id, FIRST[name], max_new_tokens=TOKENS)).result()
+            await arm(server, "offload", sessions["a"])
+            assert await asyncio.wrap_future(server.engine.call(CacheStore.evict_idle)) >= 2
+            sources = {}
+            for name, session_id in sessions.items():
+                turn = await client.chat(session_id, SECOND[name], max_new_tokens=TOKENS)
+                sources[name] = (await turn.result()).cache.source
+                assert turn.deltas == reference[name][1]
+        assert sources["a"] in ("miss", "prefix") and sources["b"] == "host"
+        stats = await asyncio.wrap_future(server.engine.call(CacheStore.stats))
+        assert stats["offload_failures"] == 1
+
+
+async def test_a_fatal_fault_answers_unavailable_and_turns_healthz_to_503(tiny):
+    async with ChatServer(Settings(port=0, enable_fault_injection=True), load=lambda: tiny) as server:
+        await server.wait_ready()
+        async with ChatClient(await connect(server.url)) as client:
+            running = (await client.open_session(system=SYSTEM)).session_id
+            waiting = (await client.open_session(system=SYSTEM)).session_id
+            await arm(server, "decode", running, fatal=True)
+            doomed = await client.chat(running, FIRST["a"], max_new_tokens=TOKENS)
+            queued = await client.chat(waiting, FIRST["b"], max_new_tokens=TOKENS)
+            for turn in (doomed, queued):
+                with pytest.raises(ChatError) as failed:
+                    await asyncio.wait_for(turn.result(), 60)
+                assert failed.value.code == "unavailable" and failed.value.retryable
+            status, body = await asyncio.to_thread(get, f"http://127.0.0.1:{server.port}/healthz")
+            assert status == 503 and "engine failed" in body and "fault injected" in body
+            later = await client.chat(waiting, FIRST["b"], max_new_tokens=TOKENS)
+            with pytest.raises(ChatError, match="unavailable"):
+                await asyncio.wait_for(later.result(), 10)
+        assert server.engine_failed.is_set()
+        metrics = (await asyncio.to_thread(get, f"http://127.0.0.1:{server.port}/metrics"))[1]
+        assert re.search(r'^chatd:engine_up\{model_name="[^"]*"\} 0\.0$', metrics, re.MULTILINE)
+
+
+async def test_chatd_serve_exits_non_zero_when_its_engine_cannot_go_on(tiny_checkpoint):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "chatd", "serve", "--model", str(tiny_checkpoint), "--port", "0", "--device", "cpu",
+         "--enable-fault-injection", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        port = int(re.search(r"ws://127\.0\.0\.1:(\d+)/ws", process.stdout.readline()).group(1))
+        status, _ = await asyncio.to_thread(post, f"http://127.0.0.1:{port}/admin/engine/fault?stage=prefill&fatal=1")
+        assert status == 200
+        async with ChatClient(await connect(f"ws://127.0.0.1:{port}/ws")) as client:
+            session_id = (await client.open_session()).session_id
+            with pytest.raises(ChatError, match="unavailable"):
+                await (await client.chat(session_id, "hello", max_new_tokens=4)).result()
+        code = await asyncio.to_thread(process.wait, 30)
+        assert code != 0
+        assert "the engine stopped" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
