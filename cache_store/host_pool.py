@@ -76,13 +76,13 @@ class HostBufferPool:
         """Release free buffers, largest first, until at most `keep_bytes` of them are left; returns
         the bytes released."""
         self._collect()
-        released = 0
+        released, pinned = 0, False
         for size in sorted(self._free, reverse=True):
             while self._free[size] and self.free_bytes > keep_bytes:
-                self._free[size].pop()
+                pinned |= self._free[size].pop().is_pinned()
                 released += size
         self.held_bytes -= released
-        if released and self.pinned:
+        if pinned:
             torch.accelerator.empty_host_cache()  # torch caches freed pinned blocks; hand them back
         return released
 

@@ -186,6 +186,8 @@ class Engine:
         except BaseException as error:  # reported to whoever waits for `ready`
             log.exception("loading the model failed")
             self.load_error = error
+            self.failure = f"loading the model failed: {type(error).__name__}: {error}"
+            self._stop_serving(self.failure)  # turns sent while it loaded get an answer too
             self.ready.set()
             return
         self.ready.set()
@@ -233,7 +235,8 @@ class Engine:
                 command.result.set_exception(EngineUnavailable(self._unavailable()))
         for turn in turns:
             self._end(turn, TurnFailed("unavailable", self._unavailable()))
-        self._waiting = 0
+        with self._lock:
+            self._waiting = 0
         self._active = 0
 
     def _end(self, turn: Turn, event: TurnResult | TurnFailed) -> None:

@@ -321,13 +321,7 @@ class Gateway:
             if isinstance(event, TurnResult):
                 self._on_turn(event)
                 if event.finish_reason != "cancelled":
-                    try:
-                        await self.store.append_turn(session, user_content, event.content, event.conversation_ids,
-                                                     lease, dropped_turns=event.dropped_turns)
-                    except VersionConflict:
-                        self.engine.drop_session(session.session_id)
-                        event = TurnFailed("conflict", "another worker recorded a turn of this session first; "
-                                                       "this reply was not recorded")
+                    event = await self._record(session, user_content, event, lease)
         finally:
             # Free the session before the reply goes out, so the client's next request is never `busy`.
             del self._turns[session.session_id]
@@ -335,6 +329,22 @@ class Gateway:
             await lease.release()
         self.turn_logs.finish(turn_log)
         await turn_log.publish(_reply(turn.turn_id, event))
+
+    async def _record(self, session: Session, user_content: str, result: TurnResult,
+                      lease: Lease) -> TurnResult | TurnFailed:
+        """Append the completed turn to the session; what the client is told if that fails."""
+        try:
+            await self.store.append_turn(session, user_content, result.content, result.conversation_ids, lease,
+                                         dropped_turns=result.dropped_turns)
+        except VersionConflict:
+            self.engine.drop_session(session.session_id)
+            return TurnFailed("conflict", "another worker recorded a turn of this session first; "
+                                          "this reply was not recorded")
+        except Exception:
+            log.exception("recording a turn of session %s failed", session.session_id)
+            self.engine.drop_session(session.session_id)
+            return TurnFailed("internal", "the reply could not be recorded in the session; send the message again")
+        return result
 
     async def cancel_turn(self, connection: Connection, message: ChatCancel) -> None:
         turn_log = self.turn_logs.get(connection.owner, message.turn_id)

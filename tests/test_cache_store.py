@@ -16,7 +16,7 @@ from cache_store import (
     SessionRunning,
     common_prefix_length,
 )
-from cache_store.host_pool import size_class
+from cache_store.host_pool import HostBufferPool, size_class
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 4
 BYTES_PER_TOKEN = 2 * LAYERS * HEADS * HEAD_DIM * 4  # float32
@@ -319,3 +319,15 @@ def test_budgets_are_never_exceeded(seed):
         assert store.host.used_bytes() <= store.host.budget_bytes
         for key in store.device:
             assert store.device.get(key).is_consistent()
+
+
+def test_a_pinned_allocation_that_fails_falls_back_to_ordinary_memory_with_one_warning(caplog):
+    pool = HostBufferPool(pinned=True)  # no CUDA here: every pinned allocation fails
+    buffers = [pool.take(1000), pool.take(5000)]
+    assert not any(buffer.is_pinned() for buffer in buffers)
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "pinned" in caplog.records[0].getMessage()
+    for buffer in buffers:
+        pool.give(buffer)
+    assert pool.held_bytes == size_class(1000) + size_class(5000) == pool.free_bytes
+    assert pool.release_free() == size_class(1000) + size_class(5000)
+    assert pool.held_bytes == pool.free_bytes == 0

@@ -2,6 +2,7 @@
 cache offloaded, dropped or shared must answer exactly like a turn that never lost it."""
 
 import asyncio
+import threading
 import time
 
 import torch
@@ -156,3 +157,24 @@ def test_cache_bytes_follow_the_gqa_formula_and_match_the_tensors(tiny, smollm2_
             run_turn(engine, session, question, max_new_tokens=5)
             entry = engine.cache.device.get("s")
             assert entry.nbytes() == entry.num_tokens * kv_bytes_per_token(tiny.model.config, torch.float64)
+
+
+def test_a_turn_that_does_not_fit_beside_a_running_one_waits_for_it(tiny):
+    """Two new sessions at once, a device budget that holds what one turn may reach but not two: the
+    second waits for the first to finish rather than overrun the budget, and both answer correctly."""
+    bytes_per_token = kv_bytes_per_token(tiny.model.config, tiny.model.dtype)
+    with running_engine(tiny, device_cache_mb=150 * bytes_per_token / 2**20) as engine, \
+            running_engine(tiny) as reference:
+        sessions = [Session("first"), Session("second")]
+        results = [None, None]
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+            i, run_turn(engine, sessions[i], QUESTIONS[i], max_new_tokens=100)[0])) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        for session, result, question in zip(sessions, results, QUESTIONS, strict=False):
+            expected, _ = run_turn(reference, Session(session.session_id), question, max_new_tokens=100)
+            assert result.token_ids == expected.token_ids
+        assert set(engine.batch_sizes) == {1}, "the second turn never ran beside the first"
+        assert engine.cache.device.used_bytes() <= engine.cache.device.budget_bytes
