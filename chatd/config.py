@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -48,6 +49,8 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default_factory=default_cache_dir,
                             description="where bundled models are converted once")
     session_cache: bool = Field(True, description="reuse each session's KV cache between turns")
+    threads: int | None = Field(None, ge=1, description="threads for the model's CPU work (torch.set_num_threads; "
+                                                        "default: the cores this process may use)")
     max_batch: int = Field(16, ge=1, description="turns decoded together in one batched step (like max_num_seqs)")
     prefill_chunk: int = Field(256, ge=1, description="prompt tokens fed per engine step (across the turns "
                                                       "being prefilled), between decode steps of the others")
@@ -99,6 +102,10 @@ class Settings(BaseSettings):
             free, _ = torch.cuda.mem_get_info(device)
             return max(1.0, free / 2 / 2**20)
         return CPU_DEVICE_CACHE_MB
+
+    def torch_threads(self) -> int:
+        """--threads, or the cores this process may run on (its CPU affinity, not the machine's count)."""
+        return self.threads or len(os.sched_getaffinity(0))
 
     def api_keys(self) -> list[str]:
         """The keys from --api-key and --api-key-file."""

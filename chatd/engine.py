@@ -464,6 +464,7 @@ class Engine:
             result.set_result(value)
 
     def _prepare(self, loaded: LoadedModel) -> None:
+        torch.set_num_threads(self.settings.torch_threads())
         self.loaded = loaded
         self._renderer = PromptRenderer(loaded.tokenizer)
         self._system_ids = functools.lru_cache(maxsize=1024)(

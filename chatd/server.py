@@ -12,6 +12,7 @@ import signal
 from collections.abc import Callable
 from urllib.parse import parse_qs, urlsplit
 
+import torch
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
@@ -257,9 +258,11 @@ async def run(settings: Settings) -> None:
         log.info("loading model %s on %s", settings.model, settings.device)
         await server.wait_ready()
         loaded = server.engine.loaded
+        threads = torch.get_num_threads()
         print(f"chatd listening on {server.url} (model {loaded.name}, {loaded.device}, "
-              f"{loaded.model.dtype}); chat UI at http://{settings.host}:{server.port}/, "
-              f"dashboard at /dashboard, metrics at /metrics", flush=True)
+              f"{loaded.model.dtype}, {threads} thread{'s' if threads > 1 else ''}); "
+              f"chat UI at http://{settings.host}:{server.port}/, dashboard at /dashboard, metrics at /metrics",
+              flush=True)
         stopping = asyncio.create_task(stop.wait())
         failed = asyncio.create_task(server.engine_failed.wait())
         await asyncio.wait({stopping, failed}, return_when=asyncio.FIRST_COMPLETED)

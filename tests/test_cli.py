@@ -46,6 +46,17 @@ async def test_serve_a_local_checkpoint_chat_and_stop_on_sigterm(tiny_checkpoint
         assert await asyncio.to_thread(server.wait, 30) == 0
 
 
+def test_threads_sets_the_model_threads_and_defaults_to_the_cores_the_process_may_use(tiny_checkpoint):
+    for flags, expected in (([], len(os.sched_getaffinity(0))), (["--threads", "1"], 1)):
+        server = chatd("serve", "--model", str(tiny_checkpoint), "--port", "0", "--device", "cpu", *flags)
+        try:
+            line = server.stdout.readline()
+            assert re.search(rf"\b{expected} threads?\)", line), line
+        finally:
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(30) == 0
+
+
 def test_a_model_that_cannot_load_is_a_clear_error(tmp_path):
     server = chatd("serve", "--model", str(tmp_path / "missing-model"), "--port", "0")
     _, stderr = server.communicate(timeout=120)
