@@ -10,6 +10,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from cache_store.arena import ArenaCache
+
 if TYPE_CHECKING:
     from cache_store.integrity import Fingerprint
 
@@ -21,7 +23,7 @@ class CacheEntry:
     """A `DynamicCache` and its token ids. The ids, not the transcript, say what the cache holds:
     whoever appends to the cache appends the same ids here (see `extend`)."""
 
-    cache: DynamicCache
+    cache: DynamicCache | ArenaCache
     token_ids: list[int] = field(default_factory=list)
     fingerprint: Fingerprint | None = None  # taken at write-back, checked on reuse
     checksum: str | None = None  # of the bytes at write-back, checked on reuse (a running cache has none)
@@ -46,30 +48,35 @@ class CacheEntry:
         """Keep the first `keep` tokens of every layer; used when a render diverged, a turn is
         rolled back, or a forward pass failed halfway through the layers."""
         for layer in self.cache.layers:
-            if layer.get_seq_length() > keep:
-                layer.keys = layer.keys[..., :keep, :]
-                layer.values = layer.values[..., :keep, :]
+            if layer.is_initialized and layer.get_seq_length() > keep:
+                layer.crop(keep - layer.get_seq_length())
         del self.token_ids[keep:]
 
     def tensors(self) -> KVTensors:
         return [(layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized]
 
     def nbytes(self) -> int:
-        """Bytes the key and value tensors really occupy: their allocated storage, which after a
-        crop is larger than the used length."""
+        """Bytes the cache really holds: its region of the KV arena, or the allocated storage of its
+        own tensors (which after a crop is larger than the used length)."""
+        if isinstance(self.cache, ArenaCache):
+            return self.cache.nbytes()
         return sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in self.tensors())
 
-    def clone(self, new_cache: Callable[[], DynamicCache]) -> CacheEntry:
+    def clone(self, new_cache: Callable[[], DynamicCache | ArenaCache]) -> CacheEntry:
         clone = entry_from_tensors(new_cache, [(k.clone(), v.clone()) for k, v in self.tensors()], self.token_ids,
                                    self.fingerprint)
         clone.checksum, clone.session_version = self.checksum, self.session_version
         return clone
 
 
-def entry_from_tensors(new_cache: Callable[[], DynamicCache], tensors: KVTensors, token_ids: list[int],
+def entry_from_tensors(new_cache: Callable[[], DynamicCache | ArenaCache], tensors: KVTensors, token_ids: list[int],
                        fingerprint: Fingerprint | None = None) -> CacheEntry:
-    """Adopt existing key/value tensors as a cache without copying them again."""
+    """Adopt existing key/value tensors as a cache: copied into a region of the arena, or taken as
+    they are by a `DynamicCache`."""
     cache = new_cache()
+    if isinstance(cache, ArenaCache):
+        cache.load(tensors)
+        return CacheEntry(cache, list(token_ids), fingerprint)
     while len(cache.layers) < len(tensors):
         cache.layers.append(DynamicLayer())
     for layer, (keys, values) in zip(cache.layers, tensors, strict=False):

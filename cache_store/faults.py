@@ -7,6 +7,7 @@ import dataclasses
 from typing import Literal
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from cache_store.entry import KVTensors
 from cache_store.store import CacheStore
@@ -70,9 +71,11 @@ def corrupt(store: CacheStore, session_id: str, kind: FaultKind, tier: Tier) -> 
 
 
 def _replace(store: CacheStore, session_id: str, tier: Tier, layer: int, pair: tuple) -> None:
-    if tier == "device":
-        cache_layer = store.device.get(session_id).cache.layers[layer]
-        cache_layer.keys, cache_layer.values = pair
+    if tier == "device":  # the layer now holds tensors of its own, not a view of the arena
+        replaced = DynamicLayer()
+        replaced.lazy_initialization(*pair)
+        replaced.keys, replaced.values = pair[0].clone(), pair[1].clone()
+        store.device.get(session_id).cache.layers[layer] = replaced
     else:
         tensors: KVTensors = store.host.get(session_id).tensors
         tensors[layer] = pair

@@ -17,6 +17,7 @@ from typing import Literal
 import xxhash
 from transformers import DynamicCache
 
+from cache_store.arena import ArenaFull
 from cache_store.cost_model import CostModel, RemoteDecision
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry
@@ -197,7 +198,10 @@ class CacheStore:
         if not self.enabled:
             return
         key = _prefix_key(entry.token_ids)
-        shared = entry.clone(self.new_cache)
+        try:
+            shared = entry.clone(self.new_cache)
+        except ArenaFull:
+            return  # no room to share it now; a later session's miss will offer it again
         shared.fingerprint = fingerprint(shared, self.model_key, key, self.layout)
         shared.checksum = checksum(shared.tensors())
         self._make_room(shared.nbytes())
@@ -217,7 +221,10 @@ class CacheStore:
             return False
         if not self.device.can_fit(self.host.nbytes(session_id)):
             return False
-        _, failed = self._restore(session_id)
+        try:
+            _, failed = self._restore(session_id)
+        except ArenaFull:
+            return False  # no room on the device after all; it stays in the host tier
         if failed:
             self.report_corruption(session_id, failed)
         return not failed
@@ -242,6 +249,15 @@ class CacheStore:
         self.drop(session_id)
         self._lost.pop(session_id, None)
         self._connected.discard(session_id)
+
+    def evict_one(self) -> bool:
+        """Evict the idle cache the policy ranks lowest (to free a region of the arena); False if none is idle."""
+        victims = sorted((self.device.residency(key) for key in self.device if not self.device.is_running(key)),
+                         key=self.device.policy.priority)
+        if not victims:
+            return False
+        self._evict(victims[0].key)
+        return True
 
     def evict_idle(self) -> int:
         """Offload every cache that is not running (used when the device runs out of memory)."""
@@ -294,7 +310,10 @@ class CacheStore:
                 self.device.pop(key)
                 shared = None
             if shared is not None and shared.token_ids == list(prompt_ids[:prefix_len]):  # verify, never trust a hash
-                entry = shared.clone(self.new_cache)
+                try:
+                    entry = shared.clone(self.new_cache)
+                except ArenaFull:  # no room for a copy: prefill the prompt from scratch
+                    return CacheLookup("miss", 0, miss_reason=reason)
                 entry.checksum = None
                 self._make_room(self.device.extra_bytes(session_id, entry.nbytes()), keep=key)
                 self.device.put(session_id, entry, connected=session_id in self._connected)
@@ -314,8 +333,9 @@ class CacheStore:
             return None, decision, ()
         if failed := self._check_host_entry(session_id, host_entry):
             return None, decision, failed
+        entry = self._adopt(session_id, host_entry, "remote", started)
         self.counters["remote_restores"] += 1
-        return self._adopt(session_id, host_entry, "remote", started), decision, ()
+        return entry, decision, ()
 
     def _older_than(self, session_id: str, session_version: int) -> bool:
         entry = self.device.get(session_id) or self.host.get(session_id)
@@ -336,8 +356,9 @@ class CacheStore:
         if failed := self._check_host_entry(session_id, host_entry):
             self.host.release(host_entry)
             return None, failed
+        entry = self._adopt(session_id, host_entry, "host", started)
         self.counters["restores"] += 1
-        return self._adopt(session_id, host_entry, "host", started), ()
+        return entry, ()
 
     def _check_host_entry(self, owner: str, host_entry: HostEntry) -> tuple[Check, ...]:
         failed = (check_identity(host_entry.fingerprint, self.model_key, owner, host_entry.token_ids, self.layout)
@@ -353,7 +374,12 @@ class CacheStore:
         fetched_s = time.perf_counter() - started
         self._make_room(self.device.extra_bytes(session_id, host_entry.nbytes), keep=session_id)
         copy_started = time.perf_counter()
-        entry, copied = self._offloader.restore(host_entry, self.new_cache)
+        try:
+            entry, copied = self._offloader.restore(host_entry, self.new_cache)
+        except ArenaFull:
+            if tier == "host":
+                self.host.put(session_id, host_entry)  # kept where it was, for when there is room
+            raise
         self.host.release(host_entry, copied)
         # The checksum verified on the host is the device's when both are read the same way (on a CPU);
         # a GPU reads the device copy with its own kind, taken here.

@@ -1,49 +1,103 @@
-"""One decode step for several sessions at once, each keeping its own cache.
+"""One decode step for several sessions at once, each reading and writing its own region of the KV
+arena in place.
 
-The sessions' caches are left-padded into one batch cache for the step, with an attention mask that
-hides the padding and position ids that continue each session's own sequence. After the forward
-pass, each session's new key/value column is appended to its own cache, which is therefore whole and
-consistent after every step (for write-back, offload and checks) exactly as after a single decode.
+The step's cache (`_ArenaStep`) writes each row's new key and value at that row's own position in the
+arena, one indexed store per layer, and hands attention the arena's buffers; the `chatd_arena`
+attention then runs each row over a view of its own region, exactly as a single sequence's decode
+attends (through transformers' own sdpa attention). Nothing proportional to the cached tokens is
+copied or allocated, rows of any lengths share the step, and a session joins or leaves the batch
+between two steps without touching the others.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from cache_store import CacheEntry
-from cache_store.entry import entry_from_tensors
+from cache_store.arena import ArenaCache, KVArena
+
+ARENA_ATTENTION = "chatd_arena"
+
+
+def _arena_attention(module, query, key, value, attention_mask, **kwargs):
+    """Per-row attention over arena regions in a batched decode step (each row exactly as a single
+    sequence's decode runs it); transformers' sdpa attention for every other call."""
+    rows = kwargs.pop("arena_rows", None)
+    if rows is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    outputs = [sdpa_attention_forward(module, query[row:row + 1], key[:, start:start + length].unsqueeze(0),
+                                      value[:, start:start + length].unsqueeze(0), None, **kwargs)[0]
+               for row, (start, length) in enumerate(rows)]
+    return torch.cat(outputs), None
+
+
+AttentionInterface.register(ARENA_ATTENTION, _arena_attention)
+AttentionMaskInterface.register(ARENA_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def use_arena_attention(model: PreTrainedModel) -> None:
+    """Route the model's attention through `chatd_arena` (sdpa for all but batched arena steps)."""
+    if model.config._attn_implementation not in ("sdpa", ARENA_ATTENTION):
+        raise ValueError(f"the KV arena needs sdpa attention, not {model.config._attn_implementation!r}")
+    assert ARENA_ATTENTION in ALL_ATTENTION_FUNCTIONS
+    model.config._attn_implementation = ARENA_ATTENTION
+
+
+class _StepLayer(CacheLayerMixin):
+    """One layer of a batched step: stores each row's new key and value at its position, in place."""
+
+    is_sliding = False
+
+    def __init__(self, arena: KVArena, index: int, caches: Sequence[ArenaCache], positions: torch.Tensor):
+        self._arena, self._index, self._caches, self._positions = arena, index, caches, positions
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = self._arena.keys[self._index], self._arena.values[self._index]
+        keys[:, self._positions] = key_states[:, :, 0].transpose(0, 1)  # [rows, heads, dim] -> [heads, rows, dim]
+        values[:, self._positions] = value_states[:, :, 0].transpose(0, 1)
+        for cache in self._caches:
+            cache.layers[self._index].length += 1
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _ArenaStep(Cache):
+    def __init__(self, arena: KVArena, caches: Sequence[ArenaCache], device: torch.device):
+        positions = torch.tensor([cache.region.start + cache.get_seq_length() for cache in caches], device=device)
+        super().__init__(layers=[_StepLayer(arena, index, caches, positions) for index in range(len(arena.keys))])
 
 
 def decode_step(model: PreTrainedModel, entries: Sequence[CacheEntry], tokens: Sequence[int],
-                device: torch.device, new_cache: Callable[[], DynamicCache]) -> torch.Tensor:
+                device: torch.device) -> torch.Tensor:
     """Feed `tokens[i]` after `entries[i]` for every i in one forward pass; return the logits [B, V]."""
-    lengths = [entry.num_tokens for entry in entries]
-    longest = max(lengths)
-    padded = []
-    for layer_index in range(len(entries[0].cache.layers)):
-        pairs = [(e.cache.layers[layer_index].keys, e.cache.layers[layer_index].values) for e in entries]
-        keys = pairs[0][0].new_zeros((len(entries), pairs[0][0].shape[1], longest, pairs[0][0].shape[3]))
-        values = torch.zeros_like(keys)
-        for row, ((k, v), length) in enumerate(zip(pairs, lengths, strict=True)):
-            keys[row, :, longest - length:] = k[0]
-            values[row, :, longest - length:] = v[0]
-        padded.append((keys, values))
-    batch = entry_from_tensors(new_cache, padded, [])
-    attention_mask = torch.zeros((len(entries), longest + 1), dtype=torch.long, device=device)
-    for row, length in enumerate(lengths):
-        attention_mask[row, longest - length:] = 1
+    caches = [entry.cache for entry in entries]
+    for cache in caches:
+        cache.reserve(cache.get_seq_length() + 1)
+    lengths = [cache.get_seq_length() for cache in caches]
+    rows = [(cache.region.start, length + 1) for cache, length in zip(caches, lengths, strict=True)]
     output = model(input_ids=torch.tensor([[t] for t in tokens], dtype=torch.long, device=device),
-                   attention_mask=attention_mask, position_ids=torch.tensor([[n] for n in lengths], device=device),
-                   cache=batch.cache, use_cache=True, logits_to_keep=1)
-    for layer_index, layer in enumerate(batch.cache.layers):
-        new_keys, new_values = layer.keys[:, :, longest:], layer.values[:, :, longest:]
-        for row, entry in enumerate(entries):
-            own = entry.cache.layers[layer_index]
-            own.keys = torch.cat([own.keys, new_keys[row:row + 1]], dim=-2)
-            own.values = torch.cat([own.values, new_values[row:row + 1]], dim=-2)
+                   position_ids=torch.tensor([[n] for n in lengths], device=device),
+                   cache=_ArenaStep(caches[0].arena, caches, device), use_cache=True, logits_to_keep=1,
+                   arena_rows=rows)
     for entry, token in zip(entries, tokens, strict=True):
         entry.extend([token])
     return output.logits[:, -1]

@@ -38,6 +38,7 @@ from cache_store import (
     SessionRunning,
     kv_bytes_per_token,
 )
+from cache_store.arena import ArenaFull, KVArena
 from cache_store.remote_tier import RemoteTier
 from cache_store.stage_faults import FaultPoints, InjectedFatalFault, Stage
 from cache_store.store import CopyObserver
@@ -324,7 +325,10 @@ class Engine:
         customer's new message on top of its cache) start in the same step."""
         budget = self.settings.prefill_chunk
         while self._prefilling and budget > 0:
-            budget -= self._prefill_one(self._prefilling[0], budget)
+            head = self._prefilling[0]
+            budget -= self._prefill_one(head, budget)
+            if self._prefilling and self._prefilling[0] is head and not head.has_room:
+                return  # it waits for a decoding turn to finish and free its region (first come, first served)
 
     def _prefill_one(self, running: RunningTurn, budget: int) -> int:
         """Feed the turn's next chunk (at most `budget` tokens); on its last chunk, sample its first
@@ -344,7 +348,14 @@ class Engine:
             with torch.inference_mode():
                 if running.lookup is None:  # as late as possible: turns ahead may have shared a prefix
                     self.faults.check("lookup", session_id)
-                    self._begin_prefill(running, self._lookup(running))
+                    try:
+                        lookup = self._lookup(running)
+                    except ArenaFull:  # no room on the device to restore its cache into
+                        self._wait_for_room(running)
+                        return 0
+                    self._begin_prefill(running, lookup)
+                if not running.has_room and not self._make_room(running):
+                    return 0
                 stage = "prefill"
                 self.faults.check("prefill", session_id)
                 first_logits, fed = self._prefill_chunk(running, budget)
@@ -364,6 +375,33 @@ class Engine:
         running.first_token_at = time.perf_counter()
         self._sample(running, first_logits)
         return fed
+
+    def _make_room(self, running: RunningTurn) -> bool:
+        """Give the turn's cache a region for all it may reach, so that it never moves mid-turn. With
+        no region free even after evicting every idle cache, it waits for a decoding turn to finish;
+        with none decoding, it is answered `busy` (its cache written back as it found it)."""
+        try:
+            running.entry.cache.reserve(len(running.prompt_ids) + running.max_new_tokens)
+        except ArenaFull:
+            self._wait_for_room(running)
+            return False
+        running.has_room = True
+        return True
+
+    def _wait_for_room(self, running: RunningTurn) -> None:
+        """The turn stays first in line while a decoding turn may still free a region; with none
+        decoding it can only wait forever, so it is answered `busy`, its cache kept as it found it."""
+        if self._running:
+            return
+        self._prefilling.popleft()
+        session_id = running.turn.session_id
+        if running.entry is not None:
+            running.entry.crop(running.start)
+            self.cache.put(session_id, running.entry, running.turn.session_version)
+        else:
+            self.cache.release(session_id)
+        self._end(running.turn, TurnFailed("busy", "the device has no room for this conversation's cache right "
+                                                   "now; retry shortly"))
 
     def _sample(self, running: RunningTurn, logits: torch.Tensor) -> None:
         """Pick the turn's next token and stream it; it then decodes on, or ends and writes back."""
@@ -473,13 +511,18 @@ class Engine:
         settings = self.settings
         geometry = KVGeometry.of(loaded.model.config)
         remote = RemoteTier(settings.redis_url, settings.remote_kv_ttl_s) if settings.remote_kv else None
-        self.runner = ModelRunner(loaded, make_room=lambda: self.cache.evict_idle(),
+        budget_bytes = int(settings.device_budget_mb(loaded.device) * MB)
+        self.arena = KVArena(geometry.layers, geometry.kv_heads, geometry.head_dim, loaded.model.dtype, loaded.device,
+                             tokens=budget_bytes // self._bytes_per_token,
+                             make_room=lambda tokens: self.cache.evict_one())
+        self._max_context = min(loaded.max_context, self.arena.max_tokens)
+        self.runner = ModelRunner(loaded, self.arena, make_room=lambda: self.cache.evict_idle(),
                                   on_prefill=lambda tokens, seconds: self.cache.cost.record_prefill(tokens, seconds))
         self.cache = CacheStore(
             new_cache=self.runner.new_cache, offloader=Offloader(loaded.device), enabled=settings.session_cache,
             layout=CacheLayout(geometry.layers, geometry.kv_heads, geometry.head_dim, loaded.model.dtype),
             model_key=loaded.identity(),
-            device_budget_bytes=int(settings.device_budget_mb(loaded.device) * MB),
+            device_budget_bytes=self.arena.nbytes(),
             host_budget_bytes=int(settings.host_cache_mb * MB), ttl_s=settings.session_ttl_s, remote=remote,
             on_copy=self._on_cache_copy, faults=self.faults)
         if remote is not None:
@@ -488,9 +531,9 @@ class Engine:
 
     def _measure_prefill(self, tokens: int = 256) -> None:
         """Seed the cost model's prefill rate with one prefill of `tokens` tokens."""
-        ids = torch.randint(100, self.loaded.model.config.vocab_size, (min(tokens, self.loaded.max_context - 1),))
+        ids = torch.randint(100, self.loaded.model.config.vocab_size, (min(tokens, self._max_context - 1),))
         with torch.inference_mode():
-            self.runner.timed_prefill(CacheEntry(self.runner.new_cache()), ids.tolist())
+            self.runner.timed_prefill(CacheEntry(self.runner.scratch_cache()), ids.tolist())
 
     def _prepare_turn(self, turn: Turn) -> RunningTurn | None:
         """Render the prompt within the context (dropping the oldest turns if it must); None if the
@@ -502,24 +545,25 @@ class Engine:
             self._end(turn, TurnFailed("too_long", f"the message is {message_tokens} tokens; this server takes "
                                                    f"at most {self.settings.max_prompt_tokens} per message"))
             return None
-        room = min(turn.params.max_new_tokens, loaded.max_context // 4)
+        room = min(turn.params.max_new_tokens, self._max_context // 4)
         try:
-            window = fit(self._renderer, turn.messages, turn.dropped_turns, loaded.max_context, room)
+            window = fit(self._renderer, turn.messages, turn.dropped_turns, self._max_context, room)
         except DoesNotFit as error:
             self._end(turn, TurnFailed("too_long", str(error)))
             return None
         prompt_ids = window.prompt_ids
         prefix_len = self._shared_prefix_length(window.messages, prompt_ids)
-        max_new_tokens = min(turn.params.max_new_tokens, loaded.max_context - len(prompt_ids))
+        max_new_tokens = min(turn.params.max_new_tokens, self._max_context - len(prompt_ids))
+        region_tokens = self.arena.region_tokens(len(prompt_ids) + max_new_tokens)
         return RunningTurn(turn, prompt_ids, prefix_len, max_new_tokens, TokenSampler(turn.params),
                            TextStream(loaded.tokenizer, turn.params.stop), started, messages=window.messages,
-                           dropped_turns=window.dropped_turns,
-                           reserve_bytes=(len(prompt_ids) + max_new_tokens) * self._bytes_per_token)
+                           dropped_turns=window.dropped_turns, reserve_bytes=region_tokens * self._bytes_per_token)
 
     def _begin_prefill(self, running: RunningTurn, lookup: CacheLookup) -> None:
         """Take the cache the lookup found (or a new one) and line up the prompt tokens it does not cover."""
         running.lookup = lookup
         running.entry = lookup.entry or CacheEntry(self.runner.new_cache())
+        running.has_room = False
         running.start = lookup.cached_tokens
         running.pending = running.prompt_ids[lookup.cached_tokens:]
         running.share_prefix = lookup.source == "miss" and running.prefix_len > 0
@@ -557,7 +601,7 @@ class Engine:
         if (lookup.entry is None or lookup.cached_tokens < 2
                 or self._sampling.random() >= self.settings.verify_sample_rate):
             return lookup
-        distance = deep_check_distance(lookup.entry, self.runner.forward, self.runner.new_cache)
+        distance = deep_check_distance(lookup.entry, self.runner.forward, self.runner.scratch_cache)
         self.deep_check_distances.append(distance)
         tolerance = DEEP_CHECK_TOLERANCE.get(self.loaded.model.dtype, 5e-2)
         if distance > tolerance:

@@ -1,4 +1,5 @@
-"""Forward passes over session caches: one sequence, or one decode step for a batch of them.
+"""Forward passes over session caches in the KV arena: one sequence, or one decode step for a batch
+of them.
 
 A CUDA out-of-memory error rolls every cache involved back to its length before the call, asks for
 room (the engine offloads idle caches) and tries once more; a second failure propagates.
@@ -14,20 +15,27 @@ import torch
 from transformers import DynamicCache
 
 from cache_store import CacheEntry
-from chatd.batch import decode_step
+from cache_store.arena import ArenaCache, KVArena
+from chatd.batch import decode_step, use_arena_attention
 from chatd.model_loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, make_room: Callable[[], int],
+    def __init__(self, loaded: LoadedModel, arena: KVArena, make_room: Callable[[], int],
                  on_prefill: Callable[[int, float], None]):
         self.loaded = loaded
+        self.arena = arena
         self._make_room = make_room  # frees device memory; returns how many caches it moved
         self._on_prefill = on_prefill  # (tokens, seconds) of every timed prefill
+        use_arena_attention(loaded.model)
 
-    def new_cache(self) -> DynamicCache:
+    def new_cache(self) -> ArenaCache:
+        return ArenaCache(self.arena)
+
+    def scratch_cache(self) -> DynamicCache:
+        """A cache outside the arena, for a transient computation (the deep check's recompute, a warm-up)."""
         return DynamicCache(config=self.loaded.model.config)
 
     def forward(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
@@ -36,8 +44,7 @@ class ModelRunner:
 
     def forward_batch(self, entries: Sequence[CacheEntry], tokens: Sequence[int]) -> torch.Tensor:
         """Feed `tokens[i]` after `entries[i]`, all in one pass; return the logits [B, V]."""
-        return self._retrying(entries, lambda: decode_step(self.loaded.model, entries, tokens, self.loaded.device,
-                                                            self.new_cache))
+        return self._retrying(entries, lambda: decode_step(self.loaded.model, entries, tokens, self.loaded.device))
 
     def timed_prefill(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
         """A prefill whose speed is reported (the cost model compares it with fetching a cache)."""

@@ -30,6 +30,7 @@ class RunningTurn:
     start: int = 0  # where this turn's feeding started: a cancel rolls the cache back to it
     pending: list[int] = field(default_factory=list)  # prompt ids still to prefill
     share_prefix: bool = False  # prefill the system prompt alone first, and share it
+    has_room: bool = False  # its cache has a region of the arena for all it may reach
     first_token_at: float = 0.0
     generated: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # when each generated token was sampled

@@ -24,3 +24,15 @@ def test_bench_compares_two_configurations(tiny_checkpoint, tmp_path):
     assert cached["cache_sources"].get("device", 0) >= 3 * 2 * 2, "turns 2 and 3 of every customer"
     assert set(uncached["cache_sources"]) == {"miss"}
     assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gpu_check_runs_every_path_on_the_cpu(tiny_checkpoint, tmp_path):
+    """bench/gpu_check.py is for a CUDA machine; on the CPU the same code runs, so that it cannot rot."""
+    run = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--model", str(tiny_checkpoint), "--tokens", "64",
+         "--batches", "1", "2", "--output", str(tmp_path / "gpu_check.json")], capture_output=True, text=True,
+        timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "bytes equal: True" in run.stdout and "greedy tokens equal" in run.stdout
+    assert "decode, batch 2" in run.stdout and "out-of-memory retry" in run.stdout
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["device"].startswith("cpu")

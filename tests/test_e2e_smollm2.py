@@ -53,10 +53,10 @@ CUSTOMERS = {
 
 
 async def test_interleaved_conversations_under_a_small_device_budget_match_an_unlimited_server(smollm2):
-    """Four customers take turns; the device holds about two conversations (each is about 70 tokens
-    after its first turn, plus the room a running turn reserves), so a customer returning after three
-    others always finds its cache offloaded to the host tier, and it must be restored exactly."""
-    budget_mb = 160 * 46_080 / 2**20  # 160 tokens of SmolLM2 KV in float32
+    """Four customers take turns; the device's KV arena holds about two conversations (two 128-token
+    regions after their first turn, one 256-token region after the second), so a customer returning
+    after three others always finds its cache offloaded to the host tier, and it must be restored exactly."""
+    budget_mb = 256 * 46_080 / 2**20  # 256 tokens of SmolLM2 KV in float32
     async with ChatServer(Settings(port=0, device_cache_mb=budget_mb), load=lambda: smollm2) as small, \
             ChatServer(Settings(port=0), load=lambda: smollm2) as unlimited:
         await small.wait_ready()

@@ -112,9 +112,9 @@ async def test_the_admin_endpoint_refuses_what_it_cannot_do(servers):
 
 
 async def test_no_check_fires_on_a_healthy_run_with_evictions(smollm2):
-    """Twenty turns over four sessions, a device budget of about two conversations (so caches go to
+    """Twenty turns over four sessions, a device arena of about two conversations (so caches go to
     the host tier and back), and a deep check on every reuse: zero corruptions."""
-    server = await start(smollm2, device_cache_mb=160 * 46_080 / 2**20, verify_sample_rate=1.0)
+    server = await start(smollm2, device_cache_mb=256 * 46_080 / 2**20, verify_sample_rate=1.0)
     try:
         async with ChatClient(await connect(server.url)) as client:
             sessions = [(await client.open_session(system=SYSTEM)).session_id for _ in range(4)]
