@@ -186,7 +186,11 @@ class ArenaCache(Cache):
             # No room beside the old region: set the cache aside, free its region, and allocate again.
             kept = [(layer.keys.clone(), layer.values.clone()) for layer in self.layers]
             self._free()
-            self.load(kept, tokens)
+            try:
+                self.load(kept, tokens)
+            except ArenaFull:
+                self.load(kept)  # back into the block just freed, which holds it again
+                raise
             return
         if self.region is not None:
             old = self.region.start

@@ -1,13 +1,16 @@
-"""Batched decoding across sessions (tiny model): the same tokens as one turn at a time, FIFO
-admission, and a cancel that leaves the rest of the batch alone."""
+"""Batched decoding across sessions in the KV arena (tiny model, and SmolLM2 on the bench scenarios):
+the same tokens as one turn at a time, FIFO admission, and a cancel that leaves the rest of the batch alone."""
 
+import json
 import threading
+from pathlib import Path
 
 from chatd.sampling import SamplingParams
 from chatd.turn import TokenText, Turn, TurnResult
 from sessions import Session
 from tests.support import run_turn, running_engine
 
+SCENARIOS = Path(__file__).resolve().parent.parent / "bench" / "scenarios"
 QUESTIONS = ["Where is my parcel?", "My invoice is wrong.", "I need a new password.", "Cancel my order 12.",
              "Is the shop open on Sunday?", "Do you ship to Norway?"]
 
@@ -112,3 +115,19 @@ def test_a_cancel_during_a_long_prefill_ends_the_turn(tiny):
         assert (got[1].finish_reason, got[1].completion_tokens) == ("cancelled", 0)
         assert got[1].prompt_tokens > 200 and engine.cache.device.get("b") is None
         assert engine.prefill_chunks < 200 / 4, "the prefill stopped early"
+
+
+def test_smollm2_batched_in_the_arena_answers_the_bench_scenarios_like_one_at_a_time(smollm2):
+    """The real model in float32, the bench's scenarios, three turns each: the batched arena step
+    gives the greedy tokens of `--max-batch 1`, token for token."""
+    scenarios = [json.loads(path.read_text()) for path in sorted(SCENARIOS.glob("*.json"))]
+    with running_engine(smollm2) as batched, running_engine(smollm2, max_batch=1) as alone:
+        together = [Session(s["name"], system=s["system"]) for s in scenarios]
+        one_by_one = [Session(s["name"], system=s["system"]) for s in scenarios]
+        for turn in range(3):
+            contents = [s["turns"][turn] for s in scenarios]
+            got = run_together(batched, together, contents, [16] * len(scenarios))
+            expected = run_together(alone, one_by_one, contents, [16] * len(scenarios))
+            for scenario, a, b in zip(scenarios, got, expected, strict=True):
+                assert a.token_ids == b.token_ids, f"{scenario['name']}, turn {turn + 1}"
+        assert max(batched.batch_sizes) == len(scenarios) and set(alone.batch_sizes) == {1}
