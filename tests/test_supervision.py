@@ -62,6 +62,14 @@ async def two_turns_each(server: ChatServer) -> dict[str, list[list[str]]]:
         return replies
 
 
+async def after_first_turns(client: ChatClient) -> dict[str, str]:
+    """Both conversations opened and through their first turn, without faults: their session ids."""
+    sessions = {name: (await client.open_session(system=SYSTEM)).session_id for name in FIRST}
+    for name, session_id in sessions.items():
+        await (await client.chat(session_id, FIRST[name], max_new_tokens=TOKENS)).result()
+    return sessions
+
+
 @pytest.fixture(scope="module")
 def reference(tiny):
     async def run():
@@ -76,9 +84,7 @@ async def test_a_fault_at_an_engine_stage_fails_only_its_turn(tiny, reference, s
     async with ChatServer(Settings(port=0, enable_fault_injection=True), load=lambda: tiny) as server:
         await server.wait_ready()
         async with ChatClient(await connect(server.url)) as client:
-            sessions = {name: (await client.open_session(system=SYSTEM)).session_id for name in FIRST}
-            for name, session_id in sessions.items():
-                await (await client.chat(session_id, FIRST[name], max_new_tokens=TOKENS)).result()
+            sessions = await after_first_turns(client)
             await arm(server, stage, sessions["a"])
             faulty = await client.chat(sessions["a"], SECOND["a"], max_new_tokens=TOKENS)
             healthy = await client.chat(sessions["b"], SECOND["b"], max_new_tokens=TOKENS)
@@ -104,9 +110,7 @@ async def test_a_failed_offload_loses_only_that_cache(tiny, reference):
     async with ChatServer(Settings(port=0, enable_fault_injection=True), load=lambda: tiny) as server:
         await server.wait_ready()
         async with ChatClient(await connect(server.url)) as client:
-            sessions = {name: (await client.open_session(system=SYSTEM)).session_id for name in FIRST}
-            for name, session_id in sessions.items():
-                await (await client.chat(session_id, FIRST[name], max_new_tokens=TOKENS)).result()
+            sessions = await after_first_turns(client)
             await arm(server, "offload", sessions["a"])
             assert await asyncio.wrap_future(server.engine.call(CacheStore.evict_idle)) >= 2
             sources = {}
