@@ -10,6 +10,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from cache_store.entry import KVTensors
+from cache_store.integrity import SAME_SIZE_INT
 from cache_store.store import CacheStore
 
 FaultKind = Literal["nan", "bitflip", "truncate", "shape", "foreign", "tokens"]
@@ -17,7 +18,6 @@ Tier = Literal["device", "host"]
 FAULT_KINDS: tuple[str, ...] = FaultKind.__args__
 TIERS: tuple[str, ...] = Tier.__args__
 _MANTISSA_BITS = {torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
-_SAME_SIZE_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16}
 
 
 class NoCache(LookupError):
@@ -43,7 +43,7 @@ def corrupt(store: CacheStore, session_id: str, kind: FaultKind, tier: Tier) -> 
             keys[0, 0, -1, 0] = float("nan")
             return f"wrote NaN into the keys of layer {layer}"
         case "bitflip":
-            values.view(_SAME_SIZE_INT[values.element_size()]).bitwise_xor_(1 << _MANTISSA_BITS[values.dtype])
+            values.view(SAME_SIZE_INT[values.element_size()]).bitwise_xor_(1 << _MANTISSA_BITS[values.dtype])
             return f"flipped the lowest exponent bit of every value in layer {layer}"
         case "truncate":
             _replace(store, session_id, tier, layer, (keys[..., :-2, :], values[..., :-2, :]))

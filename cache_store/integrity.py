@@ -103,7 +103,7 @@ def _contiguous_runs(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [tensor.contiguous()]
 
 
-_SAME_SIZE_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+SAME_SIZE_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}  # to read a float's bits
 _GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed 64-bit integer
 
 
@@ -115,7 +115,7 @@ def weighted_sum_checksum(tensors: KVTensors) -> str:
     sums = []
     for pair in tensors:
         for tensor in pair:
-            bits = tensor.reshape(-1).view(_SAME_SIZE_INT[tensor.element_size()]).to(torch.int64)
+            bits = tensor.reshape(-1).view(SAME_SIZE_INT[tensor.element_size()]).to(torch.int64)
             weights = torch.arange(1, 2 * bits.numel(), 2, dtype=torch.int64, device=bits.device) * _GOLDEN
             sums.append((bits * weights).sum())
     digest = xxhash.xxh3_64(torch.stack(sums).cpu().numpy().tobytes()) if sums else xxhash.xxh3_64()

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+from transformers.modeling_utils import AttentionInterface
 
 from cache_store import CacheEntry
 from cache_store.arena import ArenaCache, KVArena
@@ -46,7 +46,6 @@ def use_arena_attention(model: PreTrainedModel) -> None:
     """Route the model's attention through `chatd_arena` (sdpa for all but batched arena steps)."""
     if model.config._attn_implementation not in ("sdpa", ARENA_ATTENTION):
         raise ValueError(f"the KV arena needs sdpa attention, not {model.config._attn_implementation!r}")
-    assert ARENA_ATTENTION in ALL_ATTENTION_FUNCTIONS
     model.config._attn_implementation = ARENA_ATTENTION
 
 

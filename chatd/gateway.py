@@ -98,7 +98,7 @@ class Gateway:
         self.draining = False
         self._on_turn = on_turn
         self._on_error = on_error
-        self._claims: dict[str, str] = {}  # session id -> the turn id that holds it: one turn per session
+        self._claims: set[str] = set()  # sessions a turn holds, from before its first await: one turn per session
         self._turns: dict[str, Turn] = {}  # session id -> its turn in the engine
         self._attached: Counter[str] = Counter()  # session id -> connections using it
         self._forwarders: set[asyncio.Task] = set()
@@ -233,13 +233,13 @@ class Gateway:
             await connection.send(ErrorMessage(turn_id=turn_id, code="busy", retryable=True,
                                                message=f"session {session_id} is already running a turn"))
             return
-        self._claims[session_id] = turn_id
+        self._claims.add(session_id)
         forwarding = False
         try:
             forwarding = await self._start_claimed_turn(connection, message, turn_id)
         finally:
             if not forwarding:
-                del self._claims[session_id]
+                self._claims.discard(session_id)
 
     async def _start_claimed_turn(self, connection: Connection, message: ChatRequest, turn_id: str) -> bool:
         """The rest of `start_turn`; True once a forwarder owns the claim."""
@@ -325,7 +325,7 @@ class Gateway:
         finally:
             # Free the session before the reply goes out, so the client's next request is never `busy`.
             del self._turns[session.session_id]
-            del self._claims[session.session_id]
+            self._claims.discard(session.session_id)
             await lease.release()
         self.turn_logs.finish(turn_log)
         await turn_log.publish(_reply(turn.turn_id, event))
