@@ -20,7 +20,7 @@ from transformers import DynamicCache
 from cache_store.arena import ArenaFull
 from cache_store.cost_model import CostModel, RemoteDecision
 from cache_store.device_tier import DeviceTier
-from cache_store.entry import CacheEntry
+from cache_store.entry import CacheEntry, entry_from_tensors
 from cache_store.host_pool import HostBufferPool
 from cache_store.host_tier import HostTier
 from cache_store.integrity import (
@@ -117,12 +117,12 @@ class CacheStore:
         return True
 
     def lookup(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int = 0,
-               session_version: int = 0, turn: object | None = None) -> CacheLookup:
+               session_version: int = 0, turn: object | None = None, scope: str | None = None) -> CacheLookup:
         """Find the session's cache (device, host, then remote), check it, crop it to what the prompt
         shares with it, and hand it to `turn`, which `admit` admitted (a lookup for a turn not admitted
         admits it as it goes). Raises `SessionRunning` while another turn of the session runs: a
         running cache is never handed to a second turn. Without a cache, start from the shared prefix
-        of the first `prefix_len` prompt ids when it is cached. A cache older than `session_version` is
+        of the first `prefix_len` prompt ids when `scope` (the owner) shared it. A cache older than `session_version` is
         stale. The last prompt token is always left to feed: its logits pick the first reply token."""
         turn = object() if turn is None else turn
         if self._turns.get(session_id) is not turn:
@@ -154,7 +154,8 @@ class CacheStore:
             if entry is not None:
                 source = "remote"
         if entry is None:
-            return dataclasses.replace(self._start_from_prefix(session_id, prompt_ids, prefix_len), remote=decision)
+            return dataclasses.replace(self._start_from_prefix(session_id, prompt_ids, prefix_len, scope),
+                                       remote=decision)
         reusable = min(common_prefix_length(entry.token_ids, prompt_ids), len(prompt_ids) - 1)
         if reusable <= 0:
             self.drop(session_id)  # nothing in it is of use, in any tier
@@ -193,11 +194,12 @@ class CacheStore:
         self.drop(session_id)
         self._end_turn(session_id)
 
-    def put_prefix(self, entry: CacheEntry) -> None:
-        """Share a copy of `entry` as the start of every new session whose prompt begins with its ids."""
+    def put_prefix(self, entry: CacheEntry, scope: str | None = None) -> None:
+        """Share a copy of `entry` as the start of every new session of `scope` (an owner: another
+        never sees it, not even in timing) whose prompt begins with its ids."""
         if not self.enabled:
             return
-        key = _prefix_key(entry.token_ids)
+        key = _prefix_key(entry.token_ids, scope)
         try:
             shared = entry.clone(self.new_cache)
         except ArenaFull:
@@ -207,6 +209,27 @@ class CacheStore:
         self._make_room(shared.nbytes())
         if self.device.used_bytes() + shared.nbytes() <= self.device.budget_bytes:
             self.device.put(key, shared)
+
+    def fork(self, source: str, target: str, prompt_ids: Sequence[int]) -> int:
+        """Start `target`'s cache as a copy of the part of `source`'s device-resident cache that
+        `prompt_ids` begins with (a branch of a conversation: a regenerated reply, an edited message,
+        a second tab). The source, running or not, is left as it is. Returns the tokens copied."""
+        entry = self.device.get(source) if self.enabled and target not in self.device else None
+        if entry is None:
+            return 0
+        shared = min(common_prefix_length(entry.token_ids, prompt_ids), len(prompt_ids) - 1)
+        if shared <= 0:
+            return 0
+        try:
+            copy = entry_from_tensors(self.new_cache, [(k[..., :shared, :].clone(), v[..., :shared, :].clone())
+                                                       for k, v in entry.tensors()], entry.token_ids[:shared])
+        except ArenaFull:
+            return 0  # no room for a copy now: the branch prefills from scratch
+        copy.fingerprint = fingerprint(copy, self.model_key, target, self.layout)
+        copy.checksum = checksum(copy.tensors())
+        self._make_room(copy.nbytes(), keep=source)
+        self.device.put(target, copy, connected=target in self._connected)
+        return shared
 
     def touch(self, session_id: str, connected: bool) -> None:
         """Record whether a client is connected to the session: connected caches are evicted last."""
@@ -301,10 +324,11 @@ class CacheStore:
 
     # ##### Helpers #####
 
-    def _start_from_prefix(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int) -> CacheLookup:
+    def _start_from_prefix(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int,
+                           scope: str | None) -> CacheLookup:
         reason: MissReason = "evicted" if session_id in self._lost else "new"
         if 0 < prefix_len < len(prompt_ids):
-            key = _prefix_key(prompt_ids[:prefix_len])
+            key = _prefix_key(prompt_ids[:prefix_len], scope)
             shared = self.device.get(key)
             if shared is not None and self._check_resident(key, shared):
                 self.device.pop(key)
@@ -459,5 +483,6 @@ def _left_intact(entry: CacheEntry, host_entry: HostEntry) -> bool:
     return checksum(entry.tensors()) == entry.checksum
 
 
-def _prefix_key(token_ids: Sequence[int]) -> str:
-    return _PREFIX + xxhash.xxh3_64_hexdigest(b"".join(i.to_bytes(4, "little") for i in token_ids))
+def _prefix_key(token_ids: Sequence[int], scope: str | None) -> str:
+    ids = b"".join(i.to_bytes(4, "little") for i in token_ids)
+    return _PREFIX + xxhash.xxh3_64_hexdigest(ids, seed=xxhash.xxh3_64_intdigest((scope or "").encode()))

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-
-from websockets.datastructures import Headers
+from collections.abc import Mapping
 
 
 def key_id(key: str) -> str:
@@ -31,7 +30,7 @@ class KeyRing:
                 found = name
         return found
 
-    def bearer(self, headers: Headers) -> tuple[bool, str | None]:
+    def bearer(self, headers: Mapping[str, str]) -> tuple[bool, str | None]:
         """(whether an Authorization header was sent, the id of its key or None)."""
         header = headers.get("Authorization")
         if header is None:

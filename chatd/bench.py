@@ -87,37 +87,60 @@ async def play_customer(url: str, workload: Workload, index: int, samples: list[
                 await asyncio.sleep(workload.think_s * pauses.uniform(0.5, 1.5))
 
 
-def _openai_turn(url: str, messages: list[dict], max_new_tokens: int) -> tuple[float, list[float], str]:
-    """One streamed chat completion from an OpenAI-compatible server (a peer such as llama.cpp's):
-    when it was sent, when each content chunk arrived, and the reply."""
-    body = json.dumps({"messages": messages, "max_tokens": max_new_tokens, "temperature": 0.0,
-                       "stream": True}).encode()
-    request = urllib.request.Request(f"{url}/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-    sent, arrivals, reply = time.perf_counter(), [], []
+def _openai_headers(api_key: str | None) -> dict[str, str]:
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+
+
+def served_model(url: str, api_key: str | None) -> str:
+    """The first model an OpenAI-compatible server lists (`GET /v1/models`)."""
+    request = urllib.request.Request(f"{url}/models", headers=_openai_headers(api_key))
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def openai_url(websocket_url: str) -> str:
+    """chatd's OpenAI-compatible API beside its websocket endpoint: ws://host:port/ws -> http://host:port/v1."""
+    return re.sub(r"^ws(s?)://", r"http\1://", websocket_url).removesuffix("/ws") + "/v1"
+
+
+def _openai_turn(url: str, model: str, messages: list[dict], max_new_tokens: int,
+                 api_key: str | None) -> tuple[float, list[float], str, int | None]:
+    """One streamed chat completion from an OpenAI-compatible server (chatd's own, or a peer such as
+    llama.cpp's): when it was sent, when each content chunk arrived, the reply, and the cached prompt
+    tokens the server reported (None if it reported none)."""
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_new_tokens, "temperature": 0.0,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    request = urllib.request.Request(f"{url}/chat/completions", data=body, headers=_openai_headers(api_key))
+    sent, arrivals, reply, cached = time.perf_counter(), [], [], None
     with urllib.request.urlopen(request, timeout=600) as response:
         for line in response:
             line = line.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            delta = json.loads(line[6:])["choices"][0].get("delta", {}).get("content")
+            chunk = json.loads(line[6:])
+            if usage := chunk.get("usage"):
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            delta = chunk["choices"][0].get("delta", {}).get("content") if chunk.get("choices") else None
             if delta:
                 arrivals.append(time.perf_counter())
                 reply.append(delta)
-    return sent, arrivals, "".join(reply)
+    return sent, arrivals, "".join(reply), cached
 
 
 async def play_openai_customer(url: str, workload: Workload, index: int, samples: list[TurnSample],
                                progress: tqdm) -> None:
-    """The same customer against a stateless OpenAI-compatible peer: the client resends the history."""
+    """The same customer as a stateless OpenAI client: it resends the whole history every turn."""
     scenario = workload.scenarios[index % len(workload.scenarios)]
+    model = await asyncio.to_thread(served_model, url, workload.api_key)
     pauses = random.Random(workload.seed * 1000 + index)
     messages = [{"role": "system", "content": scenario["system"]}]
     for turn in range(1, workload.turns + 1):
-        sample = TurnSample(customer=index, turn=turn, cache_source="peer")
+        sample = TurnSample(customer=index, turn=turn)
         messages.append({"role": "user", "content": scenario["turns"][(turn - 1) % len(scenario["turns"])]})
         try:
-            sent, arrivals, reply = await asyncio.to_thread(_openai_turn, url, messages, workload.max_new_tokens)
+            sent, arrivals, reply, cached = await asyncio.to_thread(_openai_turn, url, model, messages,
+                                                                    workload.max_new_tokens, workload.api_key)
+            sample.cache_source = "unreported" if cached is None else "cached" if cached else "miss"
         except OSError as error:
             sample.error, arrivals, sent, reply = type(error).__name__, [], time.perf_counter(), ""
         messages.append({"role": "assistant", "content": reply})
@@ -260,7 +283,8 @@ def main(args) -> None:
     flag_sets = [args.a, args.b] if args.compare else ([args.serve] if args.serve is not None else [])
     checkouts = [args.a_checkout, args.b_checkout] if args.compare else [None]
     servers = [ServerProcess(flags, checkout) for flags, checkout in zip(flag_sets, checkouts, strict=False)]
-    targets = [(args.url, "server")] if args.url else [(server.url, label) for server, label
+    served = openai_url if args.api == "openai" else str
+    targets = [(args.url, "server")] if args.url else [(served(server.url), label) for server, label
                                                       in zip(servers, "AB" if len(servers) == 2 else ["server"],
                                                              strict=True)]
     described = {label: (args.url or flags or "(defaults)") + (f" (code of {checkout})" if checkout else "")

@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> None:
                             "before a change), so that both are measured in one run")
     bench.add_argument("--b-checkout", type=Path, default=None, metavar="DIR",
                        help="the same for configuration B")
+    bench.add_argument("--api", choices=["websocket", "openai"], default="websocket",
+                       help="how the customers talk to a server it starts: chatd's websocket protocol, or its "
+                            "OpenAI-compatible API as stateless clients that resend the whole history each turn")
     bench.add_argument("--customers", type=int, default=8)
     bench.add_argument("--turns", type=int, default=6)
     bench.add_argument("--think-s", type=float, default=1.0, help="mean pause between a customer's turns")

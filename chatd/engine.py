@@ -159,6 +159,11 @@ class Engine:
         """Free a session's cache once the turns queued before this call have finished."""
         self._commands.put(_CacheCommand(lambda store: store.forget(session_id), session_id=session_id))
 
+    def fork_session(self, source: str, target: str, prompt_ids: list[int]) -> None:
+        """Start `target`'s cache as a copy of the part of `source`'s that `prompt_ids` begins with
+        (a branch of a conversation); runs before any turn submitted after it."""
+        self._commands.put(_CacheCommand(lambda store: store.fork(source, target, prompt_ids)))
+
     def session_connected(self, session_id: str, connected: bool) -> None:
         self._commands.put(_CacheCommand(lambda store: store.touch(session_id, connected)))
 
@@ -426,7 +431,7 @@ class Engine:
         logits = self.runner.timed_prefill(running.entry, chunk)
         running.pending = running.pending[len(chunk):]
         if running.share_prefix:
-            self.cache.put_prefix(running.entry)
+            self.cache.put_prefix(running.entry, running.turn.owner)
             running.share_prefix, running.start = False, running.prefix_len
         self.prefill_chunks += 1
         return (None if running.pending else logits), len(chunk)
@@ -590,12 +595,13 @@ class Engine:
             self.cache.drop(turn.session_id)
             return CacheLookup("miss", 0, miss_reason="truncated")
         return self._checked_lookup(turn.session_id, running.messages, running.prompt_ids, running.prefix_len,
-                                    turn.session_version, turn)
+                                    turn.session_version, turn, turn.owner)
 
     def _checked_lookup(self, session_id: str, messages: list[Message], prompt_ids: list[int],
-                        prefix_len: int, version: int, turn: Turn | None = None) -> CacheLookup:
+                        prefix_len: int, version: int, turn: Turn | None = None,
+                        owner: str | None = None) -> CacheLookup:
         """The cache store's lookup (with its cheap checks), plus the sampled deep check."""
-        lookup = self.cache.lookup(session_id, prompt_ids, prefix_len, version, turn=turn)
+        lookup = self.cache.lookup(session_id, prompt_ids, prefix_len, version, turn=turn, scope=owner)
         if lookup.miss_reason == "new" and any(m.role == "assistant" for m in messages):
             lookup = dataclasses.replace(lookup, miss_reason="cold")  # history, but no cache here yet
         if (lookup.entry is None or lookup.cached_tokens < 2

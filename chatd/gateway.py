@@ -8,18 +8,17 @@ that created it, and any other key is told it does not exist.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import secrets
 import socket
 from collections import Counter
-from collections.abc import Callable
-
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
-from websockets.frames import CloseCode
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from chatd.auth import KeyRing
+from chatd.client_socket import ClientGone, ClientSocket
 from chatd.config import Settings
 from chatd.engine import Engine
 from chatd.protocol import (
@@ -47,19 +46,31 @@ from chatd.protocol import (
 from chatd.rate_limit import RateLimiter
 from chatd.sampling import SamplingParams
 from chatd.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
-from chatd.turn_log import TurnLog, TurnLogs
+from chatd.turn_log import TurnLogs
 from sessions import Lease, Session, SessionBusy, SessionStore, StoreUnavailable, VersionConflict
 
 log = logging.getLogger(__name__)
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
 MAX_FAILED_AUTH = 5
+POLICY_VIOLATION = 1008  # the websocket close code
+
+
+@dataclass
+class StartedTurn:
+    """A turn the engine has: what its forwarder needs to relay it and record it."""
+
+    turn: Turn
+    session: Session
+    content: str  # the user message, recorded with the reply
+    events: asyncio.Queue[TurnEvent]
+    lease: Lease
 
 
 class Connection:
     """One websocket client: who it is (its key's id), and the sessions it has used (whose caches
     are evicted last while it stays connected)."""
 
-    def __init__(self, websocket: ServerConnection, on_error: Callable[[str], None], owner: str | None,
+    def __init__(self, websocket: ClientSocket, on_error: Callable[[str], None], owner: str | None,
                  authenticated: bool):
         self.websocket = websocket
         self.owner = owner
@@ -79,16 +90,18 @@ class Connection:
             self._on_error(message.code)
         try:
             await self.websocket.send(message.model_dump_json())
-        except ConnectionClosed:
+        except ClientGone:
             pass
 
 
 class Gateway:
-    """`on_turn` sees every finished turn and `on_error` every error code sent, for metrics."""
+    """`on_request` sees the API of every turn started, `on_turn` every finished turn and `on_error`
+    every error code sent, for metrics."""
 
     def __init__(self, engine: Engine, store: SessionStore, settings: Settings,
                  on_turn: Callable[[TurnResult], None] = lambda result: None,
-                 on_error: Callable[[str], None] = lambda code: None):
+                 on_error: Callable[[str], None] = lambda code: None,
+                 on_request: Callable[[str], None] = lambda api: None):
         self.engine = engine
         self.store = store
         self.settings = settings
@@ -98,6 +111,7 @@ class Gateway:
         self.draining = False
         self._on_turn = on_turn
         self._on_error = on_error
+        self._on_request = on_request
         self._claims: set[str] = set()  # sessions a turn holds, from before its first await: one turn per session
         self._turns: dict[str, Turn] = {}  # session id -> its turn in the engine
         self._attached: Counter[str] = Counter()  # session id -> connections using it
@@ -112,8 +126,8 @@ class Gateway:
     def running_turns(self) -> list[Turn]:
         return list(self._turns.values())
 
-    async def handle(self, websocket: ServerConnection) -> None:
-        sent_header, owner = self.keys.bearer(websocket.request.headers)
+    async def handle(self, websocket: ClientSocket) -> None:
+        _, owner = self.keys.bearer(websocket.headers)
         connection = Connection(websocket, self._on_error, owner,
                                 authenticated=not self.keys.required or owner is not None)
         try:
@@ -132,10 +146,9 @@ class Gateway:
                     log.exception("handling %s failed", message.type)
                     await connection.send(ErrorMessage(code="internal", message=f"{message.type} failed"))
                 if connection.failed_auth >= MAX_FAILED_AUTH:
-                    await websocket.close(CloseCode.POLICY_VIOLATION, "too many failed authentications")
-        except ConnectionClosed:
-            pass  # the client went away mid-frame; its running turns still complete and are recorded
-        finally:
+                    await websocket.close(POLICY_VIOLATION, "too many failed authentications")
+                    break
+        finally:  # a client that went away mid-turn: its running turns still complete and are recorded
             for session_id in connection.sessions:
                 self._attached[session_id] -= 1
                 if self._attached[session_id] == 0:
@@ -249,16 +262,46 @@ class Gateway:
             return False
         if not await self._attach(connection, session.session_id, turn_id):
             return False
-        if (wait := self.rate_limit.acquire(connection.client)) is not None:
-            await connection.send(ErrorMessage(
-                turn_id=turn_id, code="rate_limited", retryable=True, retry_after_s=round(wait, 2),
-                message=f"over {self.settings.rate_limit_per_min:g} turns per minute; retry in {wait:.1f} s"))
+        started = await self.begin_turn(session, message.content, SamplingParams(**message.params.model_dump()),
+                                        turn_id, connection.owner, connection.client)
+        if isinstance(started, ErrorMessage):
+            await connection.send(started)
             return False
+        turn_log = self.turn_logs.start(started.turn, connection.owner, connection)
+        seq = itertools.count()
+
+        async def on_text(text: str) -> None:
+            await turn_log.publish(ChatDelta(turn_id=turn_id, seq=next(seq), delta=Delta(content=text)))
+
+        async def on_end(event: TurnResult | TurnFailed) -> None:
+            self.turn_logs.finish(turn_log)
+            await turn_log.publish(_reply(turn_id, event))
+
+        self.forward(started, on_text, on_end)
+        return True
+
+    def try_claim(self, session_id: str) -> bool:
+        """Claim the session for one turn (synchronously: nothing can interleave); False if it has one."""
+        if session_id in self._claims:
+            return False
+        self._claims.add(session_id)
+        return True
+
+    def release_claim(self, session_id: str) -> None:
+        self._claims.discard(session_id)
+
+    async def begin_turn(self, session: Session, content: str, params: SamplingParams, turn_id: str,
+                         owner: str | None, client: str, api: str = "websocket") -> StartedTurn | ErrorMessage:
+        """Start a turn of a claimed session in the engine (rate limit, lease, a fresh copy of the
+        session), or say why not. Shared by the websocket and the OpenAI-compatible API."""
+        if (wait := self.rate_limit.acquire(client)) is not None:
+            return ErrorMessage(turn_id=turn_id, code="rate_limited", retryable=True, retry_after_s=round(wait, 2),
+                                message=f"over {self.settings.rate_limit_per_min:g} turns per minute; "
+                                        f"retry in {wait:.1f} s")
         try:
             lease = await self.store.lease(session.session_id)
         except SessionBusy as error:
-            await connection.send(ErrorMessage(turn_id=turn_id, code="busy", retryable=True, message=str(error)))
-            return False
+            return ErrorMessage(turn_id=turn_id, code="busy", retryable=True, message=str(error))
         try:
             session = await self.store.get(session.session_id) or session  # fresh: another worker may have written
         except BaseException:
@@ -266,28 +309,32 @@ class Gateway:
             raise
         if self.draining:  # the shutdown began while the store answered
             await lease.release()
-            await connection.send(ErrorMessage(
-                turn_id=turn_id, code="unavailable", retryable=True,
-                message="the server is shutting down; reconnect and send the message again"))
-            return False
+            return ErrorMessage(turn_id=turn_id, code="unavailable", retryable=True,
+                                message="the server is shutting down; reconnect and send the message again")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TurnEvent] = asyncio.Queue()
         turn = Turn(
             turn_id=turn_id,
             session_id=session.session_id,
-            messages=session.prompt_messages(message.content),
-            params=SamplingParams(**message.params.model_dump()),
+            messages=session.prompt_messages(content),
+            params=params,
+            owner=owner,
             emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
             session_version=session.version,
             dropped_turns=session.dropped_turns,
         )
         self._turns[session.session_id] = turn
-        turn_log = self.turn_logs.start(turn, connection.owner, connection)
-        task = asyncio.create_task(self._forward(connection, session, turn_log, message.content, events, lease))
+        self._on_request(api)
+        self.engine.submit(turn)
+        return StartedTurn(turn, session, content, events, lease)
+
+    def forward(self, started: StartedTurn, on_text: Callable[[str], Awaitable[None]],
+                on_end: Callable[[TurnResult | TurnFailed], Awaitable[None]]) -> None:
+        """Relay a started turn's events in a task of their own (so that a slow or gone client never
+        holds the session), record the turn when it completes, and free the session."""
+        task = asyncio.create_task(self._forward(started, on_text, on_end))
         self._forwarders.add(task)
         task.add_done_callback(self._forwarders.discard)
-        self.engine.submit(turn)
-        return True
 
     def _refuse_turn(self, connection: Connection, message: ChatRequest, turn_id: str) -> ErrorMessage | None:
         """The checks that need no session: shutdown, limits, capacity, a duplicate turn id."""
@@ -308,34 +355,29 @@ class Gateway:
                                         "retry shortly")
         return None
 
-    async def _forward(self, connection: Connection, session: Session, turn_log: TurnLog, user_content: str,
-                       events: asyncio.Queue[TurnEvent], lease: Lease) -> None:
-        """Relay one turn's events to its client (whichever connection resumed it last), logging them
-        for chat.resume; record the turn in the session when it completes."""
-        turn = turn_log.turn
-        seq = 0
+    async def _forward(self, started: StartedTurn, on_text: Callable[[str], Awaitable[None]],
+                       on_end: Callable[[TurnResult | TurnFailed], Awaitable[None]]) -> None:
+        session_id = started.session.session_id
         try:
-            while isinstance(event := await events.get(), TokenText):
-                await turn_log.publish(ChatDelta(turn_id=turn.turn_id, seq=seq, delta=Delta(content=event.text)))
-                seq += 1
+            while isinstance(event := await started.events.get(), TokenText):
+                await on_text(event.text)
             if isinstance(event, TurnResult):
                 self._on_turn(event)
                 if event.finish_reason != "cancelled":
-                    event = await self._record(session, user_content, event, lease)
+                    event = await self._record(started.session, started.content, event, started.lease)
         finally:
             # Free the session before the reply goes out, so the client's next request is never `busy`.
-            del self._turns[session.session_id]
-            self._claims.discard(session.session_id)
-            await lease.release()
-        self.turn_logs.finish(turn_log)
-        await turn_log.publish(_reply(turn.turn_id, event))
+            del self._turns[session_id]
+            self._claims.discard(session_id)
+            await started.lease.release()
+        await on_end(event)
 
     async def _record(self, session: Session, user_content: str, result: TurnResult,
                       lease: Lease) -> TurnResult | TurnFailed:
         """Append the completed turn to the session; what the client is told if that fails."""
         try:
             await self.store.append_turn(session, user_content, result.content, result.conversation_ids, lease,
-                                         dropped_turns=result.dropped_turns)
+                                         dropped_turns=result.dropped_turns, reply_ids=result.reply_ids)
         except VersionConflict:
             self.engine.drop_session(session.session_id)
             return TurnFailed("conflict", "another worker recorded a turn of this session first; "

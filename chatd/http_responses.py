@@ -1,14 +1,12 @@
-"""Plain HTTP answers on the websocket port: JSON, Prometheus text and the files of `web/`."""
+"""Plain HTTP answers: JSON, Prometheus text and the files of `web/`."""
 
 from __future__ import annotations
 
 import http
-import json
 import mimetypes
 from pathlib import Path
 
-from websockets.datastructures import Headers
-from websockets.http11 import Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 DEFAULT_WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 STATIC_SUFFIXES = {".html", ".js", ".css", ".svg", ".png", ".ico", ".txt"}
@@ -22,18 +20,13 @@ PAGE_HEADERS = {
 }
 
 
-def respond(status: http.HTTPStatus, body: bytes, content_type: str, extra: dict[str, str] | None = None) -> Response:
-    headers = Headers({"Content-Type": content_type, "Content-Length": str(len(body)), **(extra or {})})
-    return Response(status.value, status.phrase, headers, body)
-
-
-def json_response(status: http.HTTPStatus, body: dict) -> Response:
-    return respond(status, (json.dumps(body) + "\n").encode(), "application/json",
-                   {"Cache-Control": "no-store", "Access-Control-Allow-Origin": "*"})
+def json_response(status: http.HTTPStatus, body: dict, headers: dict[str, str] | None = None) -> Response:
+    return JSONResponse(body, status.value, {"Cache-Control": "no-store", "Access-Control-Allow-Origin": "*",
+                                             **(headers or {})})
 
 
 def text_response(status: http.HTTPStatus, text: str) -> Response:
-    return respond(status, text.encode(), "text/plain; charset=utf-8")
+    return PlainTextResponse(text, status.value)
 
 
 def static_response(web_dir: Path, name: str) -> Response:
@@ -44,4 +37,4 @@ def static_response(web_dir: Path, name: str) -> Response:
     content_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
     if content_type.startswith("text/") or content_type == "application/javascript":
         content_type += "; charset=utf-8"
-    return respond(http.HTTPStatus.OK, path.read_bytes(), content_type, PAGE_HEADERS)
+    return Response(path.read_bytes(), http.HTTPStatus.OK.value, PAGE_HEADERS, media_type=content_type)

@@ -21,6 +21,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()  # the *_created series only double the scrape
 TIERS = ("device", "host", "remote")
 FINISH_REASONS = ("stop", "length", "cancelled")
+APIS = ("websocket", "openai")
 
 # Chat latencies: milliseconds for a cached turn's first token, minutes for a long reply under load.
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 7.5,
@@ -41,6 +42,7 @@ class LiveState:
     cache: dict[str, int] = field(default_factory=dict)  # CacheStore.stats(); empty before the model loads
     engine_up: bool = True  # False once the engine has stopped serving
     engine_failures: dict[str, int] = field(default_factory=dict)  # turns failed, by engine stage
+    decode_steps: dict[int, int] = field(default_factory=dict)  # batched decode steps, by batch size
 
     def tier_bytes(self, tier: str) -> tuple[int, int]:
         """Bytes in use and the budget of a tier (0, 0 when it does not exist)."""
@@ -92,6 +94,7 @@ class Metrics:
         self.request_success = counter("request_success", "Finished turns, by finish reason.",
                                        [*label, "finished_reason"])
         self.errors = counter("errors", "Error messages sent to clients, by code.", [*label, "code"])
+        self.api_requests = counter("api_requests", "Turns started, by the API they came through.", [*label, "api"])
         for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time, self.prompt_tokens,
                        self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits):
             metric.labels(model_name)  # every series exists from the start, at zero
@@ -104,6 +107,8 @@ class Metrics:
             self.request_success.labels(model_name, reason)
         for code in typing.get_args(ErrorCode):
             self.errors.labels(model_name, code)
+        for api in APIS:
+            self.api_requests.labels(model_name, api)
         self.offload_time.labels(model_name, "host")
         for tier in ("host", "remote"):
             self.restore_time.labels(model_name, tier)
@@ -130,6 +135,9 @@ class Metrics:
             else:
                 self.cached_tokens.labels(name, result.cache_source).inc(result.cached_tokens)
         self.request_success.labels(name, result.finish_reason).inc()
+
+    def observe_request(self, api: str) -> None:
+        self.api_requests.labels(self.model_name, api).inc()
 
     def observe_error(self, code: str) -> None:
         self.errors.labels(self.model_name, code).inc()
@@ -188,5 +196,9 @@ class _LiveCollector(Collector):
         offload_failures = CounterMetricFamily("chatd:cache_offload_failures", "Evicted caches whose copy to the "
                                                "host failed; each was dropped.", labels=label)
         offload_failures.add_metric(name, live.cache.get("offload_failures", 0))
+        steps = CounterMetricFamily("chatd:decode_steps", "Decode steps, by how many turns each advanced at once.",
+                                    labels=[*label, "batch_size"])
+        for batch_size, count in sorted(live.decode_steps.items()):
+            steps.add_metric([*name, str(batch_size)], count)
         yield from (running, waiting, usage, sessions, evictions, corruptions, engine_up, failures, remote_errors,
-                    offload_failures)
+                    offload_failures, steps)

@@ -29,7 +29,7 @@ class PromptRenderer:
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the chat template applied to `messages`, with message text never parsed
-        for special tokens."""
+        for special tokens, and a reply's own generated ids where the message carries them."""
         templated = [{"role": m.role, "content": f"{self._slot_marker}{i}\x00"} for i, m in enumerate(messages)]
         text = self.tokenizer.apply_chat_template(
             templated, tokenize=False, add_generation_prompt=add_generation_prompt)
@@ -37,7 +37,8 @@ class PromptRenderer:
         position = 0
         for slot in self._slot_pattern.finditer(text):
             ids += self._encode(text[position:slot.start()], parse_special=True)
-            ids += self._encode(messages[int(slot.group(1))].content, parse_special=False)
+            message = messages[int(slot.group(1))]
+            ids += message.token_ids if message.token_ids is not None else self._encode(message.content, False)
             position = slot.end()
         ids += self._encode(text[position:], parse_special=True)
         return ids

@@ -66,6 +66,7 @@ class RunningTurn:
             remote=dataclasses.asdict(lookup.remote) if lookup.remote else None,
             conversation_ids=list(self.entry.token_ids),
             token_times=list(self.token_times), dropped_turns=self.dropped_turns,
+            reply_ids=list(generated) if self.stream.decode(generated) == self.stream.text else None,
             timings={
                 "queue_ms": (self.started - self.turn.received_at) * ms,
                 "ttft_ms": (self.first_token_at - self.turn.received_at) * ms,

@@ -1,5 +1,6 @@
-"""The chatd server: one port for the websocket protocol (/ws), the web pages (/ and /dashboard),
-metrics (/metrics, /v1/stats) and probes (/healthz)."""
+"""The chatd server: one port, served by uvicorn, for the websocket protocol (/ws), the
+OpenAI-compatible API (/v1/models, /v1/chat/completions), the web pages (/ and /dashboard), metrics
+(/metrics, /v1/stats) and probes (/healthz)."""
 
 from __future__ import annotations
 
@@ -7,24 +8,26 @@ import asyncio
 import contextlib
 import http
 import logging
-import re
 import signal
 from collections.abc import Callable
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
 import torch
-from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.http11 import Request, Response
+import uvicorn
+from fastapi import FastAPI, Request, WebSocket
+from starlette.responses import Response
 
 from cache_store import CacheStore
 from cache_store.faults import FAULT_KINDS, TIERS, NoCache, corrupt
 from cache_store.stage_faults import STAGES
+from chatd.client_socket import ClientSocket
 from chatd.config import Settings
 from chatd.engine import Engine
 from chatd.gateway import Gateway
-from chatd.http_responses import json_response, respond, static_response, text_response
+from chatd.http_responses import json_response, static_response, text_response
 from chatd.metrics import CONTENT_TYPE, LiveState, Metrics
 from chatd.model_loader import LoadedModel, load_model
+from chatd.openai_api import OpenAIApi
 from chatd.stats import StatsRecorder
 from chatd.turn import TurnResult
 from sessions import InMemorySessionStore, SessionStore
@@ -34,6 +37,7 @@ log = logging.getLogger(__name__)
 SAMPLE_EVERY_S = 5.0  # how often tier occupancy and cache counters are sampled for /v1/stats
 LIVE_TIMEOUT_S = 2.0
 FATAL_GRACE_S = 1.0  # after the engine failed: answer 503 this long before exiting
+CLOSE_TIMEOUT_S = 5.0  # at exit, how long connections may take to close
 
 
 class ModelLoadError(RuntimeError):
@@ -63,14 +67,19 @@ class ChatServer:
             RedisSessionStore(settings.redis_url, settings.session_retention_s, lease_ttl_s=settings.lease_ttl_s)
             if settings.redis_url else InMemorySessionStore(settings.session_retention_s))
         self.gateway = Gateway(self.engine, self.sessions, settings, on_turn=self._turn_finished,
-                               on_error=self._error_sent)
-        self._server: Server | None = None
+                               on_error=self._error_sent, on_request=self.metrics.observe_request)
+        self.openai = OpenAIApi(self.engine, self.sessions, settings, self.gateway)
+        self.app = self._build_app()
+        self._uvicorn: uvicorn.Server | None = None
+        self._socket = None
+        self._ticker: asyncio.Task | None = None
+        self._websockets = 0  # open websocket connections
         self._sampler: asyncio.Task | None = None
         self._last_cache_stats: dict[str, int] = {}
 
     @property
     def port(self) -> int:
-        return self._server.sockets[0].getsockname()[1]
+        return self._socket.getsockname()[1]
 
     @property
     def url(self) -> str:
@@ -79,8 +88,16 @@ class ChatServer:
     async def __aenter__(self) -> ChatServer:
         self._loop = asyncio.get_running_loop()
         self.engine.start()
-        self._server = await serve(self.gateway.handle, self.settings.host, self.settings.port,
-                                   process_request=self._process_request, max_size=self.settings.max_message_bytes)
+        config = uvicorn.Config(self.app, host=self.settings.host, port=self.settings.port, ws="websockets-sansio",
+                                ws_max_size=self.settings.max_message_bytes, lifespan="off", log_config=None,
+                                access_log=False, timeout_graceful_shutdown=CLOSE_TIMEOUT_S)
+        self._socket = config.bind_socket()
+        config.load()
+        self._uvicorn = uvicorn.Server(config)
+        # Not `serve()`: that would take over SIGINT and SIGTERM, which `run` handles (a graceful drain).
+        self._uvicorn.lifespan = config.lifespan_class(config)
+        await self._uvicorn.startup(sockets=[self._socket])
+        self._ticker = asyncio.create_task(self._uvicorn.main_loop())  # keeps the Date header current
         self._sampler = asyncio.create_task(self._sample_forever())
         return self
 
@@ -88,8 +105,9 @@ class ChatServer:
         self._sampler.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._sampler
-        self._server.close()
-        await self._server.wait_closed()
+        self._uvicorn.should_exit = True
+        await self._ticker
+        await self._uvicorn.shutdown(sockets=[self._socket])  # closes every connection, websockets included
         await asyncio.to_thread(self.engine.stop)
         await self.sessions.close()
 
@@ -97,7 +115,8 @@ class ChatServer:
         """Graceful stop: accept no more connections, let running turns finish for up to
         --shutdown-timeout-s and cancel the rest; leaving the context then closes the connections
         and flushes the session store."""
-        self._server.server.close()  # stop listening; open connections stay until the turns are done
+        for listener in self._uvicorn.servers:
+            listener.close()  # stop listening; open connections stay until the turns are done
         running = len(self.gateway.running_turns)
         log.info("shutting down: %d turns running, waiting up to %.0f s", running, self.settings.shutdown_timeout_s)
         if cancelled := await self.gateway.drain(self.settings.shutdown_timeout_s):
@@ -121,7 +140,8 @@ class ChatServer:
                 log.warning("the engine did not report cache stats within %.0f s", LIVE_TIMEOUT_S)
         return LiveState(running=self.engine.running, waiting=self.engine.waiting,
                          connected_sessions=self.gateway.connected_sessions, cache=self._last_cache_stats,
-                         engine_up=self.engine.failure is None, engine_failures=dict(self.engine.failures))
+                         engine_up=self.engine.failure is None, engine_failures=dict(self.engine.failures),
+                         decode_steps=dict(self.engine.batch_sizes))
 
     def _engine_stopped(self, reason: str) -> None:
         """Called from the engine thread once it has failed every turn it had."""
@@ -144,48 +164,64 @@ class ChatServer:
                 log.exception("sampling the cache stats failed")
             await asyncio.sleep(SAMPLE_EVERY_S)
 
-    async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        url = urlsplit(request.path)
-        path = url.path
-        if (corrupt := _CORRUPT_PATH.fullmatch(path)) and request.method == "POST":
-            return await self._corrupt(corrupt.group(1), parse_qs(url.query), request)
-        if path == "/admin/engine/fault" and request.method == "POST":
-            return await self._arm_engine_fault(parse_qs(url.query), request)
-        match path:
-            case "/ws":
-                return self._admit_websocket(request)
-            case "/healthz":
-                if self.engine.failure is not None:
-                    return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE,
-                                         f"engine failed: {self.engine.failure}\n")
-                if self.engine.ready.is_set() and self.engine.load_error is None:
-                    return text_response(http.HTTPStatus.OK, "ok\n")
-                return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE, "loading\n")
-            case "/metrics":
-                return respond(http.HTTPStatus.OK, self.metrics.exposition(await self.live_state()), CONTENT_TYPE)
-            case "/v1/stats":
-                return json_response(http.HTTPStatus.OK, self.stats.snapshot(await self.live_state()))
-            case "/" | "/index.html":
-                return static_response(self.settings.web_dir, "index.html")
-            case "/dashboard":
-                return static_response(self.settings.web_dir, "dashboard.html")
-        if path.startswith("/web/"):
-            return static_response(self.settings.web_dir, path.removeprefix("/web/"))
-        return text_response(http.HTTPStatus.NOT_FOUND,
-                             "not found: chatd serves /ws, /, /dashboard, /metrics, /v1/stats and /healthz\n")
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="chatd", version="1", summary="Chat with a KV cache kept alive between turns",
+                      redoc_url=None)
+        app.include_router(self.openai.router)
+        self.openai.install_error_handlers(app)
+        app.add_api_websocket_route("/ws", self._websocket)
+        app.add_api_route("/healthz", self._healthz, methods=["GET"])
+        app.add_api_route("/metrics", self._metrics, methods=["GET"])
+        app.add_api_route("/v1/stats", self._stats, methods=["GET"])
+        app.add_api_route("/", lambda: static_response(self.settings.web_dir, "index.html"), methods=["GET"])
+        app.add_api_route("/index.html", lambda: static_response(self.settings.web_dir, "index.html"),
+                          methods=["GET"])
+        app.add_api_route("/dashboard", lambda: static_response(self.settings.web_dir, "dashboard.html"),
+                          methods=["GET"])
+        app.add_api_route("/web/{name:path}", lambda name: static_response(self.settings.web_dir, name),
+                          methods=["GET"])
+        app.add_api_route("/admin/sessions/{session_id}/corrupt", self._corrupt, methods=["POST"])
+        app.add_api_route("/admin/engine/fault", self._arm_engine_fault, methods=["POST"])
+        app.add_exception_handler(404, lambda request, error: text_response(
+            http.HTTPStatus.NOT_FOUND, "not found: chatd serves /ws, /v1/chat/completions, /v1/models, /, "
+                                       "/dashboard, /metrics, /v1/stats and /healthz\n"))
+        return app
 
+    async def _websocket(self, websocket: WebSocket) -> None:
+        if (refusal := self._refuse_websocket(websocket)) is not None:
+            await websocket.send_denial_response(refusal)
+            return
+        await websocket.accept()
+        self._websockets += 1
+        try:
+            await self.gateway.handle(ClientSocket(websocket))
+        finally:
+            self._websockets -= 1
 
-    def _admit_websocket(self, request: Request) -> Response | None:
+    async def _healthz(self) -> Response:
+        if self.engine.failure is not None:
+            return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE, f"engine failed: {self.engine.failure}\n")
+        if self.engine.ready.is_set() and self.engine.load_error is None:
+            return text_response(http.HTTPStatus.OK, "ok\n")
+        return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE, "loading\n")
+
+    async def _metrics(self) -> Response:
+        return Response(self.metrics.exposition(await self.live_state()), media_type=CONTENT_TYPE)
+
+    async def _stats(self) -> Response:
+        return json_response(http.HTTPStatus.OK, self.stats.snapshot(await self.live_state()))
+
+    def _refuse_websocket(self, websocket: WebSocket) -> Response | None:
         """Refuse a handshake from a browser page of another origin (403), over --max-connections
         (503), or with a wrong Bearer key (401)."""
-        origin = request.headers.get("Origin")
+        origin = websocket.headers.get("Origin")
         if (self.settings.allowed_origins and origin is not None and origin not in self.settings.allowed_origins
-                and urlsplit(origin).netloc != request.headers.get("Host")):  # chatd's own pages may connect
+                and urlsplit(origin).netloc != websocket.headers.get("Host")):  # chatd's own pages may connect
             return text_response(http.HTTPStatus.FORBIDDEN, f"origin {origin!r} is not allowed\n")
-        if len(self._server.connections) >= self.settings.max_connections:
+        if self._websockets >= self.settings.max_connections:
             return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE,
                                  f"too many connections (the limit is {self.settings.max_connections}); retry later\n")
-        sent, owner = self.gateway.keys.bearer(request.headers)
+        sent, owner = self.gateway.keys.bearer(websocket.headers)
         if sent and owner is None:
             return text_response(http.HTTPStatus.UNAUTHORIZED, "unknown API key\n")
         return None
@@ -201,14 +237,15 @@ class ChatServer:
                                  {"error": "send the session owner's key as Authorization: Bearer <key>"}), None
         return None, owner
 
-    async def _arm_engine_fault(self, query: dict[str, list[str]], request: Request) -> Response:
+    async def _arm_engine_fault(self, request: Request) -> Response:
         """POST /admin/engine/fault?stage=…[&session=…][&fatal=true]: the next time that engine stage
         runs (for that session, until its turn has failed; or for any, once), it raises."""
         refusal, owner = self._refuse_fault_injection(request)
         if refusal is not None:
             return refusal
-        stage, session_id = query.get("stage", [""])[0], query.get("session", [None])[0]
-        fatal = query.get("fatal", ["false"])[0].lower() in ("1", "true", "yes")
+        query = request.query_params
+        stage, session_id = query.get("stage", ""), query.get("session")
+        fatal = query.get("fatal", "false").lower() in ("1", "true", "yes")
         if stage not in STAGES:
             return json_response(http.HTTPStatus.BAD_REQUEST, {"error": f"stage must be one of {', '.join(STAGES)}"})
         if session_id is not None:
@@ -222,13 +259,13 @@ class ChatServer:
                     ", fatal" if fatal else "")
         return json_response(http.HTTPStatus.OK, {"stage": stage, "session_id": session_id, "fatal": fatal})
 
-    async def _corrupt(self, session_id: str, query: dict[str, list[str]], request: Request) -> Response:
+    async def _corrupt(self, session_id: str, request: Request) -> Response:
         """POST /admin/sessions/{id}/corrupt?kind=…&tier=…: fault injection, only when enabled, and with
         API keys only by the key that owns the session."""
         refusal, owner = self._refuse_fault_injection(request)
         if refusal is not None:
             return refusal
-        kind, tier = query.get("kind", [""])[0], query.get("tier", ["device"])[0]
+        kind, tier = request.query_params.get("kind", ""), request.query_params.get("tier", "device")
         if kind not in FAULT_KINDS or tier not in TIERS:
             return json_response(http.HTTPStatus.BAD_REQUEST,
                          {"error": f"kind must be one of {', '.join(FAULT_KINDS)}; tier one of {', '.join(TIERS)}"})
@@ -243,9 +280,6 @@ class ChatServer:
         log.warning("fault injected into session %s (%s tier): %s", session_id, tier, done)
         return json_response(http.HTTPStatus.OK,
                      {"session_id": session_id, "kind": kind, "tier": tier, "done": done})
-
-
-_CORRUPT_PATH = re.compile(r"/admin/sessions/([^/]+)/corrupt")
 
 
 async def run(settings: Settings) -> None:

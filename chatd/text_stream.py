@@ -27,8 +27,8 @@ class TextStream:
     def push(self, token_id: int) -> str:
         """Add one generated token; return the text that may be shown now (possibly empty)."""
         self._ids.append(token_id)
-        before = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        after = self._decode(self._ids[self._prefix_offset:])
+        before = self.decode(self._ids[self._prefix_offset:self._read_offset])
+        after = self.decode(self._ids[self._prefix_offset:])
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self.text += after[len(before):]
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
@@ -49,5 +49,5 @@ class TextStream:
         released, self._released = self.text[self._released:end], end
         return released
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True) if ids else ""

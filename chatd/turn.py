@@ -37,6 +37,7 @@ class TurnResult:
     remote: dict | None = None  # the fetch-or-recompute decision, when a remote cache existed
     token_times: list[float] = field(default_factory=list)  # perf_counter() when each reply token was sampled
     dropped_turns: int = 0  # oldest turns the prompt left out to fit the context
+    reply_ids: list[int] | None = None  # `token_ids` when `content` decodes from exactly them
 
     @property
     def inter_token_s(self) -> list[float]:
@@ -69,6 +70,7 @@ class Turn:
     messages: list[Message]
     params: SamplingParams
     emit: Callable[[TurnEvent], None]
+    owner: str | None = None  # the key's id: shared prefixes are shared within one owner only
     session_version: int = 0  # completed turns the messages include; an older cache is stale
     dropped_turns: int = 0  # oldest turns the session's prompts already leave out
     received_at: float = field(default_factory=time.perf_counter)

@@ -21,7 +21,7 @@ import secrets
 import time
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
@@ -88,8 +88,8 @@ class RedisSessionStore:
 
     # ##### Public API #####
 
-    async def create(self, system: str | None, owner: str | None = None) -> Session:
-        session = Session(session_id=new_session_id(), system=system, owner=owner)
+    async def create(self, system: str | None, owner: str | None = None, messages: Sequence[Message] = ()) -> Session:
+        session = Session(session_id=new_session_id(), system=system, owner=owner, messages=list(messages))
         if self._down():
             raise StoreUnavailable("the session store (Redis) is unreachable")
         try:
@@ -145,9 +145,11 @@ class RedisSessionStore:
             await asyncio.sleep(0.05)
 
     async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int],
-                          lease: Lease | None = None, dropped_turns: int | None = None) -> None:
-        write = _Append(self, session.session_id, session.version, user_content, reply, list(token_ids), time.time(),
-                        lease.fence if lease is not None else None,
+                          lease: Lease | None = None, dropped_turns: int | None = None,
+                          reply_ids: Sequence[int] | None = None) -> None:
+        write = _Append(self, session.session_id, session.version, [
+            Message("user", user_content), Message("assistant", reply, tuple(reply_ids) if reply_ids else None)],
+                        list(token_ids), time.time(), lease.fence if lease is not None else None,
                         session.dropped_turns if dropped_turns is None else dropped_turns)
         if not self._pending and not self._down():
             try:
@@ -157,7 +159,7 @@ class RedisSessionStore:
                 self._queue(session.session_id, write)
         else:
             self._queue(session.session_id, write)  # keep the order of writes
-        session.record_turn(user_content, reply, token_ids, dropped_turns)
+        session.record_turn(user_content, reply, token_ids, dropped_turns, reply_ids)
         self._remember(session)
 
     async def delete(self, session_id: str) -> bool:
@@ -191,6 +193,10 @@ class RedisSessionStore:
                                      "owner": json.dumps(session.owner), "dropped_turns": 0,
                                      "created_at": session.created_at, "updated_at": session.updated_at})
             pipe.expire(meta, self.retention_s)
+            if session.messages:
+                history = _key(session.session_id, "messages")
+                pipe.rpush(history, *[_encode_message(m) for m in session.messages])
+                pipe.expire(history, self.retention_s)
             await pipe.execute()
 
     async def _read(self, session_id: str) -> Session | None:
@@ -203,7 +209,7 @@ class RedisSessionStore:
             return None
         return Session(
             session_id=session_id, system=json.loads(meta[b"system"]),
-            messages=[Message(**json.loads(m)) for m in messages], token_ids=unpack_ids(tokens),
+            messages=[_decode_message(m) for m in messages], token_ids=unpack_ids(tokens),
             version=int(meta[b"version"]), created_at=float(meta[b"created_at"]),
             updated_at=float(meta[b"updated_at"]), owner=json.loads(meta.get(b"owner", b"null")),
             dropped_turns=int(meta.get(b"dropped_turns", 0)))
@@ -278,12 +284,11 @@ class _Append:
     """One completed turn, written atomically: messages, token ids, version and times, in one
     transaction that fails if another writer moved the version first."""
 
-    def __init__(self, store: RedisSessionStore, session_id: str, version: int, user_content: str, reply: str,
+    def __init__(self, store: RedisSessionStore, session_id: str, version: int, messages: list[Message],
                  token_ids: list[int], at: float, fence: int | None, dropped_turns: int):
         self.store, self.session_id, self.version, self.fence = store, session_id, version, fence
         self.dropped_turns = dropped_turns
-        self.messages = [json.dumps({"role": "user", "content": user_content}),
-                         json.dumps({"role": "assistant", "content": reply})]
+        self.messages = [_encode_message(message) for message in messages]
         self.tokens, self.at = pack_ids(token_ids), at
 
     async def __call__(self) -> None:
@@ -308,3 +313,16 @@ class _Append:
                 await pipe.execute()
         except WatchError:
             raise VersionConflict(f"session {self.session_id}: another writer appended first") from None
+
+
+def _encode_message(message: Message) -> str:
+    fields = {"role": message.role, "content": message.content}
+    if message.token_ids is not None:
+        fields["ids"] = list(message.token_ids)
+    return json.dumps(fields)
+
+
+def _decode_message(raw: bytes) -> Message:
+    fields = json.loads(raw)
+    ids = fields.get("ids")
+    return Message(fields["role"], fields["content"], tuple(ids) if ids is not None else None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -14,6 +15,9 @@ Role = Literal["system", "user", "assistant"]
 class Message:
     role: Role
     content: str
+    # For a reply: the ids the model generated, which `content` decodes to. A prompt splices them in
+    # rather than re-tokenizing the text (which may tokenize differently and miss the cache).
+    token_ids: tuple[int, ...] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -44,9 +48,11 @@ class Session:
         return self.messages_with_system() + [Message("user", user_content)]
 
     def record_turn(self, user_content: str, reply: str, token_ids: list[int] | None = None,
-                    dropped_turns: int | None = None) -> None:
-        """Add a completed turn; `token_ids` are the ids the conversation has reached with it."""
-        self.messages += [Message("user", user_content), Message("assistant", reply)]
+                    dropped_turns: int | None = None, reply_ids: Sequence[int] | None = None) -> None:
+        """Add a completed turn; `token_ids` are the ids the conversation has reached with it, and
+        `reply_ids` the reply's own (when its text decodes from exactly them)."""
+        self.messages += [Message("user", user_content),
+                          Message("assistant", reply, tuple(reply_ids) if reply_ids is not None else None)]
         if token_ids is not None:
             self.token_ids = list(token_ids)
         if dropped_turns is not None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from sessions.state import Session, new_session_id
+from sessions.state import Message, Session, new_session_id
 
 
 class VersionConflict(Exception):
@@ -41,7 +41,8 @@ class LocalLease:
 
 
 class SessionStore(Protocol):
-    async def create(self, system: str | None, owner: str | None = None) -> Session: ...
+    async def create(self, system: str | None, owner: str | None = None, messages: Sequence[Message] = ()) -> Session:
+        """A new session; `messages` is a history it starts with (a stateless client's branch)."""
 
     async def get(self, session_id: str) -> Session | None: ...
 
@@ -49,7 +50,8 @@ class SessionStore(Protocol):
         """Take the session's turn lease, waiting briefly; raise `SessionBusy` if another worker keeps it."""
 
     async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int],
-                          lease: Lease | None = None, dropped_turns: int | None = None) -> None:
+                          lease: Lease | None = None, dropped_turns: int | None = None,
+                          reply_ids: Sequence[int] | None = None) -> None:
         """Record a completed turn atomically (messages, token ids, version, the turns its prompt left
         out) on `session` and in the store; raise `VersionConflict` if the stored version is no longer
         `session.version` or the lease was lost."""
@@ -69,9 +71,9 @@ class InMemorySessionStore:
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._used_at: dict[str, float] = {}
 
-    async def create(self, system: str | None, owner: str | None = None) -> Session:
+    async def create(self, system: str | None, owner: str | None = None, messages: Sequence[Message] = ()) -> Session:
         self._forget_idle()
-        session = Session(session_id=new_session_id(), system=system, owner=owner)
+        session = Session(session_id=new_session_id(), system=system, owner=owner, messages=list(messages))
         self._use(session)
         return session
 
@@ -86,13 +88,14 @@ class InMemorySessionStore:
         return LocalLease()
 
     async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int],
-                          lease: Lease | None = None, dropped_turns: int | None = None) -> None:
+                          lease: Lease | None = None, dropped_turns: int | None = None,
+                          reply_ids: Sequence[int] | None = None) -> None:
         stored = self._sessions.get(session.session_id)
         if stored is None or stored.version != session.version:
             raise VersionConflict(session.session_id)
-        stored.record_turn(user_content, reply, token_ids, dropped_turns)
+        stored.record_turn(user_content, reply, token_ids, dropped_turns, reply_ids)
         if session is not stored:
-            session.record_turn(user_content, reply, token_ids, dropped_turns)
+            session.record_turn(user_content, reply, token_ids, dropped_turns, reply_ids)
         self._use(stored)
 
     async def delete(self, session_id: str) -> bool:

@@ -26,6 +26,19 @@ def test_bench_compares_two_configurations(tiny_checkpoint, tmp_path):
     assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_plays_stateless_openai_clients(tiny_checkpoint, tmp_path):
+    output = tmp_path / "openai.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "chatd", "bench", "--api", "openai", f"--serve=--model {tiny_checkpoint} --device cpu",
+         "--customers", "2", "--turns", "3", "--think-s", "0.05", "--max-new-tokens", "4", "--output", str(output)],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    (result,) = json.loads(output.read_text())["results"]
+    assert len(result["samples"]) == 2 * 3 and result["errors"] == {}
+    assert result["cache_sources"] == {"miss": 2, "cached": 4}  # each resent history found its session's cache
+    assert result["tokens_per_s"] > 0
+
+
 def test_gpu_check_runs_every_path_on_the_cpu(tiny_checkpoint, tmp_path):
     """bench/gpu_check.py is for a CUDA machine; on the CPU the same code runs, so that it cannot rot."""
     run = subprocess.run(

@@ -99,6 +99,8 @@ async def test_metrics_and_stats_move_by_exactly_what_the_run_did(tiny):
     finished = Counter(r.finish_reason for r in results)
     for reason in ("stop", "length", "cancelled"):
         assert moved(before, after, "chatd:request_success_total", finished_reason=reason) == finished[reason]
+    assert moved(before, after, "chatd:api_requests_total", api="websocket") == len(results)
+    assert moved(before, after, "chatd:api_requests_total", api="openai") == 0
     assert moved(before, after, "chatd:errors_total", code="bad_request") == 1
     assert moved(before, after, "chatd:errors_total", code="unknown_session") == 1
     assert moved(before, after, "chatd:errors_total", code="internal") == 0
@@ -116,6 +118,10 @@ async def test_metrics_and_stats_move_by_exactly_what_the_run_did(tiny):
     assert moved(before, after, "chatd:request_queue_time_seconds_count") == len(results)
     assert moved(before, after, "chatd:inter_token_latency_seconds_count") == sum(
         max(0, r.usage.completion_tokens - 1) for r in results)
+    # One turn at a time: every decode step advanced one turn, and each sampled a reply token but the first.
+    steps = moved(before, after, "chatd:decode_steps_total", batch_size="1")
+    assert generated - len(results) <= steps <= generated
+    assert not [key for key in after if key[0] == "chatd:decode_steps_total" and key[1] != {("batch_size", "1")}]
     assert after["chatd:num_requests_running", frozenset()] == 0
     assert after["chatd:num_requests_waiting", frozenset()] == 0
     assert 0 <= after["chatd:kv_cache_usage_perc", frozenset({("tier", "device")})] <= 1

@@ -13,11 +13,14 @@ async def test_round_trip_through_a_second_store(redis_server):
     writer = RedisSessionStore(redis_server.url, retention_s=3600)
     session = await writer.create("Be brief.", owner="key-0123456789abcdef")
     await writer.append_turn(session, "hi", "hello!", [1, 2, 3])
-    await writer.append_turn(session, "bye", "goodbye", [1, 2, 3, 4, 5], dropped_turns=1)
+    await writer.append_turn(session, "bye", "goodbye", [1, 2, 3, 4, 5], dropped_turns=1, reply_ids=[4, 5])
+    branch = await writer.create("Be brief.", owner="key-0123456789abcdef", messages=session.messages[:2])
     reader = RedisSessionStore(redis_server.url, retention_s=3600)
     loaded = await reader.get(session.session_id)
     assert loaded.messages == [Message("user", "hi"), Message("assistant", "hello!"),
                                Message("user", "bye"), Message("assistant", "goodbye")]
+    assert [m.token_ids for m in loaded.messages] == [None, None, None, (4, 5)]  # a reply's generated ids
+    assert (await reader.get(branch.session_id)).messages == loaded.messages[:2]  # a session created with history
     assert (loaded.system, loaded.token_ids, loaded.version, loaded.turns) == ("Be brief.", [1, 2, 3, 4, 5], 2, 2)
     assert (loaded.owner, loaded.dropped_turns) == ("key-0123456789abcdef", 1)
     assert loaded.created_at == pytest.approx(session.created_at) and loaded.updated_at >= loaded.created_at

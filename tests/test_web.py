@@ -125,7 +125,7 @@ async def test_chat_streams_reuses_the_cache_survives_reload_and_stops(server, b
     await page.screenshot(path=SCREENSHOTS / "chat-stopped.png")
 
     # A dropped socket: the page reconnects by itself and reopens the same session.
-    for connection in list(server._server.connections):
+    for connection in list(server._uvicorn.server_state.connections):
         connection.transport.abort()
     await expect(page.locator("#status")).to_have_text("connected", timeout=20_000)
     await expect(page.locator(".message")).to_have_count(4)  # the stopped turn was not recorded
@@ -188,7 +188,7 @@ async def test_api_key_form_and_a_reply_resumed_after_a_dropped_socket(smollm2, 
         await send(page, "Write a long story about a lighthouse keeper and a storm.")
         reply = page.locator(".message.assistant").nth(0)
         await expect(reply.locator(".bubble")).not_to_have_text("", timeout=60_000)
-        for connection in list(server._server.connections):  # the network drops mid-reply
+        for connection in list(server._uvicorn.server_state.connections):  # the network drops mid-reply
             connection.transport.abort()
         await expect(page.locator("#status")).to_have_text("connected", timeout=20_000)
         await expect(reply.locator(".meta")).to_contain_text("TTFT", timeout=120_000)

@@ -1,0 +1,296 @@
+"""The OpenAI-compatible API: `GET /v1/models` and `POST /v1/chat/completions`, streamed (SSE) or not.
+
+OpenAI clients are stateless: each request carries the whole conversation and no session id. The
+request is rendered to token ids and matched, through `PrefixIndex`, against the conversations of the
+same key; the session whose cached ids it shares the most with is continued when the request extends
+it exactly, and otherwise branched (a new session whose cache starts as a copy of the shared part).
+Either way only the tokens after the reused prefix are prefilled. The turn itself runs through the
+gateway exactly as a websocket turn does (claims, rate limit, leases, metrics, recording).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from cache_store.store import common_prefix_length
+from chatd.config import Settings
+from chatd.engine import Engine
+from chatd.gateway import Gateway, StartedTurn
+from chatd.openai_schema import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    ChunkDelta,
+    CompletionTokensDetails,
+    CompletionUsage,
+    ErrorBody,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    RequestRefused,
+)
+from chatd.prompt import PromptRenderer
+from chatd.protocol import ErrorMessage
+from chatd.sampling import SamplingParams
+from chatd.turn import TurnFailed, TurnResult
+from sessions import Message, Session, SessionStore, StoreUnavailable
+from sessions.prefix_index import BLOCK, PrefixIndex
+
+log = logging.getLogger(__name__)
+SESSION_HEADER = "X-Chatd-Session-Id"
+DEFAULT_MAX_TOKENS = 256
+
+# chatd's error codes (websocket protocol and engine) as HTTP statuses and OpenAI error types.
+_STATUS = {"bad_request": 400, "limit_exceeded": 400, "too_long": 400, "unauthorized": 401, "unknown_session": 404,
+           "rate_limited": 429, "conflict": 409, "busy": 503, "unavailable": 503, "internal": 500}
+_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
+         429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s
+
+    @classmethod
+    def of(cls, error: ErrorMessage | TurnFailed) -> ApiError:
+        return cls(_STATUS.get(error.code, 500), error.message, code=error.code,
+                   retry_after_s=getattr(error, "retry_after_s", None))
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorBody(message=self.message, type=_TYPE.get(self.status, "server_error"),
+                                             param=self.param, code=self.code))
+
+    def response(self) -> Response:
+        headers = {"Retry-After": str(math.ceil(self.retry_after_s))} if self.retry_after_s is not None else None
+        return JSONResponse(self.body().model_dump(), self.status, headers)
+
+
+class OpenAIApi:
+    def __init__(self, engine: Engine, sessions: SessionStore, settings: Settings, gateway: Gateway):
+        self.engine, self.sessions, self.settings, self.gateway = engine, sessions, settings, gateway
+        self.index = PrefixIndex()
+        self.created = int(time.time())
+        self._renderer: PromptRenderer | None = None
+        self.router = APIRouter(prefix="/v1")
+        self.router.add_api_route("/models", self.models, methods=["GET"], response_model=ModelList)
+        self.router.add_api_route("/chat/completions", self.chat_completions, methods=["POST"],
+                                  response_model=ChatCompletion,
+                                  responses={code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)})
+
+    def install_error_handlers(self, app) -> None:
+        """OpenAI's error shape for every failure of these routes, a malformed body included."""
+        app.add_exception_handler(ApiError, lambda request, error: error.response())
+
+        async def invalid_body(request: Request, error: RequestValidationError) -> Response:
+            first = error.errors()[0] if error.errors() else {}
+            where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+            return ApiError(400, f"invalid request: {first.get('msg', 'malformed body')}"
+                                 f"{f' (at {where})' if where else ''}", param=where, code="bad_request").response()
+
+        app.add_exception_handler(RequestValidationError, invalid_body)
+
+    async def models(self, request: Request) -> ModelList:
+        self._authenticate(request)
+        return ModelList(data=[ModelCard(id=self.settings.model, created=self.created)])
+
+    async def chat_completions(self, request: Request, body: ChatCompletionRequest,
+                               x_session_id: Annotated[str | None, Header()] = None) -> Response:
+        owner = self._authenticate(request)
+        try:
+            body.refuse_unsupported()
+        except RequestRefused as error:
+            raise ApiError(400, str(error), param=error.param, code="bad_request") from None
+        if body.model not in self._model_names():
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
+                                f"{self.settings.model!r}", param="model", code="model_not_found")
+        max_new_tokens = body.max_completion_tokens or body.max_tokens or min(DEFAULT_MAX_TOKENS,
+                                                                             self.settings.max_new_tokens)
+        if max_new_tokens > self.settings.max_new_tokens:
+            raise ApiError(400, f"max_tokens {max_new_tokens} is over this server's cap of "
+                                f"{self.settings.max_new_tokens}", param="max_tokens", code="limit_exceeded")
+        self._refuse_when_unavailable()
+        system, history, content = body.conversation()
+        client = owner or (request.client.host if request.client else "unknown")
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
+                                seed=body.seed, stop=body.stop_list())
+        try:
+            session = await self._place(owner, system, history, content,
+                                        body.session_id or body.prompt_cache_key or x_session_id)
+        except StoreUnavailable as error:
+            raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
+        turn_id = "chatcmpl-" + secrets.token_urlsafe(12)
+        try:
+            started = await self.gateway.begin_turn(session, content, params, turn_id, owner, client, api="openai")
+        except BaseException:
+            self.gateway.release_claim(session.session_id)
+            raise
+        if isinstance(started, ErrorMessage):
+            self.gateway.release_claim(session.session_id)
+            raise ApiError.of(started)
+        events: asyncio.Queue[str | TurnResult | TurnFailed] = asyncio.Queue()
+        self.gateway.forward(started, events.put, lambda event: self._ended(owner, started, event, events))
+        first = await events.get()
+        if isinstance(first, TurnFailed):
+            raise ApiError.of(first)
+        headers = {SESSION_HEADER: session.session_id}
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._stream(started, first, events, body.model, include_usage),
+                                     media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
+        result = first
+        while isinstance(result, str):  # the text comes whole with the result
+            result = await events.get()
+        if isinstance(result, TurnFailed):
+            raise ApiError.of(result)
+        completion = ChatCompletion(id=turn_id, created=int(time.time()), model=body.model, choices=[Choice(
+            message=AssistantMessage(content=result.content), finish_reason=_finish(result))], usage=_usage(result))
+        return JSONResponse(completion.model_dump(), headers=headers)
+
+    async def _ended(self, owner: str | None, started: StartedTurn, event: TurnResult | TurnFailed,
+                     events: asyncio.Queue) -> None:
+        """The turn is recorded (or failed): index the conversation it reached, then hand over the end."""
+        if isinstance(event, TurnResult) and event.finish_reason != "cancelled":
+            self.index.add(owner, started.session.session_id, event.conversation_ids)
+        await events.put(event)
+
+    async def _stream(self, started: StartedTurn, first: str | TurnResult, events: asyncio.Queue, model: str,
+                      include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: the role, the text, the finish reason, the usage if asked, [DONE]. A
+        client that goes away cancels the turn."""
+        turn_id, created = started.turn.turn_id, int(time.time())
+
+        def chunk(delta: ChunkDelta, finish: str | None = None, usage: CompletionUsage | None = None,
+                  choices: bool = True) -> str:
+            body = ChatCompletionChunk(id=turn_id, created=created, model=model, usage=usage, choices=[
+                ChunkChoice(delta=delta, finish_reason=finish)] if choices else [])
+            return f"data: {body.model_dump_json(exclude_none=False)}\n\n"
+
+        event = first
+        try:
+            yield chunk(ChunkDelta(role="assistant", content=""))
+            while isinstance(event, str):
+                yield chunk(ChunkDelta(content=event))
+                event = await events.get()
+            if isinstance(event, TurnFailed):
+                yield f"data: {ApiError.of(event).body().model_dump_json()}\n\n"
+                return
+            yield chunk(ChunkDelta(), _finish(event))
+            if include_usage:
+                yield chunk(ChunkDelta(), usage=_usage(event), choices=False)
+            yield "data: [DONE]\n\n"
+        finally:
+            if isinstance(event, str):  # the client left mid-stream
+                started.turn.cancel()
+
+    async def _place(self, owner: str | None, system: str | None, history: list[Message], content: str,
+                     hint: str | None) -> Session:
+        """The session this request runs in, claimed for it: the matched session when the request
+        extends it exactly and it is free; otherwise a new one, branched from the best match's cache.
+        The history's replies get the ids the model generated for them wherever a session knows them."""
+        plain_ids = self._render(system, history, content)
+        best, best_history, best_ids, shared = None, history, plain_ids, 0
+        for session in await self._candidates(owner, plain_ids, hint):
+            if session.system == system and _same(session.messages, history) and \
+                    self.gateway.try_claim(session.session_id):
+                return session
+            spliced = _splice(history, session.messages)
+            prompt_ids = plain_ids if spliced == history and _ids_of(spliced) == _ids_of(history) else \
+                self._render(system, spliced, content)
+            if (reach := common_prefix_length(session.token_ids, prompt_ids)) > shared:
+                best, best_history, best_ids, shared = session, spliced, prompt_ids, reach
+        session = await self.sessions.create(system, owner=owner, messages=best_history)
+        self.gateway.try_claim(session.session_id)  # new: nobody else can know it yet
+        if best is not None and shared >= BLOCK:
+            self.engine.fork_session(best.session_id, session.session_id, best_ids)
+        return session
+
+    async def _candidates(self, owner: str | None, prompt_ids: list[int], hint: str | None) -> list[Session]:
+        """The owner's sessions that may hold this conversation: the hinted one, then the index's
+        matches, each verified against its real ids, longest shared prefix first."""
+        found: list[Session] = []
+        for session_id in ([hint] if hint else []) + self.index.candidates(owner, prompt_ids):
+            session = await self.sessions.get(session_id)
+            if session is None:
+                self.index.remove(session_id)
+            elif session.owner == owner and all(s.session_id != session_id for s in found):
+                found.append(session)
+        found.sort(key=lambda s: common_prefix_length(s.token_ids, prompt_ids), reverse=True)
+        return found
+
+    def _authenticate(self, request: Request) -> str | None:
+        """The key's id; 401 for a missing or unknown key when the server has keys. Without keys any
+        bearer token is accepted (OpenAI's clients always send one)."""
+        if not self.gateway.keys.required:
+            return None
+        _, owner = self.gateway.keys.bearer(request.headers)
+        if owner is None:
+            raise ApiError(401, "missing or unknown API key: send Authorization: Bearer <key>",
+                           code="invalid_api_key")
+        return owner
+
+    def _refuse_when_unavailable(self) -> None:
+        if self.engine.failure is not None:
+            raise ApiError(503, f"the engine failed: {self.engine.failure}", code="unavailable")
+        if not self.engine.ready.is_set():
+            raise ApiError(503, "the model is still loading; retry shortly", code="unavailable",
+                           retry_after_s=1.0)
+        if self.gateway.draining:
+            raise ApiError(503, "the server is shutting down; retry on another worker", code="unavailable")
+        if self.engine.waiting >= self.settings.max_waiting:
+            raise ApiError(503, f"the server is at capacity ({self.engine.waiting} turns waiting); retry shortly",
+                           code="busy", retry_after_s=1.0)
+
+    def _model_names(self) -> set[str]:
+        names = {self.settings.model}
+        if self.engine.loaded is not None:
+            names.add(self.engine.loaded.name)
+        return names
+
+    def _render(self, system: str | None, history: list[Message], content: str) -> list[int]:
+        """The prompt's ids, as the engine renders the session's turn."""
+        if self._renderer is None:
+            self._renderer = PromptRenderer(self.engine.loaded.tokenizer)
+        return self._renderer.render(Session("", system=system, messages=history).prompt_messages(content))
+
+
+def _splice(sent: list[Message], stored: list[Message]) -> list[Message]:
+    """`sent`, with each reply that `stored` holds at the same place with the same text carrying the
+    ids the model generated for it."""
+    return [known if index < len(stored) and (known := stored[index]).token_ids is not None
+            and (known.role, known.content) == (message.role, message.content) else message
+            for index, message in enumerate(sent)]
+
+
+def _ids_of(messages: list[Message]) -> list[tuple[int, ...] | None]:
+    return [message.token_ids for message in messages]
+
+
+def _same(stored: list[Message], sent: list[Message]) -> bool:
+    return [(m.role, m.content) for m in stored] == [(m.role, m.content) for m in sent]
+
+
+def _finish(result: TurnResult) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def _usage(result: TurnResult) -> CompletionUsage:
+    return CompletionUsage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+                           total_tokens=result.prompt_tokens + result.completion_tokens,
+                           prompt_tokens_details=CompletionTokensDetails(cached_tokens=result.cached_tokens))
+

@@ -1,0 +1,81 @@
+"""Which sessions' conversations begin with given token ids: the index that lets a stateless client
+(one that resends the whole conversation and no session id) land on the session that holds its cache.
+
+Each session's conversation ids are cut into blocks of `BLOCK` tokens and hashed as a chain (each
+block's hash covers every block before it), seeded with the owner, so one owner's lookups never reach
+another owner's sessions. A lookup walks the request's chain to the deepest block some session shares
+and returns those sessions, deepest first; the caller verifies against the real ids (a hash is only a
+hint).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+BLOCK = 16  # tokens per hashed block
+MAX_CANDIDATES = 8
+
+
+def block_hashes(owner: str | None, token_ids: Sequence[int]) -> list[int]:
+    """The chained hash of every full block of `token_ids`."""
+    chain, hashes = xxhash.xxh3_64_intdigest((owner or "").encode()), []
+    for start in range(0, len(token_ids) - BLOCK + 1, BLOCK):
+        block = array("q", token_ids[start:start + BLOCK]).tobytes()
+        chain = xxhash.xxh3_64_intdigest(block, seed=chain)
+        hashes.append(chain)
+    return hashes
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._hashes: dict[str, list[int]] = {}  # session id -> its chain
+        self._sessions: dict[int, set[str]] = {}  # chained hash -> sessions whose conversation has that prefix
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def add(self, owner: str | None, session_id: str, token_ids: Sequence[int]) -> None:
+        """Index (or re-index) a session by the ids its conversation has reached."""
+        self.remove(session_id)
+        hashes = block_hashes(owner, token_ids)
+        self._hashes[session_id] = hashes
+        for chained in hashes:
+            self._sessions.setdefault(chained, set()).add(session_id)
+
+    def remove(self, session_id: str) -> None:
+        for chained in self._hashes.pop(session_id, ()):
+            holders = self._sessions[chained]
+            holders.discard(session_id)
+            if not holders:
+                del self._sessions[chained]
+
+    def candidates(self, owner: str | None, token_ids: Sequence[int]) -> list[str]:
+        """Sessions of `owner` whose conversation shares the most leading blocks with `token_ids`,
+        deepest first (at most MAX_CANDIDATES)."""
+        found: list[str] = []
+        hashes = block_hashes(owner, token_ids)
+        depth = self._deepest(hashes)
+        for chained in reversed(hashes[:depth]):
+            # Deeper blocks first; within one block in any order (a system prompt's blocks may be shared
+            # by thousands of sessions: never sort or copy them all).
+            for session_id in self._sessions[chained]:
+                if session_id not in found:
+                    found.append(session_id)
+                    if len(found) == MAX_CANDIDATES:
+                        return found
+        return found
+
+    def _deepest(self, hashes: list[int]) -> int:
+        """How many leading blocks some session shares (a binary search: a shared block implies
+        every block before it is shared too)."""
+        low, high = 0, len(hashes)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if hashes[middle - 1] in self._sessions:
+                low = middle
+            else:
+                high = middle - 1
+        return low

@@ -1,0 +1,188 @@
+"""The OpenAI-compatible API with the tiny model: the official `openai` client, the raw SSE wire
+format, typed errors, isolation between keys, branches and a hung client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from chatd.config import Settings
+from chatd.server import ChatServer
+
+MODEL = "tiny-test"
+SYSTEM = "You are a helpful support agent."
+
+
+def client_for(server: ChatServer, key: str = "none") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=key, max_retries=0)
+
+
+async def ask(client: openai.AsyncOpenAI, messages: list[dict], max_tokens: int = 8, **extra):
+    """One streamed completion: (text, final usage, the session header)."""
+    async with client.chat.completions.with_streaming_response.create(
+            model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, **extra) as response:
+        text, usage = [], None
+        async for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line.removeprefix("data: "))
+                if chunk["choices"]:
+                    text.append(chunk["choices"][0]["delta"].get("content") or "")
+                else:
+                    usage = chunk["usage"]
+        return "".join(text), usage, response.headers["X-Chatd-Session-Id"]
+
+
+@pytest.fixture
+async def server(tiny):
+    async with ChatServer(Settings(port=0, model=MODEL, verify_sample_rate=0.0), load=lambda: tiny) as running:
+        await running.wait_ready()
+        yield running
+
+
+async def test_models_and_a_stateless_conversation_reuses_its_cache(server):
+    client = client_for(server)
+    models = await client.models.list()
+    assert [model.id for model in models.data] == [MODEL] and models.data[0].object == "model"
+    messages = [{"role": "system", "content": SYSTEM}]
+    sessions = set()
+    for turn, content in enumerate(["My router blinks.", "It is orange.", "Still orange.", "Thanks!"]):
+        messages.append({"role": "user", "content": [{"type": "text", "text": content}]})  # parts, as some send
+        reply, usage, session_id = await ask(client, messages)
+        messages.append({"role": "assistant", "content": reply})
+        sessions.add(session_id)
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        if turn >= 1:  # everything but the new message comes from the session's cache
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.6 * usage["prompt_tokens"], usage
+    assert len(sessions) == 1  # every request continued the same session
+    completion = await client.chat.completions.create(model=MODEL, messages=messages + [
+        {"role": "user", "content": "One more thing."}], max_tokens=5, temperature=0)
+    assert completion.object == "chat.completion" and completion.choices[0].finish_reason in ("stop", "length")
+    assert completion.usage.prompt_tokens_details.cached_tokens > 0
+
+
+async def test_the_raw_wire_format(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as http:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            assert response.headers["x-chatd-session-id"]
+            raw = (await response.aread()).decode()
+        events = raw.split("\n\n")
+        assert events[-1] == "" and events[-2] == "data: [DONE]"
+        chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
+        assert all(event.startswith("data: ") for event in events[:-1])
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+        assert all(c["usage"] is None for c in chunks[:-1])
+        assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+        assert "cached_tokens" in chunks[-1]["usage"]["prompt_tokens_details"]
+
+        body["stream"] = False
+        del body["stream_options"]
+        plain = await http.post("/v1/chat/completions", json=body)
+        assert plain.status_code == 200 and plain.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+        bad = await http.post("/v1/chat/completions", content=b"{not json",
+                              headers={"Content-Type": "application/json"})
+        assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "param", "code"}
+        missing = await http.post("/v1/chat/completions", json={"model": MODEL})
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
+        assert (await http.get("/docs")).status_code == 200  # FastAPI's OpenAPI page
+        assert (await http.get("/healthz")).status_code == 200  # still served beside the API
+        metrics = (await http.get("/metrics")).text
+        assert 'chatd:api_requests_total{api="openai",model_name="tiny-test"} 2.0' in metrics
+        assert 'chatd:api_requests_total{api="websocket",model_name="tiny-test"} 0.0' in metrics
+
+
+async def test_typed_errors(tiny):
+    settings = Settings(port=0, model=MODEL, api_key=["alpha-key"], rate_limit_per_min=2)
+    async with ChatServer(settings, load=lambda: tiny) as server:
+        await server.wait_ready()
+        good, messages = client_for(server, "alpha-key"), [{"role": "user", "content": "Hi"}]
+        with pytest.raises(openai.AuthenticationError):
+            await client_for(server, "wrong-key").chat.completions.create(model=MODEL, messages=messages)
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await good.chat.completions.create(model="gpt-4o", messages=messages)
+        assert unknown.value.body["param"] == "model"
+        for refused, param in [({"n": 2}, "n"), ({"tools": [{"type": "function", "function": {"name": "f"}}]},
+                                                 "tools"), ({"logprobs": True}, "logprobs"),
+                               ({"response_format": {"type": "json_object"}}, "response_format")]:
+            with pytest.raises(openai.BadRequestError) as bad:
+                await good.chat.completions.create(model=MODEL, messages=messages, **refused)
+            assert bad.value.body["param"] == param
+        harmless = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "user": "u-1"}
+        await good.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **harmless)
+        await good.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+        with pytest.raises(openai.RateLimitError) as limited:
+            await good.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+        assert int(limited.value.response.headers["Retry-After"]) >= 1
+
+
+async def test_another_key_never_reuses_a_cache(tiny):
+    settings = Settings(port=0, model=MODEL, api_key=["key-a", "key-b", "key-c"], verify_sample_rate=0.0)
+    async with ChatServer(settings, load=lambda: tiny) as server:
+        await server.wait_ready()
+        a, b = client_for(server, "key-a"), client_for(server, "key-b")
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "My order is late."}]
+        reply, _, session_a = await ask(a, messages)
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Order 1234."}]
+        _, usage_a, again = await ask(a, messages)
+        assert again == session_a and usage_a["prompt_tokens_details"]["cached_tokens"] > 0
+        _, usage_b, session_b = await ask(b, messages)  # B sends A's exact history
+        assert session_b != session_a
+        assert usage_b["prompt_tokens_details"]["cached_tokens"] == 0  # not even the shared system prompt
+        c = client_for(server, "key-c")
+        _, usage_c, pinned = await ask(c, messages, extra_headers={"X-Session-Id": session_a})
+        assert pinned not in (session_a, session_b)  # naming A's session is a hint C has no right to: ignored
+        assert usage_c["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_two_branches_of_one_prefix_each_equal_a_run_without_cache(tiny):
+    async with ChatServer(Settings(port=0, model=MODEL, verify_sample_rate=0.0), load=lambda: tiny) as server, \
+            ChatServer(Settings(port=0, model=MODEL, session_cache=False), load=lambda: tiny) as reference:
+        for running in (server, reference):
+            await running.wait_ready()
+        cached, uncached = client_for(server), client_for(reference)
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "My bill is wrong."}]
+        reply, _, first = await ask(cached, messages)
+        messages.append({"role": "assistant", "content": reply})
+        branches = [messages + [{"role": "user", "content": text}] for text in ("Refund me.", "Explain it.")]
+        results = await asyncio.gather(*(ask(cached, branch, max_tokens=12) for branch in branches))
+        sessions = {session for _, _, session in results}
+        assert len(sessions) == 2 and first in sessions  # one continued the session, the other branched
+        for branch, (text, usage, _) in zip(branches, results, strict=True):
+            expected, _, _ = await ask(uncached, branch, max_tokens=12)
+            assert text == expected
+            assert usage["prompt_tokens_details"]["cached_tokens"] > 0  # the branch started from a copy
+        regenerated, usage, session = await ask(cached, branches[0], max_tokens=12)  # "regenerate"
+        assert regenerated == results[0][0] and usage["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_a_hung_client_does_not_hold_the_session(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 300,
+            "temperature": 0, "stream": True}
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    payload = json.dumps(body).encode()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    await writer.drain()
+    head = await reader.readuntil(b"\r\n\r\n")
+    session_id = next(line.split(b": ", 1)[1].decode() for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"x-chatd-session-id"))
+    await reader.readuntil(b"\n\n")  # the first event, then read no more and keep the connection open
+    for _ in range(600):
+        session = await server.sessions.get(session_id)
+        if session.turns == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert session.turns == 1  # the reply was recorded while the client read nothing
+    assert server.gateway.try_claim(session_id)  # and the session is free
+    server.gateway.release_claim(session_id)
+    writer.close()

@@ -1,0 +1,76 @@
+"""The OpenAI-compatible API with the real SmolLM2 and the official `openai` client: a stateless
+8-turn conversation lands on its cached session and answers exactly like the websocket path."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import openai
+import pytest
+from websockets.asyncio.client import connect
+
+from chatd.client import ChatClient
+from chatd.config import Settings
+from chatd.server import ChatServer
+from tests.test_e2e_smollm2 import SYSTEM
+from tests.test_e2e_smollm2 import TURNS as WEBSOCKET_TURNS
+
+MODEL = "smollm2-135m"
+TURNS = [*WEBSOCKET_TURNS, "How long would a technician take to come?", "Can I pay my bill online?",
+         "Great, that is all. Goodbye!"]
+
+
+async def test_stateless_conversation_equals_the_websocket_path_and_reuses_its_cache(smollm2):
+    async with ChatServer(Settings(port=0), load=lambda: smollm2) as server:
+        await server.wait_ready()
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+        assert [model.id for model in (await client.models.list()).data] == [MODEL]
+        messages = [{"role": "system", "content": SYSTEM}]
+        async with ChatClient(await connect(server.url)) as websocket:
+            session_id = (await websocket.open_session(system=SYSTEM)).session_id
+            for index, content in enumerate(TURNS):
+                messages.append({"role": "user", "content": content})
+                stream = await client.chat.completions.create(
+                    model=MODEL, messages=messages, max_tokens=40, temperature=0, stream=True,
+                    stream_options={"include_usage": True})
+                pieces, usage, finish = [], None, None
+                async for chunk in stream:
+                    if chunk.choices:
+                        pieces.append(chunk.choices[0].delta.content or "")
+                        finish = chunk.choices[0].finish_reason or finish
+                    else:
+                        usage = chunk.usage
+                reply = "".join(pieces)
+                messages.append({"role": "assistant", "content": reply})
+                done = await (await websocket.chat(session_id, content, max_new_tokens=40)).result()
+                assert reply == done.content, f"turn {index + 1}"
+                assert usage.completion_tokens == done.usage.completion_tokens
+                assert usage.prompt_tokens == done.usage.prompt_tokens
+                assert finish in ("stop", "length")
+                if index >= 2:
+                    assert usage.prompt_tokens_details.cached_tokens >= 0.8 * usage.prompt_tokens, (index, usage)
+        plain = await client.chat.completions.create(model=MODEL, messages=messages + [
+            {"role": "user", "content": "One more question: is there a fee?"}], max_tokens=16, temperature=0)
+        assert plain.choices[0].message.content and plain.usage.prompt_tokens_details.cached_tokens > 0.8 * \
+            plain.usage.prompt_tokens
+
+
+@pytest.mark.skipif(importlib.util.find_spec("langchain_openai") is None, reason="langchain-openai not installed")
+async def test_langchain_chat_openai_reports_cache_reads(smollm2):
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+
+    async with ChatServer(Settings(port=0), load=lambda: smollm2) as server:
+        await server.wait_ready()
+        chat = ChatOpenAI(model=MODEL, base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused",
+                          temperature=0, max_tokens=16, stream_usage=True, max_retries=0)
+        history = [SystemMessage(SYSTEM), HumanMessage(TURNS[0])]
+        first = None
+        async for chunk in chat.astream(history):
+            first = chunk if first is None else first + chunk
+        history += [AIMessage(first.content), HumanMessage(TURNS[1])]
+        second = None
+        async for chunk in chat.astream(history):
+            second = chunk if second is None else second + chunk
+        details = second.usage_metadata["input_token_details"]
+        assert details["cache_read"] > 0.5 * second.usage_metadata["input_tokens"]
