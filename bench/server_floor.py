@@ -111,9 +111,9 @@ def main() -> None:
 
     server = ServerProcess(f"--max-batch {args.sessions} {args.flags}")
     try:
-        # About 0.75 words per token in these lines, less the system prompt and the template.
+        # About 0.67 words per history token in these lines (the system prompt and the template included).
         wall_s, results, steps = asyncio.run(run_round(server.url, scenario, args.sessions,
-                                                        int(args.history_tokens * 0.62), args.max_new_tokens))
+                                                        int(args.history_tokens * 0.67), args.max_new_tokens))
     finally:
         server.stop()
     prefill_s, decode_s = raw_floor_s(results, steps, args.repeats)

@@ -186,3 +186,21 @@ async def test_a_hung_client_does_not_hold_the_session(server):
     assert server.gateway.try_claim(session_id)  # and the session is free
     server.gateway.release_claim(session_id)
     writer.close()
+
+
+async def test_a_failure_mid_stream_is_one_error_event(tiny):
+    settings = Settings(port=0, model=MODEL, enable_fault_injection=True, verify_sample_rate=0.0)
+    async with ChatServer(settings, load=lambda: tiny) as server, \
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as http:
+        await server.wait_ready()
+        assert (await http.post("/admin/engine/fault?stage=decode")).status_code == 200  # the next decode step fails
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 20,
+                "temperature": 0, "stream": True}
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200  # the first token came from the prefill, before the failure
+            events = [event for event in (await response.aread()).decode().split("\n\n") if event]
+        assert events[0].startswith("data: ") and "[DONE]" not in events[-1]
+        error = json.loads(events[-1].removeprefix("data: "))["error"]
+        assert error["type"] == "server_error" and "decode" in error["message"]
+        after = await http.post("/v1/chat/completions", json={**body, "stream": False})  # the server goes on
+        assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"] is not None
