@@ -33,6 +33,11 @@ class CacheEntry:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def quantized(self) -> str | None:
+        """"int8" when its keys and values came from a quantised copy (so they are not exact)."""
+        return self.fingerprint.quantized if self.fingerprint is not None else None
+
     def seq_lengths(self) -> list[int]:
         """The sequence length of every layer; all equal `num_tokens` in a consistent entry."""
         return [layer.get_seq_length() for layer in self.cache.layers]

@@ -39,6 +39,7 @@ class Fingerprint:
     token_digest: str
     num_tokens: int
     layout: CacheLayout
+    quantized: str | None = None  # "int8" once the cache's values came from a quantised copy: never exact again
 
 
 def token_digest(token_ids: Sequence[int]) -> str:
@@ -46,7 +47,7 @@ def token_digest(token_ids: Sequence[int]) -> str:
 
 
 def fingerprint(entry: CacheEntry, model_key: str, owner: str, layout: CacheLayout) -> Fingerprint:
-    return Fingerprint(model_key, owner, token_digest(entry.token_ids), entry.num_tokens, layout)
+    return Fingerprint(model_key, owner, token_digest(entry.token_ids), entry.num_tokens, layout, entry.quantized)
 
 
 def check_identity(expected: Fingerprint | None, model_key: str, owner: str, token_ids: Sequence[int],
@@ -70,6 +71,19 @@ def check_tensors(tensors: KVTensors, num_tokens: int, layout: CacheLayout) -> C
                 return "shape"
     if any(k.shape[2] != num_tokens or v.shape[2] != num_tokens for k, v in tensors):
         return "length"
+    return None
+
+
+def check_scales(scales: KVTensors, num_tokens: int, layout: CacheLayout) -> Check | None:
+    """A quantised cache's scales: float32, per key channel [1, heads, 1, head_dim] and per value
+    token [1, heads, tokens, 1], one pair per layer."""
+    if len(scales) != layout.layers:
+        return "shape"
+    for key_scale, value_scale in scales:
+        if (tuple(key_scale.shape) != (1, layout.kv_heads, 1, layout.head_dim)
+                or tuple(value_scale.shape) != (1, layout.kv_heads, num_tokens, 1)
+                or key_scale.dtype != torch.float32 or value_scale.dtype != torch.float32):
+            return "shape"
     return None
 
 

@@ -10,6 +10,7 @@ same path runs (and is tested) everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,12 +19,14 @@ from transformers import DynamicCache
 
 from cache_store.entry import CacheEntry, KVTensors, entry_from_tensors
 from cache_store.integrity import Fingerprint, checksum
+from cache_store.quantize import KVDtype, dequantize, quantize, quantized_nbytes
 
 
 @dataclass
 class HostEntry:
     """A cache in host memory: its tensors, its token ids, its fingerprint and the checksum of its
-    bytes. `buffer` is the pool buffer the tensors are views of (None when they own their memory)."""
+    bytes. `buffer` is the pool buffer the tensors are views of (None when they own their memory).
+    A quantised entry holds int8 `tensors` and their `scales`; its checksum covers both."""
 
     tensors: KVTensors
     token_ids: list[int]
@@ -31,11 +34,29 @@ class HostEntry:
     checksum: str
     session_version: int = 0
     buffer: torch.Tensor | None = None
+    scales: KVTensors | None = None
+
+    @property
+    def kv_dtype(self) -> KVDtype:
+        return "same" if self.scales is None else "int8"
+
+    @property
+    def stored(self) -> KVTensors:
+        """Every tensor it stores, scales included: what its checksum covers."""
+        return [*self.tensors, *(self.scales or [])]
 
     @property
     def nbytes(self) -> int:
-        """The bytes of the keys and values (what the cache takes back on the device)."""
-        return sum(k.nbytes + v.nbytes for k, v in self.tensors)
+        """The bytes it stores (a quantised entry takes more back on the device, in the model's dtype)."""
+        return sum(k.nbytes + v.nbytes for k, v in self.stored)
+
+    @property
+    def device_nbytes(self) -> int:
+        """The bytes of its keys and values once restored in `dtype`."""
+        if self.scales is None:
+            return self.nbytes
+        element = self.fingerprint.layout.dtype.itemsize if self.fingerprint else 4
+        return sum(k.numel() + v.numel() for k, v in self.tensors) * element
 
     @property
     def held_bytes(self) -> int:
@@ -48,6 +69,11 @@ def kv_nbytes(entry: CacheEntry) -> int:
     return sum(k.nbytes + v.nbytes for k, v in entry.tensors())
 
 
+def host_nbytes(entry: CacheEntry, kv_dtype: KVDtype) -> int:
+    """The bytes an offload of `entry` stores in `kv_dtype`."""
+    return kv_nbytes(entry) if kv_dtype == "same" else quantized_nbytes(entry.tensors())
+
+
 class Offloader:
     def __init__(self, device: torch.device):
         self.device = device
@@ -57,9 +83,14 @@ class Offloader:
     def pins_memory(self) -> bool:
         return self._stream is not None
 
-    def offload(self, entry: CacheEntry, buffer: torch.Tensor | None = None) -> HostEntry:
-        """Copy the entry to host memory: into views of `buffer` (from the pool), or new tensors."""
+    def offload(self, entry: CacheEntry, buffer: torch.Tensor | None = None, kv_dtype: KVDtype = "same") -> HostEntry:
+        """Copy the entry to host memory, in `kv_dtype` (int8: quantised on the device, so that only the
+        int8 bytes cross to the host): into views of `buffer` (from the pool), or new tensors."""
+        scales = None
         sources = entry.tensors()
+        if kv_dtype == "int8":
+            sources, scales = quantize(sources)
+            sources = [*sources, *scales]
         targets = _views(buffer, sources) if buffer is not None else [
             (torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)) for k, v in sources]
         if self._stream is None:
@@ -75,8 +106,13 @@ class Offloader:
                     keys.record_stream(self._stream)  # keep the device memory until the copy has run
                     values.record_stream(self._stream)
             self._stream.synchronize()  # the checksum needs the bytes on the host
-        return HostEntry(targets, list(entry.token_ids), entry.fingerprint, checksum(targets), entry.session_version,
-                         buffer)
+        stamp = entry.fingerprint
+        if scales is not None:
+            targets, scales = targets[:len(targets) - len(scales)], targets[len(targets) - len(scales):]
+            stamp = dataclasses.replace(stamp, quantized="int8") if stamp is not None else None
+        stored = [*targets, *(scales or [])]
+        return HostEntry(targets, list(entry.token_ids), stamp, checksum(stored), entry.session_version, buffer,
+                         scales)
 
     def restore(self, host: HostEntry, new_cache: Callable[[], DynamicCache]
                 ) -> tuple[CacheEntry, torch.cuda.Event | None]:
@@ -84,9 +120,13 @@ class Offloader:
         (None: at once)."""
         copied = None
         if self._stream is None:
-            tensors = [(k.clone(), v.clone()) for k, v in host.tensors]
+            tensors = [(k.clone(), v.clone()) for k, v in host.tensors] if host.scales is None else host.tensors
+            scales = host.scales
         else:
-            tensors, copied = self._to_device(host.tensors)
+            moved, copied = self._to_device(host.stored)
+            tensors, scales = moved[:len(host.tensors)], moved[len(host.tensors):] or None
+        if scales is not None:
+            tensors = dequantize(tensors, scales, host.fingerprint.layout.dtype)
         entry = entry_from_tensors(new_cache, tensors, host.token_ids, host.fingerprint)
         entry.session_version = host.session_version
         return entry, copied

@@ -29,7 +29,7 @@ from cache_store.offload import HostEntry
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: checksums carry their kind (xxh3:…)
+FORMAT_VERSION = 3  # 2: checksums carry their kind (xxh3:…); 3: int8 caches with their scales
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 PROBE_BYTES = 4 * 2**20
 BACK_OFF_S = 5.0  # after a failure, turns skip the remote tier this long instead of waiting on Redis
@@ -45,6 +45,7 @@ class RemoteHeader:
     dtype: torch.dtype
     checksum: str
     nbytes: int
+    scale_shapes: list[list[int]]  # of a quantised cache's float32 scales (after its int8 tensors), or none
 
 
 class Throughput:
@@ -123,7 +124,8 @@ class RemoteTier:
             stamp = meta["fingerprint"]
             layout = CacheLayout(**{**stamp["layout"], "dtype": _dtype(stamp["layout"]["dtype"])})
             return RemoteHeader(session_id, Fingerprint(**{**stamp, "layout": layout}), meta["session_version"],
-                                meta["shapes"], _dtype(meta["dtype"]), meta["checksum"], meta["nbytes"])
+                                meta["shapes"], _dtype(meta["dtype"]), meta["checksum"], meta["nbytes"],
+                                meta["scale_shapes"])
         except (KeyError, TypeError, ValueError, AttributeError):
             log.warning("session %s: unreadable remote cache header; deleting it", session_id)
             self.delete(session_id)
@@ -197,13 +199,14 @@ class RemoteTier:
 
     def _write(self, session_id: str, entry: HostEntry) -> None:
         tensors = [t for pair in entry.tensors for t in pair]
+        scales = [t for pair in entry.scales or [] for t in pair]
         blob = array("i", entry.token_ids).tobytes() + b"".join(
-            t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+            t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors + scales)
         stamp = dataclasses.asdict(entry.fingerprint)
         stamp["layout"]["dtype"] = str(entry.fingerprint.layout.dtype)
         meta = {"format": FORMAT_VERSION, "fingerprint": stamp, "session_version": entry.session_version,
                 "shapes": [list(t.shape) for t in tensors], "dtype": str(tensors[0].dtype),
-                "checksum": entry.checksum, "nbytes": len(blob)}
+                "scale_shapes": [list(t.shape) for t in scales], "checksum": entry.checksum, "nbytes": len(blob)}
         started = time.perf_counter()
         self._redis.set(_key(session_id, "kv"), blob, ex=self.ttl_s)  # bytes first, then the header
         self._redis.set(_key(session_id, "kvmeta"), json.dumps(meta), ex=self.ttl_s)
@@ -217,15 +220,28 @@ def _deserialize(header: RemoteHeader, blob: bytes) -> HostEntry:
     ids = array("i")
     ids.frombytes(blob[:4 * num_tokens])
     data = torch.frombuffer(bytearray(blob[4 * num_tokens:]), dtype=torch.uint8)
-    element = torch.empty((), dtype=header.dtype).element_size()
-    tensors, offset = [], 0
-    for shape in header.shapes:
+    tensors, offset = _tensors(data, 0, header.shapes, header.dtype)
+    scales, _ = _tensors(data, offset, header.scale_shapes, torch.float32)
+    return HostEntry(_pairs(tensors), ids.tolist(), header.fingerprint, header.checksum, header.session_version,
+                     scales=_pairs(scales) if header.scale_shapes else None)
+
+
+def _tensors(data: torch.Tensor, offset: int, shapes: list[list[int]], dtype: torch.dtype
+             ) -> tuple[list[torch.Tensor], int]:
+    """Tensors of `shapes` read from `data` at `offset`, and the offset after them; a short blob still
+    yields tensors, cut in a shape the checks refuse."""
+    element, tensors = dtype.itemsize, []
+    for shape in shapes:
         size = element * int(torch.Size(shape).numel())
         chunk = data[offset:offset + size]
         if chunk.numel() < size:  # truncated: keep what is there, in a shape the checks will refuse
-            shape = [1, shape[1], chunk.numel() // (element * shape[1] * shape[3]), shape[3]]
+            per_token = element * shape[1] * shape[3]
+            shape = [1, shape[1], chunk.numel() // per_token, shape[3]]
             chunk = chunk[:element * int(torch.Size(shape).numel())]
-        tensors.append(chunk.view(header.dtype).reshape(shape))
+        tensors.append(chunk.view(dtype).reshape(shape))
         offset += size
-    pairs = list(zip(tensors[0::2], tensors[1::2], strict=True))
-    return HostEntry(pairs, ids.tolist(), header.fingerprint, header.checksum, header.session_version)
+    return tensors, offset
+
+
+def _pairs(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(zip(tensors[0::2], tensors[1::2], strict=True))

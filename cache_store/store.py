@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 import xxhash
 from transformers import DynamicCache
 
@@ -28,12 +29,14 @@ from cache_store.integrity import (
     Check,
     check_finite,
     check_identity,
+    check_scales,
     check_tensors,
     checksum,
     fingerprint,
 )
-from cache_store.offload import HostEntry, Offloader, kv_nbytes
+from cache_store.offload import HostEntry, Offloader, host_nbytes
 from cache_store.policy import EvictionPolicy
+from cache_store.quantize import KVDtype
 from cache_store.remote_tier import RemoteHeader, RemoteTier, Throughput
 from cache_store.stage_faults import FaultPoints
 
@@ -61,6 +64,11 @@ class CacheLookup:
     cleared: tuple[Check, ...] = ()  # the checks that failed, when miss_reason is "corrupt"
     remote: RemoteDecision | None = None  # when a remote cache existed: fetched or recomputed, and why
 
+    @property
+    def quantized(self) -> str | None:
+        """"int8" when the reused cache came (now or at an earlier turn) from a quantised copy."""
+        return self.entry.quantized if self.entry is not None and self.cached_tokens else None
+
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
@@ -75,8 +83,10 @@ class CacheStore:
                  model_key: str, device_budget_bytes: int, host_budget_bytes: int, enabled: bool = True,
                  policy: EvictionPolicy | None = None, ttl_s: float | None = None,
                  remote: RemoteTier | None = None, clock: Callable[[], float] = time.monotonic,
-                 on_copy: CopyObserver | None = None, faults: FaultPoints | None = None):
+                 on_copy: CopyObserver | None = None, faults: FaultPoints | None = None,
+                 host_kv_dtype: KVDtype = "same", remote_kv_dtype: KVDtype = "same"):
         self.enabled = enabled
+        self.host_kv_dtype, self.remote_kv_dtype = host_kv_dtype, remote_kv_dtype
         self.remote = remote
         self.cost = CostModel(remote.throughput if remote else Throughput())
         self.layout = layout
@@ -144,6 +154,8 @@ class CacheStore:
             source = "host"
         decision = None
         header = self.remote.head(session_id) if entry is None and self.remote is not None else None
+        if header is not None and header.fingerprint.quantized and self.remote_kv_dtype == "same":
+            header = None  # a quantised copy never stands in for an exact one where exact ones are asked for
         if header is not None and header.session_version < session_version:
             self.remote.delete(session_id)
             return CacheLookup("miss", 0, miss_reason="stale")
@@ -180,7 +192,8 @@ class CacheStore:
         self._make_room(entry.nbytes())
         self.device.put(session_id, entry, connected=session_id in self._connected)
         if self.remote is not None:
-            self.remote.put(session_id, self._offloader.offload(entry))  # written in the background
+            snapshot = self._offloader.offload(entry, kv_dtype=self.remote_kv_dtype)
+            self.remote.put(session_id, snapshot)  # written in the background
         if self.device.used_bytes() > self.device.budget_bytes:  # alone larger than the budget
             self._offload(session_id)
 
@@ -385,10 +398,16 @@ class CacheStore:
         return entry, ()
 
     def _check_host_entry(self, owner: str, host_entry: HostEntry) -> tuple[Check, ...]:
+        """Identity, shapes, the checksum of every stored byte (scales included), values finite (for a
+        quantised entry: its scales, since int8 cannot be NaN)."""
+        tokens, quantized = len(host_entry.token_ids), host_entry.scales is not None
+        stored_layout = dataclasses.replace(self.layout, dtype=torch.int8) if quantized else self.layout
         failed = (check_identity(host_entry.fingerprint, self.model_key, owner, host_entry.token_ids, self.layout)
-                  or check_tensors(host_entry.tensors, len(host_entry.token_ids), self.layout)
-                  or (checksum(host_entry.tensors) != host_entry.checksum and "checksum")
-                  or check_finite(host_entry.tensors))
+                  or (quantized and host_entry.fingerprint.quantized != "int8" and "fingerprint")
+                  or check_tensors(host_entry.tensors, tokens, stored_layout)
+                  or (quantized and check_scales(host_entry.scales, tokens, self.layout))
+                  or (checksum(host_entry.stored) != host_entry.checksum and "checksum")
+                  or check_finite(host_entry.scales if quantized else host_entry.tensors))
         return (failed,) if failed else ()
 
     def _adopt(self, session_id: str, host_entry: HostEntry, tier: Literal["host", "remote"],
@@ -396,7 +415,7 @@ class CacheStore:
         """Put a checked host entry back on the device. Its restore time, observed from `started`, counts
         the fetch, the checks and the copy, not the evictions that made room for it."""
         fetched_s = time.perf_counter() - started
-        self._make_room(self.device.extra_bytes(session_id, host_entry.nbytes), keep=session_id)
+        self._make_room(self.device.extra_bytes(session_id, host_entry.device_nbytes), keep=session_id)
         copy_started = time.perf_counter()
         try:
             entry, copied = self._offloader.restore(host_entry, self.new_cache)
@@ -405,10 +424,10 @@ class CacheStore:
                 self.host.put(session_id, host_entry)  # kept where it was, for when there is room
             raise
         self.host.release(host_entry, copied)
-        # The checksum verified on the host is the device's when both are read the same way (on a CPU);
-        # a GPU reads the device copy with its own kind, taken here.
-        entry.checksum = host_entry.checksum if entry.tensors()[0][0].device.type == "cpu" else checksum(
-            entry.tensors())
+        # The checksum verified on the host is the device's when both are read the same way (on a CPU, at
+        # full precision); a GPU reads the device copy with its own kind, and a dequantised copy is new bytes.
+        same_bytes = entry.tensors()[0][0].device.type == "cpu" and host_entry.scales is None
+        entry.checksum = host_entry.checksum if same_bytes else checksum(entry.tensors())
         self.device.put(session_id, entry, connected=session_id in self._connected)
         self._on_copy("restore", tier, fetched_s + time.perf_counter() - copy_started)
         return entry
@@ -433,7 +452,8 @@ class CacheStore:
         buffer = None
         try:
             self.faults.check("offload", session_id)
-            dropped, fits = self.host.make_room(kv_nbytes(entry))
+            need = host_nbytes(entry, self.host_kv_dtype)
+            dropped, fits = self.host.make_room(need)
             for key in dropped:
                 self._remember_loss(key)
                 self.counters["host_evictions"] += 1
@@ -441,8 +461,8 @@ class CacheStore:
                 self._remember_loss(session_id)
                 self.counters["host_evictions"] += 1
                 return
-            buffer = self.host.pool.take(kv_nbytes(entry))
-            host_entry = self._offloader.offload(entry, buffer)
+            buffer = self.host.pool.take(need)
+            host_entry = self._offloader.offload(entry, buffer, self.host_kv_dtype)
         except Exception:
             log.exception("offloading session %s's cache failed; it is dropped and its next turn recomputes",
                           session_id)
@@ -478,7 +498,7 @@ def _left_intact(entry: CacheEntry, host_entry: HostEntry) -> bool:
     """Whether the cache reached the host with the bytes it was written back with."""
     if entry.checksum is None:
         return True
-    if entry.checksum.split(":")[0] == host_entry.checksum.split(":")[0]:
+    if host_entry.scales is None and entry.checksum.split(":")[0] == host_entry.checksum.split(":")[0]:
         return host_entry.checksum == entry.checksum  # read the same way: the copy's checksum says it
     return checksum(entry.tensors()) == entry.checksum
 

@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     kv_size = commands.add_parser("kv-size", help="print the KV cache size per session for a model")
     kv_size.add_argument("--model", default="smollm2-135m")
     kv_size.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
-    kv_size.add_argument("--dtype", nargs="+", default=["float32", "float16"],
-                         choices=["float32", "float16", "bfloat16"])
+    kv_size.add_argument("--dtype", nargs="+", default=["float32", "float16", "int8"],
+                         choices=["float32", "float16", "bfloat16", "int8"])
     kv_size.add_argument("--budget-mb", type=float, default=None, help="also show how many sessions fit this budget")
     bench = commands.add_parser("bench", help="simulated customers against one or two servers")
     target = bench.add_mutually_exclusive_group(required=True)

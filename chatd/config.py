@@ -11,6 +11,7 @@ import torch
 from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from cache_store.quantize import KVDtype
 from chatd.http_responses import DEFAULT_WEB_DIR
 from chatd.model_loader import default_cache_dir
 
@@ -60,6 +61,9 @@ class Settings(BaseSettings):
         None, gt=0, description="budget for caches on the compute device (default: half the free GPU memory "
                                 "on CUDA, 2048 on CPU)")
     host_cache_mb: float = Field(4096, ge=0, description="budget for caches offloaded to host memory")
+    host_kv_dtype: KVDtype = Field("same", description="how offloaded caches are kept in host memory: same (the "
+                                                       "model's dtype, exact) or int8 (about 4x the sessions per GB "
+                                                       "in float32, 2x in bf16; replies may differ slightly)")
     session_ttl_s: float = Field(1800.0, gt=0, description="drop a disconnected session's cache after this idle time")
     verify_sample_rate: float = Field(
         0.002, ge=0, le=1, description="share of cache reuses whose last token's logits are recomputed from "
@@ -72,6 +76,9 @@ class Settings(BaseSettings):
     remote_kv: bool = Field(False, description="also keep every session's cache in Redis, shared by all workers "
                                                "(needs --redis-url)")
     remote_kv_ttl_s: float = Field(3600.0, gt=0, description="how long Redis keeps a session's cache")
+    remote_kv_dtype: KVDtype = Field("same", description="how caches are kept in Redis: same (exact) or int8 "
+                                                         "(a quarter of the bytes in float32; with same, int8 "
+                                                         "copies written by other workers are not used)")
     lease_ttl_s: float = Field(15.0, gt=0, description="how long a worker that died mid-turn keeps a session locked")
     web_dir: Path = Field(DEFAULT_WEB_DIR, description="folder of the chat UI and dashboard pages")
     api_key: TextList = Field(default_factory=list, description="an API key clients must present (repeatable); "

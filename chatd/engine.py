@@ -44,7 +44,7 @@ from cache_store.stage_faults import FaultPoints, InjectedFatalFault, Stage
 from cache_store.store import CopyObserver
 from chatd.config import Settings
 from chatd.context_window import DoesNotFit, fit
-from chatd.deep_check import DEEP_CHECK_TOLERANCE, deep_check_distance
+from chatd.deep_check import DEEP_CHECK_TOLERANCE, DEEP_CHECK_TOLERANCE_INT8, deep_check_distance
 from chatd.model_loader import LoadedModel
 from chatd.model_runner import ModelRunner
 from chatd.prompt import PromptRenderer
@@ -529,7 +529,8 @@ class Engine:
             model_key=loaded.identity(),
             device_budget_bytes=self.arena.nbytes(),
             host_budget_bytes=int(settings.host_cache_mb * MB), ttl_s=settings.session_ttl_s, remote=remote,
-            on_copy=self._on_cache_copy, faults=self.faults)
+            on_copy=self._on_cache_copy, faults=self.faults, host_kv_dtype=settings.host_kv_dtype,
+            remote_kv_dtype=settings.remote_kv_dtype)
         if remote is not None:
             remote.probe()
             self._measure_prefill()
@@ -609,7 +610,8 @@ class Engine:
             return lookup
         distance = deep_check_distance(lookup.entry, self.runner.forward, self.runner.scratch_cache)
         self.deep_check_distances.append(distance)
-        tolerance = DEEP_CHECK_TOLERANCE.get(self.loaded.model.dtype, 5e-2)
+        tolerance = DEEP_CHECK_TOLERANCE_INT8 if lookup.quantized else DEEP_CHECK_TOLERANCE.get(
+            self.loaded.model.dtype, 5e-2)
         if distance > tolerance:
             log.warning("session %s: deep check distance %.3g over %.3g", session_id, distance, tolerance)
             return self.cache.report_corruption(session_id, ("deep",))

@@ -461,6 +461,6 @@ def _reply(turn_id: str, event: TurnResult | TurnFailed) -> ChatDone | ErrorMess
                     cached_tokens=event.cached_tokens),
         timings=Timings(**{name: round(value, 3) for name, value in event.timings.items()}),
         cache=CacheReport(source=event.cache_source, miss_reason=event.miss_reason, cleared=event.cleared,
-                          remote=event.remote),
+                          remote=event.remote, quantized=event.quantized),
         dropped_turns=event.dropped_turns,
     )

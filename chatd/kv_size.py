@@ -11,6 +11,13 @@ from cache_store import KVGeometry, kv_bytes_per_token
 from chatd.model_loader import BUNDLED_MODELS, converted_checkpoint, default_cache_dir
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+INT8 = "int8"  # the host and remote tiers' quantised copy (--host-kv-dtype int8)
+
+
+def _bytes_per_token(config, shape: KVGeometry, name: str) -> int:
+    if name == INT8:  # one byte per key and value element, and a float32 scale per token and head for values
+        return shape.layers * shape.kv_heads * (2 * shape.head_dim + 4)
+    return kv_bytes_per_token(config, DTYPES[name])
 
 
 def kv_size_table(model: str, tokens: list[int], dtypes: list[str], budget_mb: float | None,
@@ -25,13 +32,16 @@ def kv_size_table(model: str, tokens: list[int], dtypes: list[str], budget_mb: f
         header += "   " + " ".join(f"{f'n@{n}':>8}" for n in tokens)
     lines.append(header)
     for name in dtypes:
-        per_token = kv_bytes_per_token(config, DTYPES[name])
+        per_token = _bytes_per_token(config, shape, name)
         row = f"{name:<9} {per_token:>11,} " + " ".join(f"{_human(per_token * n):>12}" for n in tokens)
         if budget_mb:
             row += "   " + " ".join(f"{int(budget_mb * 2**20 // (per_token * n)):>8,}" for n in tokens)
         lines.append(row)
     if budget_mb:
         lines.append(f"n@T: sessions of T tokens that a {budget_mb:g} MB budget holds")
+    if INT8 in dtypes:
+        lines.append(f"{INT8}: an offloaded copy with --host-kv-dtype/--remote-kv-dtype int8 (plus "
+                     f"{_human(4 * shape.layers * shape.kv_heads * shape.head_dim)} of key scales per session)")
     return "\n".join(lines)
 
 

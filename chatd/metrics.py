@@ -43,6 +43,7 @@ class LiveState:
     engine_up: bool = True  # False once the engine has stopped serving
     engine_failures: dict[str, int] = field(default_factory=dict)  # turns failed, by engine stage
     decode_steps: dict[int, int] = field(default_factory=dict)  # batched decode steps, by batch size
+    kv_dtypes: dict[str, str] = field(default_factory=dict)  # how each tier stores caches: a dtype, or int8
 
     def tier_bytes(self, tier: str) -> tuple[int, int]:
         """Bytes in use and the budget of a tier (0, 0 when it does not exist)."""
@@ -200,5 +201,13 @@ class _LiveCollector(Collector):
                                     labels=[*label, "batch_size"])
         for batch_size, count in sorted(live.decode_steps.items()):
             steps.add_metric([*name, str(batch_size)], count)
+        tier_info = GaugeMetricFamily("chatd:cache_tier_info", "How each cache tier stores keys and values (1 for "
+                                      "its kv_dtype).", labels=[*label, "tier", "kv_dtype"])
+        tier_sessions = GaugeMetricFamily("chatd:cache_tier_sessions", "Sessions with a cache in each tier.",
+                                          labels=[*label, "tier"])
+        for tier, kv_dtype in live.kv_dtypes.items():
+            tier_info.add_metric([*name, tier, kv_dtype], 1.0)
+            if f"{tier}_sessions" in live.cache:
+                tier_sessions.add_metric([*name, tier], live.cache[f"{tier}_sessions"])
         yield from (running, waiting, usage, sessions, evictions, corruptions, engine_up, failures, remote_errors,
-                    offload_failures, steps)
+                    offload_failures, steps, tier_info, tier_sessions)

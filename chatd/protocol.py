@@ -184,6 +184,7 @@ class CacheReport(BaseModel):
     miss_reason: Literal["new", "cold", "evicted", "disabled", "drift", "corrupt", "stale", "truncated"] | None = None
     cleared: list[str] = Field(default_factory=list)
     remote: RemoteReport | None = None
+    quantized: Literal["int8"] | None = None  # the reused cache came from an int8 copy (host or Redis tier)
 
 
 class ChatDone(BaseModel):

@@ -63,7 +63,7 @@ class RunningTurn:
             finish_reason=finish, content=self.stream.text, prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(generated), cached_tokens=lookup.cached_tokens, cache_source=lookup.source,
             miss_reason=lookup.miss_reason, token_ids=list(generated), cleared=list(lookup.cleared),
-            remote=dataclasses.asdict(lookup.remote) if lookup.remote else None,
+            remote=dataclasses.asdict(lookup.remote) if lookup.remote else None, quantized=lookup.quantized,
             conversation_ids=list(self.entry.token_ids),
             token_times=list(self.token_times), dropped_turns=self.dropped_turns,
             reply_ids=list(generated) if self.stream.decode(generated) == self.stream.text else None,

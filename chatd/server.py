@@ -141,7 +141,16 @@ class ChatServer:
         return LiveState(running=self.engine.running, waiting=self.engine.waiting,
                          connected_sessions=self.gateway.connected_sessions, cache=self._last_cache_stats,
                          engine_up=self.engine.failure is None, engine_failures=dict(self.engine.failures),
-                         decode_steps=dict(self.engine.batch_sizes))
+                         decode_steps=dict(self.engine.batch_sizes), kv_dtypes=self._kv_dtypes())
+
+    def _kv_dtypes(self) -> dict[str, str]:
+        """How each tier stores caches: the model's dtype on the device; its dtype or int8 beyond."""
+        loaded, settings = self.engine.loaded, self.settings
+        same = str(loaded.model.dtype).removeprefix("torch.") if loaded is not None else "same"
+        dtypes = {"device": same, "host": same if settings.host_kv_dtype == "same" else settings.host_kv_dtype}
+        if settings.remote_kv:
+            dtypes["remote"] = same if settings.remote_kv_dtype == "same" else settings.remote_kv_dtype
+        return dtypes
 
     def _engine_stopped(self, reason: str) -> None:
         """Called from the engine thread once it has failed every turn it had."""

@@ -95,7 +95,7 @@ class StatsRecorder:
         for tier in TIERS:
             used, budget = live.tier_bytes(tier)
             tiers[tier] = {"bytes": used, "budget_bytes": budget, "usage": round(used / budget, 4) if budget else 0.0,
-                           "sessions": live.cache.get(f"{tier}_sessions")}
+                           "sessions": live.cache.get(f"{tier}_sessions"), "kv_dtype": live.kv_dtypes.get(tier)}
         return {"running": live.running, "waiting": live.waiting, "tiers": tiers,
                 "sessions": {"connected": live.connected_sessions, "idle": live.cache.get("idle_sessions", 0)}}
 

@@ -35,6 +35,7 @@ class TurnResult:
     cleared: list[str] = field(default_factory=list)
     conversation_ids: list[int] = field(default_factory=list)  # prompt and reply ids the cache covers
     remote: dict | None = None  # the fetch-or-recompute decision, when a remote cache existed
+    quantized: str | None = None  # "int8" when the reused cache came from a quantised copy
     token_times: list[float] = field(default_factory=list)  # perf_counter() when each reply token was sampled
     dropped_turns: int = 0  # oldest turns the prompt left out to fit the context
     reply_ids: list[int] | None = None  # `token_ids` when `content` decodes from exactly them

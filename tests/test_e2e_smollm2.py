@@ -80,3 +80,26 @@ async def test_interleaved_conversations_under_a_small_device_budget_match_an_un
         stats = small.engine.cache.stats()
         assert stats["device_bytes"] <= stats["device_budget_bytes"]
         assert stats["restores"] == 8
+
+
+async def test_an_int8_host_tier_keeps_every_conversation_where_full_precision_drops_some(smollm2):
+    """The same four interleaved customers, with a device budget of about one conversation and a host
+    budget of two full-precision caches: at full precision the host tier must drop caches (recomputed);
+    in int8 it keeps all four, so every returning turn restores from the host tier, and says so."""
+    device_mb, host_mb = 256 * 46_080 / 2**20, 2 * 200 * 46_080 / 2**20
+    results = {}
+    for kv_dtype in ("same", "int8"):
+        settings = Settings(port=0, device_cache_mb=device_mb, host_cache_mb=host_mb, host_kv_dtype=kv_dtype)
+        async with ChatServer(settings, load=lambda: smollm2) as server:
+            await server.wait_ready()
+            async with ChatClient(await connect(server.url)) as client:
+                sessions = {name: (await client.open_session(system=SYSTEM)).session_id for name in CUSTOMERS}
+                results[kv_dtype] = [await (await client.chat(sessions[name], questions[turn], max_new_tokens=24))
+                                     .result() for turn in range(3) for name, questions in CUSTOMERS.items()]
+    later = {kv_dtype: done[len(CUSTOMERS):] for kv_dtype, done in results.items()}  # turns 2 and 3
+    assert {(d.cache.source, d.cache.quantized) for d in later["int8"]} == {("host", "int8")}
+    exact_sources = [(d.cache.source, d.cache.miss_reason) for d in later["same"]]
+    assert ("miss", "evicted") in exact_sources and all(d.cache.quantized is None for d in later["same"])
+    agreement = sum(a.content == b.content for a, b in zip(results["same"], results["int8"], strict=True))
+    print(f"int8 host tier: {agreement} of {len(results['int8'])} replies identical to full precision")
+    assert all(d.content and d.usage.completion_tokens > 0 for d in results["int8"])

@@ -136,7 +136,11 @@ async def test_metrics_and_stats_move_by_exactly_what_the_run_did(tiny):
     assert one_minute["corruptions"]["checksum"] == 1 and one_minute["evictions"]["device"] == offloads
     assert one_minute["errors"] == {"bad_request": 1, "unknown_session": 1}
     assert one_minute["ttft_ms"]["p50"] > 0 and one_minute["tokens_per_s"] > 0
+    assert after["chatd:cache_tier_info", frozenset({("tier", "host"), ("kv_dtype", "float64")})] == 1
+    assert after["chatd:cache_tier_sessions", frozenset({("tier", "host")})] == store_stats["host_sessions"]
     tiers = stats["now"]["tiers"]
+    assert tiers["device"]["kv_dtype"] == tiers["host"]["kv_dtype"] == "float64"
+    assert tiers["remote"]["kv_dtype"] is None  # no remote tier
     assert tiers["host"]["bytes"] > 0 and tiers["device"]["sessions"] + tiers["host"]["sessions"] == 2
     assert len(stats["series"]["points"]) == 30
     assert stats["series"]["points"][-1]["ttft_ms"]["p50"] is not None

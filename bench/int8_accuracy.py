@@ -1,0 +1,118 @@
+"""What an int8 restore costs in accuracy: replies from an int8 copy of each turn's cache against
+replies from the exact cache, over the bench scenarios, turn by turn.
+
+For every scenario the conversation follows the exact (greedy) replies. At each turn after the first,
+the history's cache is prefilled exactly; a copy goes through `quantize`/`dequantize` as an int8 host
+or Redis tier would store it; both then take the new message and reply greedily. Reported: the share
+of replies identical token for token, the mean length of the identical prefix, the KL divergence of
+the next-token distribution at the first reply token, and the deep check's distance for int8 copies
+(which sets its int8 tolerance).
+
+    .venv/bin/python bench/int8_accuracy.py [--turns 6] [--max-new-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from common import write_result
+from transformers import DynamicCache
+
+from cache_store.quantize import dequantize, quantize
+from cache_store.store import common_prefix_length
+from chatd.model_loader import load_model
+from chatd.prompt import PromptRenderer
+from sessions import Message
+
+HERE = Path(__file__).parent
+
+
+def cache_of(model, ids: list[int]) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def int8_copy(model, cache: DynamicCache) -> DynamicCache:
+    tensors = [(layer.keys, layer.values) for layer in cache.layers]
+    quantized, scales = quantize(tensors)
+    copy = DynamicCache(config=model.config)
+    for index, (keys, values) in enumerate(dequantize(quantized, scales, model.dtype)):
+        copy.update(keys, values, index)
+    return copy
+
+
+def reply(model, cache: DynamicCache, new_ids: list[int], stop: set[int], max_new_tokens: int
+          ) -> tuple[list[int], torch.Tensor]:
+    """Greedy reply ids after `new_ids` on top of `cache`, and the logits of the first reply token."""
+    logits = model(input_ids=torch.tensor([new_ids]), cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    first, ids = logits.float(), []
+    while len(ids) < max_new_tokens:
+        token = int(logits.argmax())
+        if token in stop:
+            break
+        ids.append(token)
+        logits = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    return ids, first
+
+
+def deep_distance(model, cache: DynamicCache, ids: list[int]) -> float:
+    """The deep check's distance for `cache` (which covers `ids`): the last token's logits fed on top of
+    the rest of it, against a prefill from scratch."""
+    cache.crop(-1)
+    from_cache = model(input_ids=torch.tensor([ids[-1:]]), cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    from_scratch = model(input_ids=torch.tensor([ids]), cache=DynamicCache(config=model.config), use_cache=True,
+                         logits_to_keep=1).logits[0, -1]
+    return float((from_cache - from_scratch).abs().max() / from_scratch.abs().max())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--output", type=Path, default=HERE / "results" / "int8_accuracy.json")
+    args = parser.parse_args()
+    loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
+    model, renderer, stop = loaded.model, PromptRenderer(loaded.tokenizer), set(loaded.stop_token_ids)
+    rows = []
+    with torch.inference_mode():
+        for path in sorted((HERE / "scenarios").glob("*.json")):
+            scenario = json.loads(path.read_text())
+            messages = [Message("system", scenario["system"])]
+            for turn, content in enumerate(scenario["turns"][:args.turns], start=1):
+                prompt = renderer.render([*messages, Message("user", content)])
+                if turn > 1:
+                    history = common_prefix_length(renderer.render(messages, add_generation_prompt=False), prompt)
+                    exact_cache = cache_of(model, prompt[:history])
+                    quantized_cache = int8_copy(model, exact_cache)
+                    distance = deep_distance(model, int8_copy(model, exact_cache), prompt[:history])
+                    exact, exact_logits = reply(model, exact_cache, prompt[history:], stop, args.max_new_tokens)
+                    approx, approx_logits = reply(model, quantized_cache, prompt[history:], stop, args.max_new_tokens)
+                    kl = float(torch.nn.functional.kl_div(approx_logits.log_softmax(-1), exact_logits.log_softmax(-1),
+                                                          log_target=True, reduction="sum"))
+                    rows.append({"scenario": scenario["name"], "turn": turn, "cached_tokens": history,
+                                 "identical": exact == approx, "identical_prefix": common_prefix_length(exact, approx),
+                                 "reply_tokens": len(exact), "kl_first_token": kl, "deep_distance": distance})
+                    print(f"{scenario['name']:<18} turn {turn}: {history:>4} cached, identical {exact == approx!s:<5} "
+                          f"prefix {rows[-1]['identical_prefix']:>2}/{len(exact):<2} KL {kl:.2e} deep {distance:.2e}",
+                          flush=True)
+                else:
+                    exact, _ = reply(model, DynamicCache(config=model.config), prompt, stop, args.max_new_tokens)
+                messages += [Message("user", content), Message("assistant", loaded.tokenizer.decode(exact))]
+    summary = {"replies": len(rows), "identical_share": sum(r["identical"] for r in rows) / len(rows),
+               "mean_identical_prefix": statistics.mean(r["identical_prefix"] for r in rows),
+               "mean_reply_tokens": statistics.mean(r["reply_tokens"] for r in rows),
+               "kl_first_token_mean": statistics.mean(r["kl_first_token"] for r in rows),
+               "kl_first_token_max": max(r["kl_first_token"] for r in rows),
+               "deep_distance_max": max(r["deep_distance"] for r in rows),
+               "deep_distance_median": statistics.median(r["deep_distance"] for r in rows)}
+    print(json.dumps(summary, indent=2))
+    write_result(args.output, {"summary": summary, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""int8 host and remote tiers: the quantisation's error bound, the budget it buys, and every check
+still catching a corrupted quantised cache."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from cache_store import CacheEntry, CacheLayout, CacheStore, Offloader
+from cache_store.integrity import fingerprint
+from cache_store.quantize import dequantize, quantize, quantized_nbytes
+from cache_store.remote_tier import RemoteTier
+from tests.redis_server import RedisServer
+
+LAYERS, HEADS, HEAD_DIM, TOKENS = 4, 3, 64, 200
+LAYOUT = CacheLayout(LAYERS, HEADS, HEAD_DIM, torch.float32)
+CACHE_BYTES = 2 * LAYERS * HEADS * TOKENS * HEAD_DIM * 4  # one float32 cache of TOKENS tokens
+
+
+def kv(seed: int, tokens: int = TOKENS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Keys with outlier channels (as real keys have) and plain values."""
+    generator = torch.Generator().manual_seed(seed)
+    pairs = []
+    for _ in range(LAYERS):
+        keys = torch.randn(1, HEADS, tokens, HEAD_DIM, generator=generator)
+        keys[..., :4] *= 20  # a few channels carry large magnitudes
+        pairs.append((keys, torch.randn(1, HEADS, tokens, HEAD_DIM, generator=generator)))
+    return pairs
+
+
+def entry(seed: int, owner: str) -> CacheEntry:
+    cache = DynamicCache()
+    for layer, (keys, values) in enumerate(kv(seed)):
+        cache.update(keys, values, layer)
+    made = CacheEntry(cache, list(range(seed, seed + TOKENS)))
+    made.fingerprint = fingerprint(made, "test-model", owner, LAYOUT)
+    return made
+
+
+def store(host_kv_dtype: str, **kwargs) -> CacheStore:
+    return CacheStore(new_cache=DynamicCache, offloader=Offloader(torch.device("cpu")), layout=LAYOUT,
+                      model_key="test-model", device_budget_bytes=100 * CACHE_BYTES, host_kv_dtype=host_kv_dtype,
+                      **kwargs)
+
+
+def test_round_trip_error_is_within_half_a_step_per_channel_and_per_token():
+    tensors = kv(0)
+    quantized, scales = quantize(tensors)
+    restored = dequantize(quantized, scales, torch.float32)
+    for (keys, values), (key_scale, value_scale), (got_keys, got_values) in zip(tensors, scales, restored,
+                                                                                 strict=True):
+        assert quantized[0][0].dtype == torch.int8 and key_scale.shape == (1, HEADS, 1, HEAD_DIM)
+        assert value_scale.shape == (1, HEADS, TOKENS, 1)
+        assert ((got_keys - keys).abs() <= key_scale / 2 + 1e-6).all()  # rounding: at most half a step
+        assert ((got_values - values).abs() <= value_scale / 2 + 1e-6).all()
+        assert (got_values - values).norm() / values.norm() < 0.01
+    assert quantized_nbytes(tensors) == sum(k.nbytes + v.nbytes for k, v in quantized + scales)
+
+
+def test_the_host_tier_holds_four_times_the_caches_at_the_same_budget():
+    held = {}
+    for dtype in ("same", "int8"):
+        tier = store(dtype, host_budget_bytes=4 * CACHE_BYTES)
+        for number in range(24):
+            tier.put(f"s{number}", entry(number, f"s{number}"))
+        tier.evict_idle()
+        held[dtype] = sum(f"s{number}" in tier.host for number in range(24))
+        assert tier.host.used_bytes() <= tier.host.budget_bytes
+    # Each int8 cache is 3.9x smaller (the scales cost 3%); the pool rounds both to size classes.
+    assert held["int8"] >= 4 * held["same"] > 0, held
+
+
+def test_a_restored_int8_cache_is_close_marked_and_reported():
+    tier = store("int8", host_budget_bytes=10 * CACHE_BYTES)
+    original = entry(1, "s")
+    exact = [(k.clone(), v.clone()) for k, v in original.tensors()]
+    tier.put("s", original)
+    tier.evict_idle()
+    lookup = tier.lookup("s", list(range(1, 1 + TOKENS)) + [7])
+    assert (lookup.source, lookup.cached_tokens, lookup.quantized) == ("host", TOKENS, "int8")
+    for (keys, values), (got_keys, got_values) in zip(exact, lookup.entry.tensors(), strict=True):
+        assert got_keys.dtype == torch.float32
+        assert (got_values - values).norm() / values.norm() < 0.01 and (got_keys - keys).norm() / keys.norm() < 0.01
+    tier.put("s", lookup.entry)
+    assert tier.device.get("s").fingerprint.quantized == "int8"  # never exact again, after any write-back
+
+
+@pytest.mark.parametrize("damage", ["int8 byte", "scale", "nan scale", "unmarked"])
+def test_a_corrupted_int8_host_entry_is_caught(damage):
+    tier = store("int8", host_budget_bytes=10 * CACHE_BYTES)
+    tier.put("s", entry(2, "s"))
+    tier.evict_idle()
+    host_entry = tier.host._entries["s"]
+    if damage == "int8 byte":
+        host_entry.tensors[1][0].view(-1)[5] ^= 0x10
+    elif damage == "scale":
+        host_entry.scales[2][1].view(-1)[3] *= 1.5
+    elif damage == "nan scale":
+        host_entry.scales[0][0].view(-1)[0] = float("nan")
+    else:  # claims to be exact
+        host_entry.fingerprint = dataclasses.replace(host_entry.fingerprint, quantized=None)
+    lookup = tier.lookup("s", list(range(2, 2 + TOKENS)) + [7])
+    assert (lookup.source, lookup.miss_reason) == ("miss", "corrupt")
+    assert lookup.cleared == {"int8 byte": ("checksum",), "scale": ("checksum",), "nan scale": ("checksum",),
+                              "unmarked": ("fingerprint",)}[damage]
+
+
+def test_redis_holds_a_quarter_of_the_bytes_and_a_flipped_byte_is_caught(tmp_path):
+    redis_server = RedisServer(tmp_path)
+    redis_server.start()
+    try:
+        writer_tier = RemoteTier(redis_server.url, ttl_s=60)
+        writer = store("same", host_budget_bytes=10 * CACHE_BYTES, remote=writer_tier, remote_kv_dtype="int8")
+        writer.put("s", entry(3, "s"))
+        writer_tier.close()  # flushes the background write
+        reader_tier = RemoteTier(redis_server.url, ttl_s=60)
+        header = reader_tier.head("s")
+        assert header.fingerprint.quantized == "int8" and header.nbytes < CACHE_BYTES / 3.5
+        exact_only = store("same", host_budget_bytes=10 * CACHE_BYTES, remote=reader_tier)
+        prompt = list(range(3, 3 + TOKENS)) + [7]
+        assert exact_only.lookup("s", prompt).source == "miss"  # an int8 copy never passes for an exact one
+        reader = store("same", host_budget_bytes=10 * CACHE_BYTES, remote=reader_tier, remote_kv_dtype="int8")
+        blob_key = "chatd:{s}:kv"
+        raw = bytearray(reader_tier._redis.get(blob_key))
+        raw[-10] ^= 0x01  # a byte of the last scale
+        reader_tier._redis.set(blob_key, bytes(raw))
+        lookup = reader.lookup("s", prompt)  # nothing measured yet: the cost model fetches
+        assert lookup.source == "miss" and lookup.cleared == ("checksum",), lookup
+        reader_tier.close()
+    finally:
+        redis_server.stop()
