@@ -86,9 +86,11 @@ async def test_a_turn_streams_deltas_in_order_and_reports_usage(server):
                                             "tokens_per_s"}
             assert 0 < done["timings"]["ttft_ms"] <= done["timings"]["total_ms"]
             if turn == 0:
-                assert done["cache"] == {"source": "miss", "miss_reason": "new", "cleared": [], "remote": None}
+                assert done["cache"] == {"source": "miss", "miss_reason": "new", "cleared": [], "remote": None,
+                                         "quantized": None}
             else:
-                assert done["cache"] == {"source": "device", "miss_reason": None, "cleared": [], "remote": None}
+                assert done["cache"] == {"source": "device", "miss_reason": None, "cleared": [], "remote": None,
+                                         "quantized": None}
                 assert 0 < done["usage"]["cached_tokens"] < done["usage"]["prompt_tokens"]
 
 
