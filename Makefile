@@ -19,9 +19,10 @@ $(INSTALLED): pyproject.toml
 run: $(INSTALLED)
 	$(BIN)/chatd serve $(ARGS)
 
-# The multi-worker test puts Debian's nginx in front of chatd and the web tests drive Debian's
-# Chromium; install them where we can (Playwright's own browser download is not used).
-TEST_PACKAGES := $(if $(shell command -v nginx),,nginx-light) $(if $(wildcard /usr/bin/chromium),,chromium chromium-driver)
+# The multi-worker test puts Debian's nginx in front of chatd, the web tests drive Debian's Chromium and the
+# dashboard test runs Debian's Prometheus; install them where we can (Playwright's own browser download is
+# not used).
+TEST_PACKAGES := $(if $(shell command -v nginx),,nginx-light) $(if $(wildcard /usr/bin/chromium),,chromium chromium-driver) $(if $(shell command -v prometheus),,prometheus)
 test-deps:
 	@[ -z "$(strip $(TEST_PACKAGES))" ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(TEST_PACKAGES) >/dev/null; }; } || \

@@ -22,11 +22,11 @@ import torch
 from common import synthetic_history, write_result
 
 from cache_store import Offloader
-from chatd.client import ChatClient
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.model_loader import load_model
-from chatd.prompt import PromptRenderer
-from chatd.server import ChatServer
+from chatd.model.loader import load_model
+from chatd.model.prompt import PromptRenderer
+from chatd.tools.client import ChatClient
 
 HERE = Path(__file__).parent
 
@@ -48,7 +48,7 @@ async def measure(args: argparse.Namespace) -> dict:
                   file=sys.stderr)
             for round_index in range(args.rounds):
                 for source, prepare in (("device", None), ("host", server.engine.offload_idle),
-                                        ("miss", lambda: server.engine.drop_session(session.session_id))):
+                                        ("miss", lambda: server.engine.drop_cache(session.session_id))):
                     if prepare:
                         prepare()
                     done = await (await client.chat(session.session_id, "One more question about my bill.",

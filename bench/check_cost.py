@@ -21,9 +21,9 @@ from common import median_ms, write_result
 from cache_store import CacheEntry, CacheLayout, KVGeometry, Offloader
 from cache_store.integrity import check_finite, check_identity, check_tensors, checksum, fingerprint
 from chatd.config import Settings
-from chatd.deep_check import deep_check_distance
-from chatd.engine import Engine
-from chatd.model_loader import load_model
+from chatd.engine.deep_check import deep_check_distance
+from chatd.engine.scheduler import Engine
+from chatd.model.loader import load_model
 
 HERE = Path(__file__).parent
 NEW_MESSAGE_TOKENS = 32

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from chatd.prompt import PromptRenderer
+from chatd.model.prompt import PromptRenderer
 from sessions import Message
 
 REPLY = ("Thank you, I have noted that. I checked your line and your account, and I can see the issue. "

@@ -22,11 +22,11 @@ from common import median_ms, synthetic_history, write_result
 from transformers import DynamicCache
 
 from chatd.config import Settings
-from chatd.engine import Engine
-from chatd.model_loader import load_model
-from chatd.prompt import PromptRenderer
-from chatd.sampling import SamplingParams
-from chatd.turn import TokenText, Turn, TurnResult
+from chatd.engine.sampling import SamplingParams
+from chatd.engine.scheduler import Engine
+from chatd.engine.turn import TokenText, Turn, TurnResult
+from chatd.model.loader import load_model
+from chatd.model.prompt import PromptRenderer
 from sessions import Session
 
 HERE = Path(__file__).parent

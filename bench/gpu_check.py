@@ -19,9 +19,9 @@ from cache_store import CacheEntry
 from cache_store.host_pool import HostBufferPool
 from cache_store.offload import Offloader, kv_nbytes
 from chatd.config import Settings
-from chatd.deep_check import deep_check_distance
-from chatd.engine import Engine
-from chatd.model_loader import load_model
+from chatd.engine.deep_check import deep_check_distance
+from chatd.engine.scheduler import Engine
+from chatd.model.loader import load_model
 
 HERE = Path(__file__).parent
 

@@ -24,8 +24,8 @@ from transformers import DynamicCache
 
 from cache_store.quantize import dequantize, quantize
 from cache_store.store import common_prefix_length
-from chatd.model_loader import load_model
-from chatd.prompt import PromptRenderer
+from chatd.model.loader import load_model
+from chatd.model.prompt import PromptRenderer
 from sessions import Message
 
 HERE = Path(__file__).parent

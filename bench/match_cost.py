@@ -20,9 +20,9 @@ from pathlib import Path
 
 from common import REPLY, synthetic_history, write_result
 
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.prompt import PromptRenderer
-from chatd.server import ChatServer
+from chatd.model.prompt import PromptRenderer
 from sessions import Message
 
 HERE = Path(__file__).parent

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from common import median_ms, write_result
 
-from chatd.metrics import LiveState, Metrics
-from chatd.stats import KEEP_S, SNAPSHOT_MAX_AGE_S, StatsRecorder
-from chatd.turn import TurnResult
+from chatd.engine.turn import TurnResult
+from chatd.observability.metrics import LiveState, Metrics
+from chatd.observability.stats import KEEP_S, SNAPSHOT_MAX_AGE_S, StatsRecorder
 
 HERE = Path(__file__).parent
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import openai
 from common import write_result
 
-from chatd.bench import ServerProcess, openai_url, served_model
+from chatd.tools.bench import openai_url, served_model
+from chatd.tools.server_process import ServerProcess
 
 HERE = Path(__file__).parent
 

@@ -26,10 +26,10 @@ from common import median_ms, write_result
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import DynamicCache
 
-from chatd.bench import ServerProcess
-from chatd.client import ChatClient
-from chatd.model_loader import load_model
-from chatd.protocol import ChatDone
+from chatd.api.protocol import ChatDone
+from chatd.model.loader import load_model
+from chatd.tools.client import ChatClient
+from chatd.tools.server_process import ServerProcess
 
 HERE = Path(__file__).parent
 QUESTION = "Any news on my case? Please tell me what happens next."

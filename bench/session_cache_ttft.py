@@ -12,10 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,23 +21,13 @@ import torch
 from common import write_result
 from transformers import DynamicCache
 
-from chatd.client import ChatClient
-from chatd.model_loader import load_model
-from chatd.prompt import PromptRenderer
+from chatd.model.loader import load_model
+from chatd.model.prompt import PromptRenderer
+from chatd.tools.client import ChatClient
+from chatd.tools.server_process import ServerProcess
 from sessions import Session
 
 HERE = Path(__file__).parent
-
-
-def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "chatd", "serve", "--port", "0", "--log-level", "warning", *flags]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    line = process.stdout.readline()
-    url = re.search(r"ws://\S+/ws", line)
-    if not url:
-        process.kill()
-        raise SystemExit(f"server did not start: {line!r}")
-    return process, url.group(0)
 
 
 async def play(scenario: dict, cached_url: str, uncached_url: str, max_new_tokens: int) -> list[dict]:
@@ -102,8 +89,8 @@ def main() -> None:
     args = parser.parse_args()
     scenario = json.loads(args.scenario.read_text())
 
-    cached_server, cached_url = start_server()
-    uncached_server, uncached_url = start_server("--no-session-cache")
+    cached_server, uncached_server = ServerProcess(), ServerProcess("--no-session-cache")
+    cached_url, uncached_url = cached_server.url, uncached_server.url
     try:
         passes = []
         for index in range(args.repeats):
@@ -111,8 +98,7 @@ def main() -> None:
             passes.append(asyncio.run(play(scenario, cached_url, uncached_url, args.max_new_tokens)))
     finally:
         for server in (cached_server, uncached_server):
-            server.send_signal(signal.SIGTERM)
-            server.wait(30)
+            server.stop()
 
     print("raw model calls ...", file=sys.stderr, flush=True)
     raw = raw_prefill_times(scenario, [row["reply"] for row in passes[0]], args.repeats)

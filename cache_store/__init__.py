@@ -4,7 +4,7 @@ Never imports chatd."""
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry
 from cache_store.host_tier import HostTier
-from cache_store.integrity import CacheLayout, Fingerprint
+from cache_store.identity import CacheLayout, Fingerprint
 from cache_store.offload import HostEntry, Offloader
 from cache_store.policy import ConnectedLRUPolicy, EvictionPolicy, LRUPolicy, Residency
 from cache_store.sizing import KVGeometry, kv_bytes_per_token

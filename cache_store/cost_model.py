@@ -5,7 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from cache_store.remote_tier import Throughput
+
+class Throughput:
+    """A moving average of bytes per second, measured on real transfers."""
+
+    def __init__(self) -> None:
+        self.bytes_per_s: float | None = None
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        if nbytes < 64 * 1024 or seconds <= 0:
+            return  # too small to say anything about bandwidth
+        rate = nbytes / seconds
+        self.bytes_per_s = rate if self.bytes_per_s is None else 0.7 * self.bytes_per_s + 0.3 * rate
 
 
 @dataclass(frozen=True)

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from cache_store.arena import ArenaCache
-
-if TYPE_CHECKING:
-    from cache_store.integrity import Fingerprint
+from cache_store.identity import Fingerprint
 
 KVTensors = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -7,43 +7,21 @@ or Redis also has its values checked for NaN and Inf.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import xxhash
 
 from cache_store.entry import CacheEntry, KVTensors
+from cache_store.identity import CacheLayout, Fingerprint
+from sessions.encoding import pack_ids
 
 Check = str  # one of CHECKS
 CHECKS = ("fingerprint", "length", "shape", "checksum", "finite", "deep")
 
 
-@dataclass(frozen=True)
-class CacheLayout:
-    """What every cache of the running model must look like."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class Fingerprint:
-    """Who a cache belongs to and what it covers, taken when the cache is written back."""
-
-    model_key: str
-    owner: str
-    token_digest: str
-    num_tokens: int
-    layout: CacheLayout
-    quantized: str | None = None  # "int8" once the cache's values came from a quantised copy: never exact again
-
-
 def token_digest(token_ids: Sequence[int]) -> str:
-    return xxhash.xxh3_64_hexdigest(array("q", token_ids).tobytes())
+    return xxhash.xxh3_64_hexdigest(pack_ids(token_ids))
 
 
 def fingerprint(entry: CacheEntry, model_key: str, owner: str, layout: CacheLayout) -> Fingerprint:

@@ -18,7 +18,8 @@ import torch
 from transformers import DynamicCache
 
 from cache_store.entry import CacheEntry, KVTensors, entry_from_tensors
-from cache_store.integrity import Fingerprint, checksum
+from cache_store.identity import Fingerprint
+from cache_store.integrity import checksum
 from cache_store.quantize import KVDtype, dequantize, quantize, quantized_nbytes
 
 

@@ -16,21 +16,19 @@ import logging
 import queue
 import threading
 import time
-from array import array
 from dataclasses import dataclass
 
 import redis
 import torch
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from cache_store.integrity import CacheLayout, Fingerprint
+from cache_store.cost_model import Throughput
+from cache_store.identity import CacheLayout, Fingerprint
 from cache_store.offload import HostEntry
+from sessions.encoding import UNREACHABLE, pack_ids, redis_key, unpack_ids
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 3  # 2: checksums carry their kind (xxh3:…); 3: int8 caches with their scales
-UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 PROBE_BYTES = 4 * 2**20
 BACK_OFF_S = 5.0  # after a failure, turns skip the remote tier this long instead of waiting on Redis
 USAGE_EVERY_S = 5.0
@@ -46,23 +44,6 @@ class RemoteHeader:
     checksum: str
     nbytes: int
     scale_shapes: list[list[int]]  # of a quantised cache's float32 scales (after its int8 tensors), or none
-
-
-class Throughput:
-    """A moving average of bytes per second, measured on real transfers."""
-
-    def __init__(self) -> None:
-        self.bytes_per_s: float | None = None
-
-    def record(self, nbytes: int, seconds: float) -> None:
-        if nbytes < 64 * 1024 or seconds <= 0:
-            return  # too small to say anything about bandwidth
-        rate = nbytes / seconds
-        self.bytes_per_s = rate if self.bytes_per_s is None else 0.7 * self.bytes_per_s + 0.3 * rate
-
-
-def _key(session_id: str, part: str) -> str:
-    return f"chatd:{{{session_id}}}:{part}"
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -111,7 +92,7 @@ class RemoteTier:
         if time.monotonic() < self._down_until:
             return None
         try:
-            raw = self._redis.get(_key(session_id, "kvmeta"))
+            raw = self._redis.get(redis_key(session_id, "kvmeta"))
         except UNREACHABLE:
             self._failed()
             return None
@@ -135,7 +116,7 @@ class RemoteTier:
         """The cache behind `header`, or None if its bytes are gone (the header is then deleted)."""
         try:
             started = time.perf_counter()
-            blob = self._redis.get(_key(header.session_id, "kv"))
+            blob = self._redis.get(redis_key(header.session_id, "kv"))
             self.throughput.record(len(blob or b""), time.perf_counter() - started)
         except UNREACHABLE:
             self._failed()
@@ -151,7 +132,7 @@ class RemoteTier:
         if time.monotonic() < self._down_until:
             return
         try:
-            self._redis.delete(_key(session_id, "kvmeta"), _key(session_id, "kv"))
+            self._redis.delete(redis_key(session_id, "kvmeta"), redis_key(session_id, "kv"))
         except UNREACHABLE:
             self._failed()
 
@@ -200,7 +181,7 @@ class RemoteTier:
     def _write(self, session_id: str, entry: HostEntry) -> None:
         tensors = [t for pair in entry.tensors for t in pair]
         scales = [t for pair in entry.scales or [] for t in pair]
-        blob = array("i", entry.token_ids).tobytes() + b"".join(
+        blob = pack_ids(entry.token_ids) + b"".join(
             t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors + scales)
         stamp = dataclasses.asdict(entry.fingerprint)
         stamp["layout"]["dtype"] = str(entry.fingerprint.layout.dtype)
@@ -208,8 +189,8 @@ class RemoteTier:
                 "shapes": [list(t.shape) for t in tensors], "dtype": str(tensors[0].dtype),
                 "scale_shapes": [list(t.shape) for t in scales], "checksum": entry.checksum, "nbytes": len(blob)}
         started = time.perf_counter()
-        self._redis.set(_key(session_id, "kv"), blob, ex=self.ttl_s)  # bytes first, then the header
-        self._redis.set(_key(session_id, "kvmeta"), json.dumps(meta), ex=self.ttl_s)
+        self._redis.set(redis_key(session_id, "kv"), blob, ex=self.ttl_s)  # bytes first, then the header
+        self._redis.set(redis_key(session_id, "kvmeta"), json.dumps(meta), ex=self.ttl_s)
         self.throughput.record(len(blob), time.perf_counter() - started)
 
 
@@ -217,12 +198,11 @@ def _deserialize(header: RemoteHeader, blob: bytes) -> HostEntry:
     """Split the blob back into token ids and tensors as the header describes them; a blob shorter or
     longer than that still yields tensors, for the checks to refuse."""
     num_tokens = header.fingerprint.num_tokens
-    ids = array("i")
-    ids.frombytes(blob[:4 * num_tokens])
+    ids = unpack_ids(blob[:4 * num_tokens])
     data = torch.frombuffer(bytearray(blob[4 * num_tokens:]), dtype=torch.uint8)
     tensors, offset = _tensors(data, 0, header.shapes, header.dtype)
     scales, _ = _tensors(data, offset, header.scale_shapes, torch.float32)
-    return HostEntry(_pairs(tensors), ids.tolist(), header.fingerprint, header.checksum, header.session_version,
+    return HostEntry(_pairs(tensors), ids, header.fingerprint, header.checksum, header.session_version,
                      scales=_pairs(scales) if header.scale_shapes else None)
 
 

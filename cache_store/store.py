@@ -12,20 +12,20 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import xxhash
 from transformers import DynamicCache
 
 from cache_store.arena import ArenaFull
-from cache_store.cost_model import CostModel, RemoteDecision
+from cache_store.cost_model import CostModel, RemoteDecision, Throughput
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry, entry_from_tensors
 from cache_store.host_pool import HostBufferPool
 from cache_store.host_tier import HostTier
+from cache_store.identity import CacheLayout
 from cache_store.integrity import (
-    CacheLayout,
     Check,
     check_finite,
     check_identity,
@@ -37,8 +37,9 @@ from cache_store.integrity import (
 from cache_store.offload import HostEntry, Offloader, host_nbytes
 from cache_store.policy import EvictionPolicy
 from cache_store.quantize import KVDtype
-from cache_store.remote_tier import RemoteHeader, RemoteTier, Throughput
+from cache_store.remote_tier import RemoteHeader
 from cache_store.stage_faults import FaultPoints
+from sessions.encoding import pack_ids
 
 CacheSource = Literal["device", "host", "remote", "prefix", "miss"]
 CopyObserver = Callable[[Literal["offload", "restore"], Literal["host", "remote"], float], None]
@@ -78,11 +79,29 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+class RemoteCaches(Protocol):
+    """Where caches are shared beyond this process (`RemoteTier`: Redis): what the store asks of it."""
+
+    throughput: Throughput
+    errors: int
+    write_errors: int
+
+    def put(self, session_id: str, entry: HostEntry) -> None: ...
+
+    def head(self, session_id: str) -> RemoteHeader | None: ...
+
+    def fetch(self, header: RemoteHeader) -> HostEntry | None: ...
+
+    def delete(self, session_id: str) -> None: ...
+
+    def usage(self) -> tuple[int, int]: ...
+
+
 class CacheStore:
     def __init__(self, *, new_cache: Callable[[], DynamicCache], offloader: Offloader, layout: CacheLayout,
                  model_key: str, device_budget_bytes: int, host_budget_bytes: int, enabled: bool = True,
                  policy: EvictionPolicy | None = None, ttl_s: float | None = None,
-                 remote: RemoteTier | None = None, clock: Callable[[], float] = time.monotonic,
+                 remote: RemoteCaches | None = None, clock: Callable[[], float] = time.monotonic,
                  on_copy: CopyObserver | None = None, faults: FaultPoints | None = None,
                  host_kv_dtype: KVDtype = "same", remote_kv_dtype: KVDtype = "same"):
         self.enabled = enabled
@@ -504,5 +523,5 @@ def _left_intact(entry: CacheEntry, host_entry: HostEntry) -> bool:
 
 
 def _prefix_key(token_ids: Sequence[int], scope: str | None) -> str:
-    ids = b"".join(i.to_bytes(4, "little") for i in token_ids)
-    return _PREFIX + xxhash.xxh3_64_hexdigest(ids, seed=xxhash.xxh3_64_intdigest((scope or "").encode()))
+    seed = xxhash.xxh3_64_intdigest((scope or "").encode())
+    return _PREFIX + xxhash.xxh3_64_hexdigest(pack_ids(token_ids), seed=seed)

@@ -1,3 +1,3 @@
-from chatd.cli import main
+from chatd.tools.cli import main
 
 main()

@@ -12,8 +12,9 @@ from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from cache_store.quantize import KVDtype
-from chatd.http_responses import DEFAULT_WEB_DIR
-from chatd.model_loader import default_cache_dir
+from chatd.model.loader import default_cache_dir
+
+DEFAULT_WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 
 CPU_DEVICE_CACHE_MB = 2048
 

@@ -10,10 +10,11 @@ hint).
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 
 import xxhash
+
+from sessions.encoding import pack_ids
 
 BLOCK = 16  # tokens per hashed block
 MAX_CANDIDATES = 8
@@ -23,8 +24,7 @@ def block_hashes(owner: str | None, token_ids: Sequence[int]) -> list[int]:
     """The chained hash of every full block of `token_ids`."""
     chain, hashes = xxhash.xxh3_64_intdigest((owner or "").encode()), []
     for start in range(0, len(token_ids) - BLOCK + 1, BLOCK):
-        block = array("q", token_ids[start:start + BLOCK]).tobytes()
-        chain = xxhash.xxh3_64_intdigest(block, seed=chain)
+        chain = xxhash.xxh3_64_intdigest(pack_ids(token_ids[start:start + BLOCK]), seed=chain)
         hashes.append(chain)
     return hashes
 

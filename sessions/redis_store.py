@@ -19,7 +19,6 @@ import json
 import logging
 import secrets
 import time
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -30,12 +29,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
+from sessions.encoding import UNREACHABLE, pack_ids, redis_key, unpack_ids
 from sessions.state import Message, Session, new_session_id
 from sessions.store import Lease, LocalLease, SessionBusy, StoreUnavailable, VersionConflict
 
 log = logging.getLogger(__name__)
 
-UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 LOCAL_SESSIONS = 10_000
 RETRY_FLUSH_S = 0.5
 LEASE_WAIT_S = 2.0
@@ -53,23 +52,8 @@ _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPI
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
-def _key(session_id: str, part: str) -> str:
-    return f"chatd:{{{session_id}}}:{part}"
-
-
 def _all_keys(session_id: str) -> list[str]:
-    return [_key(session_id, part) for part in ("meta", "messages", "tokens", "lease", "fence")]
-
-
-def pack_ids(token_ids: list[int]) -> bytes:
-    """Token ids as little-endian int32: 4 bytes each, not a JSON list."""
-    return array("i", token_ids).tobytes()
-
-
-def unpack_ids(packed: bytes | None) -> list[int]:
-    ids = array("i")
-    ids.frombytes(packed or b"")
-    return ids.tolist()
+    return [redis_key(session_id, part) for part in ("meta", "messages", "tokens", "lease", "fence")]
 
 
 class RedisSessionStore:
@@ -131,8 +115,9 @@ class RedisSessionStore:
             try:
                 if self._down():
                     raise RedisConnectionError("backing off after Redis was unreachable")
-                fence = await self._redis.eval(_ACQUIRE, 2, _key(session_id, "lease"), _key(session_id, "fence"),
-                                               token, self.lease_ttl_ms, int(self.retention_s * 1000))
+                fence = await self._redis.eval(_ACQUIRE, 2, redis_key(session_id, "lease"),
+                                               redis_key(session_id, "fence"), token, self.lease_ttl_ms,
+                                               int(self.retention_s * 1000))
             except UNREACHABLE as error:
                 self._unreachable()
                 if session_id in self._local:
@@ -187,23 +172,23 @@ class RedisSessionStore:
     # ##### Helpers #####
 
     async def _write_new(self, session: Session) -> None:
-        meta = _key(session.session_id, "meta")
+        meta = redis_key(session.session_id, "meta")
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(meta, mapping={"system": json.dumps(session.system), "version": 0,
                                      "owner": json.dumps(session.owner), "dropped_turns": 0,
                                      "created_at": session.created_at, "updated_at": session.updated_at})
             pipe.expire(meta, self.retention_s)
             if session.messages:
-                history = _key(session.session_id, "messages")
+                history = redis_key(session.session_id, "messages")
                 pipe.rpush(history, *[_encode_message(m) for m in session.messages])
                 pipe.expire(history, self.retention_s)
             await pipe.execute()
 
     async def _read(self, session_id: str) -> Session | None:
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(_key(session_id, "meta"))
-            pipe.lrange(_key(session_id, "messages"), 0, -1)
-            pipe.get(_key(session_id, "tokens"))
+            pipe.hgetall(redis_key(session_id, "meta"))
+            pipe.lrange(redis_key(session_id, "messages"), 0, -1)
+            pipe.get(redis_key(session_id, "tokens"))
             meta, messages, tokens = await pipe.execute()
         if not meta:
             return None
@@ -265,7 +250,7 @@ class _RedisLease:
         while True:
             await asyncio.sleep(self.store.lease_ttl_ms / 3000)
             try:
-                await self.store._redis.eval(_RENEW, 1, _key(self.session_id, "lease"), self.token,
+                await self.store._redis.eval(_RENEW, 1, redis_key(self.session_id, "lease"), self.token,
                                              self.store.lease_ttl_ms)
             except UNREACHABLE:
                 self.store.errors += 1
@@ -275,7 +260,7 @@ class _RedisLease:
         if self.store._down():
             return  # it expires by itself
         try:
-            await self.store._redis.eval(_RELEASE, 1, _key(self.session_id, "lease"), self.token)
+            await self.store._redis.eval(_RELEASE, 1, redis_key(self.session_id, "lease"), self.token)
         except UNREACHABLE:
             self.store._unreachable()
 
@@ -292,10 +277,10 @@ class _Append:
         self.tokens, self.at = pack_ids(token_ids), at
 
     async def __call__(self) -> None:
-        keys = [_key(self.session_id, part) for part in ("meta", "messages", "tokens")]
+        keys = [redis_key(self.session_id, part) for part in ("meta", "messages", "tokens")]
         try:
             async with self.store._redis.pipeline(transaction=True) as pipe:
-                fence_key = _key(self.session_id, "fence")
+                fence_key = redis_key(self.session_id, "fence")
                 await pipe.watch(keys[0], fence_key)
                 stored = await pipe.hget(keys[0], "version")
                 if stored is None or int(stored) != self.version:

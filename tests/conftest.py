@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from chatd.model_loader import LoadedModel, converted_checkpoint, default_cache_dir, load_model
+from chatd.model.loader import LoadedModel, converted_checkpoint, default_cache_dir, load_model
 from tests.support import tiny_model
 
 

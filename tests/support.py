@@ -9,13 +9,13 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from websockets.asyncio.client import connect
 
-from chatd.client import ChatClient
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.engine import Engine
-from chatd.model_loader import LoadedModel, stop_token_ids
-from chatd.sampling import SamplingParams
-from chatd.server import ChatServer
-from chatd.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
+from chatd.engine.sampling import SamplingParams
+from chatd.engine.scheduler import Engine
+from chatd.engine.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
+from chatd.model.loader import LoadedModel, stop_token_ids
+from chatd.tools.client import ChatClient
 from sessions import Session
 
 TINY_CONTEXT = 512

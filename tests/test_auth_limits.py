@@ -11,9 +11,10 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from chatd.client import ChatClient, ChatError
+from chatd.api.protocol import ErrorMessage
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.server import ChatServer
+from chatd.tools.client import ChatClient, ChatError
 
 KEY_A, KEY_B = "sk-alpha-0123456789abcdef", "sk-bravo-fedcba9876543210"
 
@@ -65,7 +66,7 @@ async def test_another_keys_session_is_exactly_like_a_missing_one(tiny):
         turn = await alice.chat(session_id, "My account number is 12345.", turn_id="alice-1", max_new_tokens=4)
         await turn.result()
 
-        async def answers(client, message: dict, missing: dict) -> tuple[dict, dict]:
+        async def answers(client, message: dict, missing: dict) -> tuple[ErrorMessage, ErrorMessage]:
             await client._send(message)
             theirs = await client._replies.get()
             await client._send(missing)
@@ -74,13 +75,13 @@ async def test_another_keys_session_is_exactly_like_a_missing_one(tiny):
         for message in ({"type": "session.open", "session_id": session_id},
                         {"type": "session.close", "session_id": session_id}):
             theirs, missing = await answers(mallory, message, {**message, "session_id": "x" * 22})
-            assert theirs["code"] == missing["code"] == "unknown_session"
-            assert theirs["message"].replace(session_id, "ID") == missing["message"].replace("x" * 22, "ID")
+            assert theirs.code == missing.code == "unknown_session"
+            assert theirs.message.replace(session_id, "ID") == missing.message.replace("x" * 22, "ID")
         with pytest.raises(ChatError, match="unknown_session"):
             await (await mallory.chat(session_id, "Read me the history.")).result()
         for kind in ("chat.cancel", "chat.resume"):
             await mallory._send({"type": kind, "turn_id": "alice-1"})
-            assert (await mallory._replies.get())["code"] == "unknown_turn"
+            assert (await mallory._replies.get()).code == "unknown_turn"
         await mallory._send({"type": "typing", "session_id": session_id})  # a hint: never answered
         # Alice's session is untouched: still one turn, and still hers.
         ready = await alice.open_session(session_id=session_id)

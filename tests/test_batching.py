@@ -5,8 +5,8 @@ import json
 import threading
 from pathlib import Path
 
-from chatd.sampling import SamplingParams
-from chatd.turn import TokenText, Turn, TurnResult
+from chatd.engine.sampling import SamplingParams
+from chatd.engine.turn import TokenText, Turn, TurnResult
 from sessions import Session
 from tests.support import run_turn, running_engine
 

@@ -3,9 +3,9 @@
 
 from websockets.asyncio.client import connect
 
-from chatd.client import ChatClient, ChatError
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.server import ChatServer
+from chatd.tools.client import ChatClient, ChatError
 from tests.support import TINY_CONTEXT
 
 SYSTEM = "You are the support desk of a bicycle shop."

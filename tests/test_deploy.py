@@ -2,19 +2,17 @@
 configuration routes sessions across real chatd worker processes sharing a real Redis."""
 
 import asyncio
-import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from websockets.asyncio.client import connect
 
-from chatd.client import ChatClient, ChatError
+from chatd.tools.client import ChatClient, ChatError
+from chatd.tools.server_process import ServerProcess
 from sessions.redis_store import RedisSessionStore
 from tests.redis_server import free_port
 
@@ -42,30 +40,18 @@ def test_compose_file_parses_and_names_files_that_exist():
     assert "hash $arg_session_id consistent;" in nginx_conf
 
 
-class Worker:
+def start_worker(checkpoint: Path, redis_url: str) -> ServerProcess:
     """`chatd serve` as its own process, as deployed."""
-
-    def __init__(self, checkpoint: Path, redis_url: str, *flags: str):
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "chatd", "serve", "--model", str(checkpoint), "--port", "0", "--device", "cpu",
-             "--redis-url", redis_url, "--lease-ttl-s", "2", "--log-level", "warning", *flags],
-            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        line = self.process.stdout.readline()
-        self.port = int(re.search(r"ws://127\.0\.0\.1:(\d+)/ws", line).group(1))
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(10)
+    return ServerProcess(["--model", str(checkpoint), "--device", "cpu", "--redis-url", redis_url,
+                          "--lease-ttl-s", "2"])
 
 
 @pytest.fixture
 def workers(tiny_checkpoint, redis_server):
-    started = [Worker(tiny_checkpoint, redis_server.url) for _ in range(2)]
+    started = [start_worker(tiny_checkpoint, redis_server.url) for _ in range(2)]
     yield started
-    for worker in started:
-        if worker.process.poll() is None:
-            worker.process.terminate()
-            worker.process.wait(10)
+    for running in started:
+        running.stop()
 
 
 @pytest.fixture
@@ -143,7 +129,7 @@ async def test_a_worker_killed_mid_turn_leaves_every_completed_turn_and_no_trace
         with pytest.raises(ChatError) as lost:
             await interrupted.result()
         assert (lost.value.code, lost.value.retryable) == ("disconnected", True)
-    workers[0] = Worker(tiny_checkpoint, redis_server.url)  # restarted
+    workers[0] = start_worker(tiny_checkpoint, redis_server.url)  # restarted
     ready, done = await one_turn(f"ws://127.0.0.1:{workers[0].port}/ws", session_id, "after the crash",
                                  max_new_tokens=4)
     assert ready.turns == 2 and done.usage.completion_tokens == 4

@@ -3,9 +3,9 @@ must answer exactly like a server that prefills the whole conversation every tur
 
 from websockets.asyncio.client import connect
 
-from chatd.client import ChatClient
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.server import ChatServer
+from chatd.tools.client import ChatClient
 
 SYSTEM = "You are a friendly customer-service agent for Northwind Internet. Answer briefly."
 TURNS = [

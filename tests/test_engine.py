@@ -1,8 +1,8 @@
 """The engine with a tiny random model: cached turns must generate exactly what uncached turns do."""
 
 from cache_store import common_prefix_length
-from chatd.prompt import PromptRenderer
-from chatd.turn import TurnFailed
+from chatd.engine.turn import TurnFailed
+from chatd.model.prompt import PromptRenderer
 from sessions import Message, Session
 from tests.support import TINY_CONTEXT, run_turn, running_engine
 

@@ -11,9 +11,9 @@ import pytest
 import pytest_asyncio
 from websockets.asyncio.client import connect
 
-from chatd.client import ChatClient
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.server import ChatServer
+from chatd.tools.client import ChatClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

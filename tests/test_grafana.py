@@ -10,8 +10,8 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.server import ChatServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy/grafana/dashboards/chatd.json"

@@ -10,10 +10,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
 from cache_store import CacheStore
-from chatd.client import ChatClient, ChatError
+from chatd.api.protocol import ChatDone
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.protocol import ChatDone
-from chatd.server import ChatServer
+from chatd.tools.client import ChatClient, ChatError
 
 MODEL = "tiny-test"
 

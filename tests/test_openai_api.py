@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.server import ChatServer
 
 MODEL = "tiny-test"
 SYSTEM = "You are a helpful support agent."

@@ -9,9 +9,9 @@ import openai
 import pytest
 from websockets.asyncio.client import connect
 
-from chatd.client import ChatClient
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.server import ChatServer
+from chatd.tools.client import ChatClient
 from tests.test_e2e_smollm2 import SYSTEM
 from tests.test_e2e_smollm2 import TURNS as WEBSOCKET_TURNS
 

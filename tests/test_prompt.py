@@ -1,7 +1,7 @@
 import sys
 import threading
 
-from chatd.prompt import PromptRenderer
+from chatd.model.prompt import PromptRenderer
 from sessions import Message
 
 

@@ -9,9 +9,9 @@ import urllib.request
 import pytest
 from websockets.asyncio.client import connect
 
-from chatd.client import ChatClient, ChatError
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.server import ChatServer
+from chatd.tools.client import ChatClient, ChatError
 from tests.support import TINY_CONTEXT
 
 

@@ -4,9 +4,9 @@ import asyncio
 
 from websockets.asyncio.client import connect
 
-from chatd.client import ChatClient, ChatError
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.server import ChatServer
+from chatd.tools.client import ChatClient, ChatError
 from sessions.redis_store import RedisSessionStore
 from tests.support import two_workers_and_a_reference
 

@@ -6,7 +6,8 @@ import pytest
 import redis.asyncio as redis
 
 from sessions import Message, SessionBusy, StoreUnavailable, VersionConflict
-from sessions.redis_store import RedisSessionStore, pack_ids, unpack_ids
+from sessions.encoding import pack_ids, unpack_ids
+from sessions.redis_store import RedisSessionStore
 
 
 async def test_round_trip_through_a_second_store(redis_server):

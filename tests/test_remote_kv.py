@@ -8,11 +8,11 @@ import pytest
 import redis.asyncio as redis
 from websockets.asyncio.client import connect
 
-from cache_store.cost_model import CostModel
-from cache_store.remote_tier import RemoteTier, Throughput
-from chatd.client import ChatClient
+from cache_store.cost_model import CostModel, Throughput
+from cache_store.remote_tier import RemoteTier
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.server import ChatServer
+from chatd.tools.client import ChatClient
 from tests.support import two_workers_and_a_reference
 
 QUESTIONS = ["My parcel is late.", "It was sent on Monday.", "Where is it now?"]
@@ -117,7 +117,7 @@ async def test_turns_go_on_without_stalling_while_the_remote_tier_is_down(tiny, 
             session_id = (await client.open_session()).session_id
             await (await client.chat(session_id, "hello", max_new_tokens=3)).result()
             redis_server.stop()
-            server.engine.drop_session(session_id)  # only Redis could help now
+            server.engine.drop_cache(session_id)  # only Redis could help now
             done = await (await client.chat(session_id, "still there?", max_new_tokens=3)).result()
             assert done.cache.source == "miss" and done.usage.completion_tokens == 3
             assert server.engine.cache.remote.errors >= 1

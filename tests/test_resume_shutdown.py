@@ -8,9 +8,9 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from chatd.client import ChatClient, ChatError
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.server import ChatServer
+from chatd.tools.client import ChatClient, ChatError
 from sessions.redis_store import RedisSessionStore
 from tests.test_deploy import Worker
 

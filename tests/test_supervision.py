@@ -16,9 +16,9 @@ import pytest
 from websockets.asyncio.client import connect
 
 from cache_store import CacheStore
-from chatd.client import ChatClient, ChatError
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.server import ChatServer
+from chatd.tools.client import ChatClient, ChatError
 
 SYSTEM = "You are a support agent."
 FIRST = {"a": "My parcel never arrived.", "b": "I need a copy of my invoice."}

@@ -1,4 +1,4 @@
-from chatd.text_stream import TextStream
+from chatd.engine.text_stream import TextStream
 
 
 def stream_all(tokenizer, text: str, stop=()) -> tuple[list[str], TextStream]:

@@ -10,11 +10,11 @@ from torch import nn
 from websockets.asyncio.client import connect
 
 from cache_store import kv_bytes_per_token
-from chatd.client import ChatClient
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.model_loader import LoadedModel
-from chatd.server import ChatServer
-from chatd.turn import TurnFailed
+from chatd.engine.turn import TurnFailed
+from chatd.model.loader import LoadedModel
+from chatd.tools.client import ChatClient
 from sessions import Session
 from tests.support import run_turn, running_engine
 

@@ -3,10 +3,10 @@ cursor, so a turn that publishes while the replay is in progress loses and repea
 
 import asyncio
 
-from chatd.protocol import ChatDelta, ChatDone, Delta, Timings, Usage
-from chatd.sampling import SamplingParams
-from chatd.turn import Turn
-from chatd.turn_log import TurnLog
+from chatd.api.protocol import ChatDelta, ChatDone, Delta, Timings, Usage
+from chatd.api.turn_log import TurnLog
+from chatd.engine.sampling import SamplingParams
+from chatd.engine.turn import Turn
 
 
 class Sink:

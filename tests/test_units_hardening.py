@@ -4,14 +4,14 @@ key identification, the context window and the in-memory store's retention."""
 import pytest
 from websockets.datastructures import Headers
 
-from chatd.auth import KeyRing, key_id
-from chatd.context_window import DoesNotFit, fit
-from chatd.metrics import LiveState
-from chatd.prompt import PromptRenderer
-from chatd.rate_limit import RateLimiter
-from chatd.stats import StatsRecorder, percentiles
-from chatd.turn import TurnResult
-from chatd.turn_log import TurnLogs
+from chatd.api.auth import KeyRing, key_id
+from chatd.api.rate_limit import RateLimiter
+from chatd.api.turn_log import TurnLogs
+from chatd.engine.turn import TurnResult
+from chatd.model.context_window import DoesNotFit, fit
+from chatd.model.prompt import PromptRenderer
+from chatd.observability.metrics import LiveState
+from chatd.observability.stats import StatsRecorder, percentiles
 from sessions import InMemorySessionStore, Message
 
 

@@ -10,8 +10,8 @@ import pytest_asyncio
 from playwright.async_api import Page, async_playwright, expect
 
 from cache_store import CacheStore
+from chatd.api.server import ChatServer
 from chatd.config import Settings
-from chatd.server import ChatServer
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SCREENSHOTS = Path(__file__).resolve().parent.parent / "test-output" / "web"

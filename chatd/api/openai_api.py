@@ -23,10 +23,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cache_store.store import common_prefix_length
-from chatd.config import Settings
-from chatd.engine import Engine
-from chatd.gateway import Gateway, StartedTurn
-from chatd.openai_schema import (
+from chatd.api.gateway import Gateway, StartedTurn
+from chatd.api.openai_schema import (
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
@@ -42,10 +40,12 @@ from chatd.openai_schema import (
     ModelList,
     RequestRefused,
 )
-from chatd.prompt import PromptRenderer
-from chatd.protocol import ErrorMessage
-from chatd.sampling import SamplingParams
-from chatd.turn import TurnFailed, TurnResult
+from chatd.api.protocol import ErrorMessage
+from chatd.config import Settings
+from chatd.engine.sampling import SamplingParams
+from chatd.engine.scheduler import Engine
+from chatd.engine.turn import TurnFailed, TurnResult
+from chatd.model.prompt import PromptRenderer
 from sessions import Message, Session, SessionStore, StoreUnavailable
 from sessions.prefix_index import BLOCK, PrefixIndex
 

@@ -18,7 +18,15 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from chatd.protocol import ChatDone, SessionReady
+from chatd.api.protocol import (
+    AuthOk,
+    ChatDelta,
+    ChatDone,
+    ErrorMessage,
+    SessionClosed,
+    SessionReady,
+    parse_server_message,
+)
 
 
 class ChatError(Exception):
@@ -31,6 +39,9 @@ class ChatError(Exception):
         self.retryable = retryable
 
 
+ServerEvent = ChatDelta | ChatDone | ErrorMessage | ChatError  # ChatError: the connection was lost
+
+
 class TurnStream:
     """One turn's reply: iterate for text deltas, then await `result()` for the `chat.done`."""
 
@@ -38,8 +49,8 @@ class TurnStream:
         self.turn_id = turn_id
         self.deltas: list[str] = []
         self.last_seq = -1  # of the last delta received: what chat.resume continues after
-        self._events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._final: dict[str, Any] | None = None
+        self._events: asyncio.Queue[ServerEvent] = asyncio.Queue()
+        self._final: ServerEvent | None = None
 
     def __aiter__(self) -> TurnStream:
         return self
@@ -48,26 +59,25 @@ class TurnStream:
         if self._final is not None:
             raise StopAsyncIteration
         event = await self._events.get()
-        if event["type"] == "chat.delta":
-            self.deltas.append(event["delta"]["content"])
-            self.last_seq = event["seq"]
-            return event["delta"]["content"]
+        if isinstance(event, ChatDelta):
+            self.deltas.append(event.delta.content)
+            self.last_seq = event.seq
+            return event.delta.content
         self._final = event
         raise StopAsyncIteration
 
     async def result(self) -> ChatDone:
         async for _ in self:
             pass
-        if self._final["type"] == "error":
-            raise ChatError(self._final["code"], self._final["message"], self._final.get("retryable", False))
-        return ChatDone.model_validate(self._final)
+        return _checked(self._final)
 
 
 class ChatClient:
     def __init__(self, websocket: ClientConnection):
         self._websocket = websocket
         self._turns: dict[str, TurnStream] = {}
-        self._replies: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._replies: asyncio.Queue[AuthOk | SessionReady | SessionClosed | ErrorMessage | ChatError] = \
+            asyncio.Queue()
         self._reader = asyncio.create_task(self._read())
 
     @classmethod
@@ -94,7 +104,7 @@ class ChatClient:
 
     async def open_session(self, system: str | None = None, session_id: str | None = None) -> SessionReady:
         await self._send({"type": "session.open", "session_id": session_id, "system": system})
-        return SessionReady.model_validate(await self._reply())
+        return await self._reply()
 
     async def close_session(self, session_id: str) -> None:
         await self._send({"type": "session.close", "session_id": session_id})
@@ -122,30 +132,36 @@ class ChatClient:
     async def _send(self, message: dict[str, Any]) -> None:
         await self._websocket.send(json.dumps(message))
 
-    async def _reply(self) -> dict[str, Any]:
-        reply = await self._replies.get()
-        if reply["type"] == "error":
-            raise ChatError(reply["code"], reply["message"], reply.get("retryable", False))
-        return reply
+    async def _reply(self):
+        return _checked(await self._replies.get())
 
     async def _read(self) -> None:
-        """Route each server message to the turn it belongs to, or to the request/reply queue. When
-        the connection is lost, whatever still waits gets a retryable `disconnected` error."""
+        """Route each server message, parsed into its model, to the turn it belongs to or to the
+        request/reply queue. When the connection is lost, whatever still waits gets a retryable
+        `disconnected` error."""
         try:
             async for frame in self._websocket:
-                message = json.loads(frame)
-                stream = self._turns.get(message.get("turn_id") or "")
+                message = parse_server_message(frame)
+                stream = self._turns.get(getattr(message, "turn_id", None) or "")
                 if stream is None:
                     self._replies.put_nowait(message)
                     continue
                 stream._events.put_nowait(message)
-                if message["type"] in ("chat.done", "error"):
+                if isinstance(message, ChatDone | ErrorMessage):
                     del self._turns[stream.turn_id]
         except ConnectionClosed:
             pass
-        lost = {"type": "error", "code": "disconnected", "message": "the connection to the server was lost",
-                "retryable": True}
+        lost = ChatError("disconnected", "the connection to the server was lost", retryable=True)
         for stream in self._turns.values():
             stream._events.put_nowait(lost)
         self._turns.clear()
         self._replies.put_nowait(lost)
+
+
+def _checked(message):
+    """The message, or the `ChatError` it stands for."""
+    if isinstance(message, ChatError):
+        raise message
+    if isinstance(message, ErrorMessage):
+        raise ChatError(message.code, message.message, message.retryable)
+    return message

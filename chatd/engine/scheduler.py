@@ -43,15 +43,15 @@ from cache_store.remote_tier import RemoteTier
 from cache_store.stage_faults import FaultPoints, InjectedFatalFault, Stage
 from cache_store.store import CopyObserver
 from chatd.config import Settings
-from chatd.context_window import DoesNotFit, fit
-from chatd.deep_check import DEEP_CHECK_TOLERANCE, DEEP_CHECK_TOLERANCE_INT8, deep_check_distance
-from chatd.model_loader import LoadedModel
-from chatd.model_runner import ModelRunner
-from chatd.prompt import PromptRenderer
-from chatd.running_turn import RunningTurn
-from chatd.sampling import TokenSampler
-from chatd.text_stream import TextStream
-from chatd.turn import FinishReason, Turn, TurnFailed, TurnResult
+from chatd.engine.deep_check import DEEP_CHECK_TOLERANCE, DEEP_CHECK_TOLERANCE_INT8, deep_check_distance
+from chatd.engine.model_runner import ModelRunner
+from chatd.engine.running_turn import RunningTurn
+from chatd.engine.sampling import TokenSampler
+from chatd.engine.text_stream import TextStream
+from chatd.engine.turn import FinishReason, Turn, TurnFailed, TurnResult
+from chatd.model.context_window import DoesNotFit, fit
+from chatd.model.loader import LoadedModel
+from chatd.model.prompt import PromptRenderer
 from sessions import Message
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class EngineUnavailable(RuntimeError):
 
 class Engine:
     """Owns the model and the session caches. Talk to it only through `submit`, `cancel` (on the
-    turn), `drop_session`, `session_connected`, `prefetch` and `call`; all are safe from any thread."""
+    turn), `drop_cache`, `close_session`, `session_connected`, `prefetch` and `call`; all are safe from any thread."""
 
     def __init__(self, load: Callable[[], LoadedModel], settings: Settings | None = None,
                  on_cache_copy: CopyObserver | None = None, on_fatal: Callable[[str], None] | None = None):
@@ -119,7 +119,7 @@ class Engine:
         self._head: RunningTurn | None = None  # the oldest, rendered, waiting for device memory
         self._live: dict[int, Turn] = {}  # every turn taken from the queue and not yet ended, by id
         self._prefilling: deque[RunningTurn] = deque()  # admitted, prompt being fed chunk by chunk
-        self._running: list[RunningTurn] = []  # the decode batch
+        self._decoding: list[RunningTurn] = []  # the decode batch
         self.prefill_chunks = 0
         self.batch_sizes: Counter[int] = Counter()  # decode steps by batch size
         self._deferred: list[_CacheCommand] = []
@@ -155,8 +155,14 @@ class Engine:
                 return
         turn.emit(TurnFailed("unavailable", self._unavailable()))
 
-    def drop_session(self, session_id: str) -> None:
-        """Free a session's cache once the turns queued before this call have finished."""
+    def drop_cache(self, session_id: str) -> None:
+        """Drop a session's cache from every tier (its next turn recomputes), once the turns queued
+        before this call have finished."""
+        self._commands.put(_CacheCommand(lambda store: store.drop(session_id), session_id=session_id))
+
+    def close_session(self, session_id: str) -> None:
+        """The session is closed: drop its cache and everything the cache store knows about it, once the
+        turns queued before this call have finished."""
         self._commands.put(_CacheCommand(lambda store: store.forget(session_id), session_id=session_id))
 
     def fork_session(self, source: str, target: str, prompt_ids: list[int]) -> None:
@@ -211,13 +217,13 @@ class Engine:
 
     def _serve(self) -> None:
         expired_at = time.monotonic()
-        while self._take_commands(block=not (self._running or self._prefilling or self._head)):
+        while self._take_commands(block=not (self._decoding or self._prefilling or self._head)):
             self._admit()
             if self._prefilling:
                 self._prefill_step()
-            if self._running:
+            if self._decoding:
                 self._decode_step()
-            self._active = len(self._running) + len(self._prefilling)
+            self._active = len(self._decoding) + len(self._prefilling)
             if time.monotonic() - expired_at >= EXPIRE_EVERY_S:
                 self._housekeep(CacheStore.expire)
                 expired_at = time.monotonic()
@@ -228,7 +234,7 @@ class Engine:
             self._closed = reason
         turns = list(self._live.values())  # wherever each was when the engine stopped
         self._queued.clear()
-        self._head, self._prefilling, self._running = None, deque(), []
+        self._head, self._prefilling, self._decoding = None, deque(), []
         commands = [*self._deferred]
         while True:
             try:
@@ -272,7 +278,7 @@ class Engine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 command = None
-        running = {r.turn.session_id for r in (*self._running, *self._prefilling)}
+        running = {r.turn.session_id for r in (*self._decoding, *self._prefilling)}
         ready = [c for c in self._deferred if c.session_id not in running]
         self._deferred = [c for c in self._deferred if c.session_id in running]
         for command in ready:
@@ -284,7 +290,7 @@ class Engine:
         what their caches may reach; each is then looked up and prefilled chunk by chunk before it
         joins the decode batch. The oldest that does not fit waits, and the others behind it, for a
         running turn to finish (first come, first served)."""
-        while (self._head or self._queued) and len(self._running) + len(self._prefilling) < self.settings.max_batch:
+        while (self._head or self._queued) and len(self._decoding) + len(self._prefilling) < self.settings.max_batch:
             running, self._head = self._head or self._render(self._queued.popleft()), None
             if running is None:
                 self._left_queue()
@@ -296,7 +302,7 @@ class Engine:
                 continue
             try:
                 admitted = self.cache.admit(turn.session_id, turn, running.reserve_bytes,
-                                            alone=not (self._running or self._prefilling))
+                                            alone=not (self._decoding or self._prefilling))
             except SessionRunning as error:  # a second turn of a session: never let it near the cache
                 self._left_queue()
                 self._end(turn, TurnFailed("busy", f"{error}; retry when it has finished"))
@@ -396,12 +402,12 @@ class Engine:
     def _wait_for_room(self, running: RunningTurn) -> None:
         """The turn stays first in line while a decoding turn may still free a region; with none
         decoding it can only wait forever, so it is answered `busy`, its cache kept as it found it."""
-        if self._running:
+        if self._decoding:
             return
         self._prefilling.popleft()
         session_id = running.turn.session_id
         if running.entry is not None:
-            running.entry.crop(running.start)
+            running.entry.crop(running.rollback_to)
             self.cache.put(session_id, running.entry, running.turn.session_version)
         else:
             self.cache.release(session_id)
@@ -419,7 +425,7 @@ class Engine:
         if finish:
             self._finish(running, finish)
         else:
-            self._running.append(running)
+            self._decoding.append(running)
 
     def _prefill_chunk(self, running: RunningTurn, budget: int) -> tuple[torch.Tensor | None, int]:
         """Feed the next chunk; return the logits after the prompt's last token (None before it)
@@ -432,14 +438,14 @@ class Engine:
         running.pending = running.pending[len(chunk):]
         if running.share_prefix:
             self.cache.put_prefix(running.entry, running.turn.owner)
-            running.share_prefix, running.start = False, running.prefix_len
+            running.share_prefix, running.rollback_to = False, running.prefix_len
         self.prefill_chunks += 1
         return (None if running.pending else logits), len(chunk)
 
     def _decode_step(self) -> None:
         """Advance every running turn by one token, in one forward pass. If the batched pass fails, each
         turn is tried alone, so that only the turns that fail by themselves are failed."""
-        batch, self._running = self._running, []
+        batch, self._decoding = self._decoding, []
         self.batch_sizes[len(batch)] += 1
         try:
             rows = list(zip(batch, self._forward_decode(batch), strict=True))
@@ -570,7 +576,7 @@ class Engine:
         running.lookup = lookup
         running.entry = lookup.entry or CacheEntry(self.runner.new_cache())
         running.has_room = False
-        running.start = lookup.cached_tokens
+        running.rollback_to = lookup.cached_tokens
         running.pending = running.prompt_ids[lookup.cached_tokens:]
         running.share_prefix = lookup.source == "miss" and running.prefix_len > 0
 
@@ -580,7 +586,7 @@ class Engine:
         try:
             self.faults.check("write-back", turn.session_id)
             if finish == "cancelled":
-                entry.crop(running.start)  # the turn is not recorded: roll its tokens back
+                entry.crop(running.rollback_to)  # the turn is not recorded: roll its tokens back
             result = running.result(finish)
             with torch.inference_mode():
                 self.cache.put(turn.session_id, entry, turn.session_version + (finish != "cancelled"))

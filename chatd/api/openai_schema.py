@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from chatd.protocol import MAX_NEW_TOKENS_CAP
+from chatd.api.protocol import MAX_NEW_TOKENS_CAP
 from sessions import Message
 
 

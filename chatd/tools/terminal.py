@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from chatd.client import ChatClient, ChatError
+from chatd.tools.client import ChatClient, ChatError
 
 
 async def chat(url: str, system: str | None, session_id: str | None, max_new_tokens: int,

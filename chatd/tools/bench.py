@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import re
-import shlex
-import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -24,9 +20,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from chatd.client import ChatClient, ChatError
+from chatd.observability.stats import percentile
+from chatd.tools.client import ChatClient, ChatError
+from chatd.tools.server_process import ServerProcess
 
-DEFAULT_SCENARIOS = Path(__file__).resolve().parent.parent / "bench" / "scenarios"
+DEFAULT_SCENARIOS = Path(__file__).resolve().parents[2] / "bench" / "scenarios"
 
 
 @dataclass
@@ -165,20 +163,12 @@ async def run_workload(url: str, workload: Workload, label: str) -> tuple[list[T
         return samples, time.perf_counter() - started
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
-
-
 def summarize(samples: list[TurnSample], wall_s: float) -> dict:
     ok = [s for s in samples if s.error is None]
     by_turn = {}
     for turn in sorted({s.turn for s in ok}):
         ttfts = [s.ttft_ms for s in ok if s.turn == turn and s.ttft_ms is not None]
-        by_turn[turn] = {"p50": _percentile(ttfts, 50), "p95": _percentile(ttfts, 95), "n": len(ttfts)}
+        by_turn[turn] = {"p50": percentile(ttfts, 50), "p95": percentile(ttfts, 95), "n": len(ttfts)}
     late = [s.ttft_ms for s in ok if s.turn >= 3 and s.ttft_ms is not None]
     gaps = [gap for s in ok for gap in s.inter_token_ms]
     e2e = [s.e2e_ms for s in ok]
@@ -190,35 +180,13 @@ def summarize(samples: list[TurnSample], wall_s: float) -> dict:
             sources[s.cache_source] = sources.get(s.cache_source, 0) + 1
     return {
         "ttft_ms_by_turn": by_turn,
-        "ttft_ms_turn3_plus": {"p50": _percentile(late, 50), "p95": _percentile(late, 95)},
-        "inter_token_ms": {"p50": _percentile(gaps, 50), "p95": _percentile(gaps, 95)},
-        "e2e_ms": {"p50": _percentile(e2e, 50), "p95": _percentile(e2e, 95)},
+        "ttft_ms_turn3_plus": {"p50": percentile(late, 50), "p95": percentile(late, 95)},
+        "inter_token_ms": {"p50": percentile(gaps, 50), "p95": percentile(gaps, 95)},
+        "e2e_ms": {"p50": percentile(e2e, 50), "p95": percentile(e2e, 95)},
         "tokens_per_s": sum(s.completion_tokens for s in ok) / wall_s if wall_s > 0 else 0.0,
         "cache_sources": sources,
         "errors": errors,
     }
-
-
-class ServerProcess:
-    """`chatd serve` with the given flags on a free port, for as long as the benchmark runs; with
-    `checkout`, the code of that checkout serves (to compare a change with the commit before it)."""
-
-    def __init__(self, flags: str, checkout: Path | None = None):
-        command = [sys.executable, "-m", "chatd", "serve", "--port", "0", "--log-level", "warning",
-                   *shlex.split(flags)]
-        env = None if checkout is None else {**os.environ, "PYTHONPATH": str(checkout.resolve())}
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env,
-                                        cwd=checkout.resolve() if checkout else None)
-        line = self.process.stdout.readline()
-        match = re.search(r"ws://\S+/ws", line)
-        if not match:
-            self.process.kill()
-            raise SystemExit(f"chatd bench: the server with flags {flags!r} did not start")
-        self.url = match.group(0)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(30)
 
 
 FIGURES = [("TTFT p50, turns 3+ (ms)", ("ttft_ms_turn3_plus", "p50")),
@@ -282,7 +250,10 @@ def main(args) -> None:
                         args.max_new_tokens, args.seed, args.api_key)
     flag_sets = [args.a, args.b] if args.compare else ([args.serve] if args.serve is not None else [])
     checkouts = [args.a_checkout, args.b_checkout] if args.compare else [None]
-    servers = [ServerProcess(flags, checkout) for flags, checkout in zip(flag_sets, checkouts, strict=False)]
+    try:
+        servers = [ServerProcess(flags, checkout) for flags, checkout in zip(flag_sets, checkouts, strict=False)]
+    except RuntimeError as error:
+        raise SystemExit(f"chatd bench: {error}") from None
     served = openai_url if args.api == "openai" else str
     targets = [(args.url, "server")] if args.url else [(served(server.url), label) for server, label
                                                       in zip(servers, "AB" if len(servers) == 2 else ["server"],

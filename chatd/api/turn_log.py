@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from chatd.protocol import ChatDelta, ChatDone, ErrorMessage
-from chatd.turn import Turn
+from chatd.api.protocol import ChatDelta, ChatDone, ErrorMessage
+from chatd.engine.turn import Turn
 
 OutMessage = ChatDelta | ChatDone | ErrorMessage
 

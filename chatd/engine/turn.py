@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from chatd.sampling import SamplingParams
+from chatd.engine.sampling import SamplingParams
 from sessions import Message
 
 FinishReason = Literal["stop", "length", "cancelled"]

@@ -14,8 +14,7 @@ from prometheus_client.registry import Collector
 from cache_store.integrity import CHECKS
 from cache_store.stage_faults import STAGES
 from cache_store.store import CacheSource, MissReason
-from chatd.protocol import ErrorCode
-from chatd.turn import TurnResult
+from chatd.engine.turn import TurnResult
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()  # the *_created series only double the scrape
@@ -60,7 +59,8 @@ class LiveState:
 class Metrics:
     """One registry per server (tests run several servers in one process)."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, error_codes: tuple[str, ...] = ()):
+        """`error_codes`: the codes clients can be sent, whose error series exist from the start."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.live = LiveState()
@@ -106,7 +106,7 @@ class Metrics:
             self.cache_misses.labels(model_name, reason)
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
-        for code in typing.get_args(ErrorCode):
+        for code in error_codes:
             self.errors.labels(model_name, code)
         for api in APIS:
             self.api_requests.labels(model_name, api)

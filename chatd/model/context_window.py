@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chatd.prompt import PromptRenderer
+from chatd.model.prompt import PromptRenderer
 from sessions import Message
 
 REFILL_SHARE = 0.75

@@ -210,3 +210,19 @@ class ErrorMessage(BaseModel):
     message: str
     retryable: bool = False
     retry_after_s: float | None = None  # when to retry, for rate_limited
+
+
+ServerMessage = Annotated[AuthOk | SessionReady | ChatDelta | ChatDone | SessionClosed | ErrorMessage,
+                          Field(discriminator="type")]
+_server_message = TypeAdapter(ServerMessage)
+
+
+def parse_server_message(frame: str | bytes
+                         ) -> AuthOk | SessionReady | ChatDelta | ChatDone | SessionClosed | ErrorMessage:
+    """A server frame as its model (for clients); raises pydantic's `ValidationError` for anything else."""
+    return _server_message.validate_json(frame)
+
+
+def json_schemas() -> dict[str, dict]:
+    """The websocket protocol as JSON Schema: every message a client may send, and the server may answer."""
+    return {"client_to_server": _client_message.json_schema(), "server_to_client": _server_message.json_schema()}

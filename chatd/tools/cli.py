@@ -104,26 +104,26 @@ def main(argv: list[str] | None = None) -> None:
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         # One line per connection and probe is noise in production; frame dumps (DEBUG) would show API keys.
         logging.getLogger("websockets").setLevel(logging.INFO if settings.log_level == "debug" else logging.WARNING)
-        from chatd.server import EngineFailed, ModelLoadError, run
+        from chatd.api.server import EngineFailed, ModelLoadError, run
 
         try:
             asyncio.run(run(settings))
         except (ModelLoadError, EngineFailed) as error:
             sys.exit(f"chatd: {error}")
     elif args.command == "bench":
-        from chatd import bench as bench_command
+        from chatd.tools import bench as bench_command
 
         args.scenarios = args.scenarios or bench_command.DEFAULT_SCENARIOS
         bench_command.main(args)
     elif args.command == "kv-size":
-        from chatd.kv_size import kv_size_table
+        from chatd.model.kv_size import kv_size_table
 
         print(kv_size_table(args.model, args.tokens, args.dtype, args.budget_mb))
     else:
         from websockets.exceptions import InvalidHandshake
 
-        from chatd.client import ChatError
-        from chatd.terminal import chat as run_chat
+        from chatd.tools.client import ChatError
+        from chatd.tools.terminal import chat as run_chat
 
         try:
             asyncio.run(run_chat(args.url, args.system, args.session_id, args.max_new_tokens, args.api_key))

@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 
 from cache_store import CacheEntry, CacheLookup
-from chatd.sampling import TokenSampler
-from chatd.text_stream import TextStream
-from chatd.turn import FinishReason, TokenText, Turn, TurnResult
+from chatd.engine.sampling import TokenSampler
+from chatd.engine.text_stream import TextStream
+from chatd.engine.turn import FinishReason, TokenText, Turn, TurnResult
 from sessions import Message
 
 
@@ -21,13 +21,13 @@ class RunningTurn:
     max_new_tokens: int
     sampler: TokenSampler
     stream: TextStream
-    started: float
+    started_at: float  # when the engine took the turn
     messages: list[Message] = field(default_factory=list)  # the window the prompt renders
     dropped_turns: int = 0  # oldest turns the window leaves out
     reserve_bytes: int = 0  # what its cache may reach: counted against the device budget while it runs
     lookup: CacheLookup | None = None
     entry: CacheEntry | None = None
-    start: int = 0  # where this turn's feeding started: a cancel rolls the cache back to it
+    rollback_to: int = 0  # the cache's length before this turn fed it: a cancel crops it back to this
     pending: list[int] = field(default_factory=list)  # prompt ids still to prefill
     share_prefix: bool = False  # prefill the system prompt alone first, and share it
     has_room: bool = False  # its cache has a region of the arena for all it may reach
@@ -68,9 +68,9 @@ class RunningTurn:
             token_times=list(self.token_times), dropped_turns=self.dropped_turns,
             reply_ids=list(generated) if self.stream.decode(generated) == self.stream.text else None,
             timings={
-                "queue_ms": (self.started - self.turn.received_at) * ms,
+                "queue_ms": (self.started_at - self.turn.received_at) * ms,
                 "ttft_ms": (self.first_token_at - self.turn.received_at) * ms,
-                "prefill_ms": (self.first_token_at - self.started) * ms,
+                "prefill_ms": (self.first_token_at - self.started_at) * ms,
                 "decode_ms": decode_s * ms,
                 "total_ms": (finished_at - self.turn.received_at) * ms,
                 "tokens_per_s": (len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0,

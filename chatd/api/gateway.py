@@ -17,11 +17,9 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from chatd.auth import KeyRing
-from chatd.client_socket import ClientGone, ClientSocket
-from chatd.config import Settings
-from chatd.engine import Engine
-from chatd.protocol import (
+from chatd.api.auth import KeyRing
+from chatd.api.client_socket import ClientGone, ClientSocket
+from chatd.api.protocol import (
     Auth,
     AuthOk,
     CacheReport,
@@ -43,10 +41,12 @@ from chatd.protocol import (
     Usage,
     parse_client_message,
 )
-from chatd.rate_limit import RateLimiter
-from chatd.sampling import SamplingParams
-from chatd.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
-from chatd.turn_log import TurnLogs
+from chatd.api.rate_limit import RateLimiter
+from chatd.api.turn_log import TurnLogs
+from chatd.config import Settings
+from chatd.engine.sampling import SamplingParams
+from chatd.engine.scheduler import Engine
+from chatd.engine.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
 from sessions import Lease, Session, SessionBusy, SessionStore, StoreUnavailable, VersionConflict
 
 log = logging.getLogger(__name__)
@@ -150,10 +150,14 @@ class Gateway:
                     break
         finally:  # a client that went away mid-turn: its running turns still complete and are recorded
             for session_id in connection.sessions:
-                self._attached[session_id] -= 1
-                if self._attached[session_id] == 0:
-                    del self._attached[session_id]
-                    self.engine.session_connected(session_id, False)
+                self._detach(session_id)
+
+    def _detach(self, session_id: str) -> None:
+        """One connection stopped using the session; after the last, its cache is evicted like any idle one."""
+        self._attached[session_id] -= 1
+        if self._attached[session_id] == 0:
+            del self._attached[session_id]
+            self.engine.session_connected(session_id, False)
 
     async def dispatch(self, connection: Connection, message) -> None:
         if isinstance(message, Auth):
@@ -379,12 +383,12 @@ class Gateway:
             await self.store.append_turn(session, user_content, result.content, result.conversation_ids, lease,
                                          dropped_turns=result.dropped_turns, reply_ids=result.reply_ids)
         except VersionConflict:
-            self.engine.drop_session(session.session_id)
+            self.engine.drop_cache(session.session_id)
             return TurnFailed("conflict", "another worker recorded a turn of this session first; "
                                           "this reply was not recorded")
         except Exception:
             log.exception("recording a turn of session %s failed", session.session_id)
-            self.engine.drop_session(session.session_id)
+            self.engine.drop_cache(session.session_id)
             return TurnFailed("internal", "the reply could not be recorded in the session; send the message again")
         return result
 
@@ -422,12 +426,10 @@ class Gateway:
         if running := self._turns.get(session.session_id):
             running.cancel()
         await self.store.delete(session.session_id)
-        self.engine.drop_session(session.session_id)
+        self.engine.close_session(session.session_id)
         if session.session_id in connection.sessions:
             connection.sessions.discard(session.session_id)
-            self._attached[session.session_id] -= 1
-            if self._attached[session.session_id] == 0:
-                del self._attached[session.session_id]
+            self._detach(session.session_id)
         await connection.send(SessionClosed(session_id=session.session_id))
 
     async def drain(self, timeout_s: float) -> int:

@@ -16,8 +16,8 @@ from transformers import DynamicCache
 
 from cache_store import CacheEntry
 from cache_store.arena import ArenaCache, KVArena
-from chatd.batch import decode_step, use_arena_attention
-from chatd.model_loader import LoadedModel
+from chatd.engine.batch import decode_step, use_arena_attention
+from chatd.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -9,6 +9,7 @@ import contextlib
 import http
 import logging
 import signal
+import typing
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -20,16 +21,17 @@ from starlette.responses import Response
 from cache_store import CacheStore
 from cache_store.faults import FAULT_KINDS, TIERS, NoCache, corrupt
 from cache_store.stage_faults import STAGES
-from chatd.client_socket import ClientSocket
+from chatd.api.client_socket import ClientSocket
+from chatd.api.gateway import Gateway
+from chatd.api.http_responses import json_response, static_response, text_response
+from chatd.api.openai_api import OpenAIApi
+from chatd.api.protocol import ErrorCode
 from chatd.config import Settings
-from chatd.engine import Engine
-from chatd.gateway import Gateway
-from chatd.http_responses import json_response, static_response, text_response
-from chatd.metrics import CONTENT_TYPE, LiveState, Metrics
-from chatd.model_loader import LoadedModel, load_model
-from chatd.openai_api import OpenAIApi
-from chatd.stats import StatsRecorder
-from chatd.turn import TurnResult
+from chatd.engine.scheduler import Engine
+from chatd.engine.turn import TurnResult
+from chatd.model.loader import LoadedModel, load_model
+from chatd.observability.metrics import CONTENT_TYPE, LiveState, Metrics
+from chatd.observability.stats import StatsRecorder
 from sessions import InMemorySessionStore, SessionStore
 from sessions.redis_store import RedisSessionStore
 
@@ -56,7 +58,7 @@ class ChatServer:
 
     def __init__(self, settings: Settings, load: Callable[[], LoadedModel] | None = None):
         self.settings = settings
-        self.metrics = Metrics(settings.model)
+        self.metrics = Metrics(settings.model, typing.get_args(ErrorCode))
         self.stats = StatsRecorder(settings.model)
         self.engine = Engine(load or (lambda: load_model(settings.model, settings.device, settings.dtype,
                                                          settings.cache_dir)), settings,

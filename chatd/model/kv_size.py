@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig
 
 from cache_store import KVGeometry, kv_bytes_per_token
-from chatd.model_loader import BUNDLED_MODELS, converted_checkpoint, default_cache_dir
+from chatd.model.loader import BUNDLED_MODELS, converted_checkpoint, default_cache_dir
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 INT8 = "int8"  # the host and remote tiers' quantised copy (--host-kv-dtype int8)

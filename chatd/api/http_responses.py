@@ -8,7 +8,6 @@ from pathlib import Path
 
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-DEFAULT_WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 STATIC_SUFFIXES = {".html", ".js", ".css", ".svg", ".png", ".ico", ".txt"}
 # Everything a page loads comes from chatd itself: no CDN, no inline script.
 PAGE_HEADERS = {

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from chatd.metrics import TIERS, LiveState
-from chatd.turn import TurnResult
+from chatd.engine.turn import TurnResult
+from chatd.observability.metrics import TIERS, LiveState
 
 WINDOWS = {"1m": 60.0, "5m": 300.0}
 SERIES_STEP_S = 10.0
@@ -35,13 +35,18 @@ class TurnRecord:
     miss_reason: str | None
 
 
+def percentile(values: Iterable[float] | np.ndarray, q: float) -> float | None:
+    """The q-th percentile by nearest rank (a value that occurred), or None when there are none. The one
+    definition chatd uses: /v1/stats, the dashboard and every benchmark."""
+    values = np.fromiter(values, dtype=float) if not isinstance(values, np.ndarray) else values
+    return float(np.percentile(values, q, method="inverted_cdf")) if values.size else None
+
+
 def percentiles(values: Iterable[float] | np.ndarray, scale: float = 1000.0) -> dict[str, float | None]:
     """p50, p95 and p99 by nearest rank, scaled (seconds to milliseconds by default); None when empty."""
     values = np.fromiter(values, dtype=float) if not isinstance(values, np.ndarray) else values
-    if values.size == 0:
-        return {"p50": None, "p95": None, "p99": None}
-    found = np.percentile(values, [50, 95, 99], method="inverted_cdf") * scale
-    return {"p50": round(float(found[0]), 3), "p95": round(float(found[1]), 3), "p99": round(float(found[2]), 3)}
+    return {f"p{q}": None if (found := percentile(values, q)) is None else round(found * scale, 3)
+            for q in (50, 95, 99)}
 
 
 class StatsRecorder:

@@ -1,0 +1,30 @@
+"""Both APIs as one JSON Schema document, generated from the pydantic models that parse and answer them,
+so that clients in any language validate against what the server really speaks:
+`python -m chatd.api.schema > docs/protocol.schema.json` (a test keeps the file in step with the models)."""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import TypeAdapter
+
+from chatd.api.openai_schema import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ErrorResponse, ModelList
+from chatd.api.protocol import json_schemas
+
+
+def protocol_schema() -> dict:
+    openai = {name: TypeAdapter(model).json_schema() for name, model in [
+        ("chat_completions_request", ChatCompletionRequest), ("chat_completion", ChatCompletion),
+        ("chat_completion_chunk", ChatCompletionChunk), ("models", ModelList), ("error", ErrorResponse)]}
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "chatd protocols",
+            "description": "websocket: frames on /ws (docs/protocol.md); openai: bodies of /v1/chat/completions "
+                           "and /v1/models (docs/protocol.md#the-openai-compatible-api)",
+            "websocket": json_schemas(), "openai": openai}
+
+
+def render() -> str:
+    return json.dumps(protocol_schema(), indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")

@@ -1,0 +1,73 @@
+"""The packages import downwards only (tools -> api -> observability -> engine -> config -> model, with
+cache_store and sessions below all of chatd), and no module imports itself back through others."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("chatd", "cache_store", "sessions")
+# What each layer may import, besides itself.
+BELOW_CHATD = {"cache_store", "sessions"}
+MAY_IMPORT = {
+    "chatd.tools": {"chatd.api", "chatd.observability", "chatd.engine", "chatd.config", "chatd.model", *BELOW_CHATD},
+    "chatd.api": {"chatd.observability", "chatd.engine", "chatd.config", "chatd.model", *BELOW_CHATD},
+    "chatd.observability": {"chatd.engine", "chatd.config", "chatd.model", *BELOW_CHATD},
+    "chatd.engine": {"chatd.config", "chatd.model", *BELOW_CHATD},
+    "chatd.config": {"chatd.model", *BELOW_CHATD},
+    "chatd.model": BELOW_CHATD,
+    "cache_store": {"sessions"},  # the Redis key scheme and the token-id encoding (sessions.encoding)
+    "sessions": set(),
+}
+
+
+def modules() -> dict[str, set[str]]:
+    """Every module of the three packages and the project modules it imports (anywhere in its body)."""
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            imported = set()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    imported.add(node.module)
+                elif isinstance(node, ast.Import):
+                    imported.update(alias.name for alias in node.names)
+            found[name] = {target for target in imported if target.split(".")[0] in PACKAGES}
+    return found
+
+
+def layer(module: str) -> str:
+    for name in sorted(MAY_IMPORT, key=len, reverse=True):
+        if module == name or module.startswith(name + "."):
+            return name
+    return module  # chatd itself, chatd.__main__
+
+
+def test_imports_point_downwards():
+    wrong = [(module, target) for module, targets in modules().items() for target in targets
+             if layer(module) in MAY_IMPORT and layer(target) != layer(module)
+             and layer(target) not in MAY_IMPORT[layer(module)]]
+    assert not wrong, wrong
+
+
+def test_no_import_cycles():
+    graph = modules()
+    graph = {module: {target for target in targets if target in graph} for module, targets in graph.items()}
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in graph[module]:
+            assert state.get(target) != "open", " -> ".join([*path, module, target])
+            if target not in state:
+                visit(target, [*path, module])
+        state[module] = "done"
+
+    for module in graph:
+        if module not in state:
+            visit(module, [])
+
+
+def test_chatd_has_a_handful_of_loose_modules():
+    loose = sorted(path.name for path in (ROOT / "chatd").glob("*.py"))
+    assert loose == ["__init__.py", "__main__.py", "config.py"], loose
