@@ -58,7 +58,7 @@ async def measure(sessions: list[int], history_tokens: int, repeats: int) -> lis
                 started = time.perf_counter()
                 session = await server.openai._place(None, scenario["system"], own, "Any news?", None)
                 samples.append(time.perf_counter() - started)
-                server.gateway.release_claim(session.session_id)
+                server.turns.release_claim(session.session_id)
                 assert session.messages == own, "the request must continue its own session"
             rows.append({"sessions": len(server.openai.index), "match_ms": 1000 * statistics.median(samples),
                          "match_ms_max": 1000 * max(samples)})

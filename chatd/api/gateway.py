@@ -7,15 +7,13 @@ that created it, and any other key is told it does not exist.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import os
 import secrets
 import socket
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from chatd.api.auth import KeyRing
 from chatd.api.client_socket import ClientGone, ClientSocket
@@ -41,29 +39,16 @@ from chatd.api.protocol import (
     Usage,
     parse_client_message,
 )
-from chatd.api.rate_limit import RateLimiter
 from chatd.api.turn_log import TurnLogs
-from chatd.config import Settings
+from chatd.api.turns import TurnRunner
 from chatd.engine.sampling import SamplingParams
-from chatd.engine.scheduler import Engine
-from chatd.engine.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
-from sessions import Lease, Session, SessionBusy, SessionStore, StoreUnavailable, VersionConflict
+from chatd.engine.turn import TurnFailed, TurnResult
+from sessions import Session, StoreUnavailable
 
 log = logging.getLogger(__name__)
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
 MAX_FAILED_AUTH = 5
 POLICY_VIOLATION = 1008  # the websocket close code
-
-
-@dataclass
-class StartedTurn:
-    """A turn the engine has: what its forwarder needs to relay it and record it."""
-
-    turn: Turn
-    session: Session
-    content: str  # the user message, recorded with the reply
-    events: asyncio.Queue[TurnEvent]
-    lease: Lease
 
 
 class Connection:
@@ -95,36 +80,19 @@ class Connection:
 
 
 class Gateway:
-    """`on_request` sees the API of every turn started, `on_turn` every finished turn and `on_error`
-    every error code sent, for metrics."""
+    """The websocket protocol over `TurnRunner`: `on_error` sees every error code sent, for metrics."""
 
-    def __init__(self, engine: Engine, store: SessionStore, settings: Settings,
-                 on_turn: Callable[[TurnResult], None] = lambda result: None,
-                 on_error: Callable[[str], None] = lambda code: None,
-                 on_request: Callable[[str], None] = lambda api: None):
-        self.engine = engine
-        self.store = store
-        self.settings = settings
-        self.keys = KeyRing(settings.api_keys())
-        self.rate_limit = RateLimiter(settings.rate_limit_per_min)
-        self.turn_logs = TurnLogs(settings.turn_log_ttl_s)
-        self.draining = False
-        self._on_turn = on_turn
+    def __init__(self, turns: TurnRunner, keys: KeyRing, on_error: Callable[[str], None] = lambda code: None):
+        self.turns, self.keys = turns, keys
+        self.engine, self.store, self.settings = turns.engine, turns.store, turns.settings
+        self.turn_logs = TurnLogs(self.settings.turn_log_ttl_s)
         self._on_error = on_error
-        self._on_request = on_request
-        self._claims: set[str] = set()  # sessions a turn holds, from before its first await: one turn per session
-        self._turns: dict[str, Turn] = {}  # session id -> its turn in the engine
         self._attached: Counter[str] = Counter()  # session id -> connections using it
-        self._forwarders: set[asyncio.Task] = set()
 
     @property
     def connected_sessions(self) -> int:
         """Sessions that at least one open connection has used."""
         return len(self._attached)
-
-    @property
-    def running_turns(self) -> list[Turn]:
-        return list(self._turns.values())
 
     async def handle(self, websocket: ClientSocket) -> None:
         _, owner = self.keys.bearer(websocket.headers)
@@ -246,17 +214,16 @@ class Gateway:
             await connection.send(refusal)
             return
         session_id = message.session_id
-        if session_id in self._claims:
+        if not self.turns.try_claim(session_id):
             await connection.send(ErrorMessage(turn_id=turn_id, code="busy", retryable=True,
                                                message=f"session {session_id} is already running a turn"))
             return
-        self._claims.add(session_id)
         forwarding = False
         try:
             forwarding = await self._start_claimed_turn(connection, message, turn_id)
         finally:
             if not forwarding:
-                self._claims.discard(session_id)
+                self.turns.release_claim(session_id)
 
     async def _start_claimed_turn(self, connection: Connection, message: ChatRequest, turn_id: str) -> bool:
         """The rest of `start_turn`; True once a forwarder owns the claim."""
@@ -266,7 +233,7 @@ class Gateway:
             return False
         if not await self._attach(connection, session.session_id, turn_id):
             return False
-        started = await self.begin_turn(session, message.content, SamplingParams(**message.params.model_dump()),
+        started = await self.turns.begin_turn(session, message.content, SamplingParams(**message.params.model_dump()),
                                         turn_id, connection.owner, connection.client)
         if isinstance(started, ErrorMessage):
             await connection.send(started)
@@ -281,68 +248,12 @@ class Gateway:
             self.turn_logs.finish(turn_log)
             await turn_log.publish(_reply(turn_id, event))
 
-        self.forward(started, on_text, on_end)
+        self.turns.forward(started, on_text, on_end)
         return True
-
-    def try_claim(self, session_id: str) -> bool:
-        """Claim the session for one turn (synchronously: nothing can interleave); False if it has one."""
-        if session_id in self._claims:
-            return False
-        self._claims.add(session_id)
-        return True
-
-    def release_claim(self, session_id: str) -> None:
-        self._claims.discard(session_id)
-
-    async def begin_turn(self, session: Session, content: str, params: SamplingParams, turn_id: str,
-                         owner: str | None, client: str, api: str = "websocket") -> StartedTurn | ErrorMessage:
-        """Start a turn of a claimed session in the engine (rate limit, lease, a fresh copy of the
-        session), or say why not. Shared by the websocket and the OpenAI-compatible API."""
-        if (wait := self.rate_limit.acquire(client)) is not None:
-            return ErrorMessage(turn_id=turn_id, code="rate_limited", retryable=True, retry_after_s=round(wait, 2),
-                                message=f"over {self.settings.rate_limit_per_min:g} turns per minute; "
-                                        f"retry in {wait:.1f} s")
-        try:
-            lease = await self.store.lease(session.session_id)
-        except SessionBusy as error:
-            return ErrorMessage(turn_id=turn_id, code="busy", retryable=True, message=str(error))
-        try:
-            session = await self.store.get(session.session_id) or session  # fresh: another worker may have written
-        except BaseException:
-            await lease.release()
-            raise
-        if self.draining:  # the shutdown began while the store answered
-            await lease.release()
-            return ErrorMessage(turn_id=turn_id, code="unavailable", retryable=True,
-                                message="the server is shutting down; reconnect and send the message again")
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[TurnEvent] = asyncio.Queue()
-        turn = Turn(
-            turn_id=turn_id,
-            session_id=session.session_id,
-            messages=session.prompt_messages(content),
-            params=params,
-            owner=owner,
-            emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-            session_version=session.version,
-            dropped_turns=session.dropped_turns,
-        )
-        self._turns[session.session_id] = turn
-        self._on_request(api)
-        self.engine.submit(turn)
-        return StartedTurn(turn, session, content, events, lease)
-
-    def forward(self, started: StartedTurn, on_text: Callable[[str], Awaitable[None]],
-                on_end: Callable[[TurnResult | TurnFailed], Awaitable[None]]) -> None:
-        """Relay a started turn's events in a task of their own (so that a slow or gone client never
-        holds the session), record the turn when it completes, and free the session."""
-        task = asyncio.create_task(self._forward(started, on_text, on_end))
-        self._forwarders.add(task)
-        task.add_done_callback(self._forwarders.discard)
 
     def _refuse_turn(self, connection: Connection, message: ChatRequest, turn_id: str) -> ErrorMessage | None:
         """The checks that need no session: shutdown, limits, capacity, a duplicate turn id."""
-        if self.draining:
+        if self.turns.draining:
             return ErrorMessage(turn_id=turn_id, code="unavailable", retryable=True,
                                 message="the server is shutting down; reconnect and send the message again")
         cap = self.settings.max_new_tokens
@@ -358,39 +269,6 @@ class Gateway:
                                 message=f"the server is at capacity ({self.engine.waiting} turns waiting); "
                                         "retry shortly")
         return None
-
-    async def _forward(self, started: StartedTurn, on_text: Callable[[str], Awaitable[None]],
-                       on_end: Callable[[TurnResult | TurnFailed], Awaitable[None]]) -> None:
-        session_id = started.session.session_id
-        try:
-            while isinstance(event := await started.events.get(), TokenText):
-                await on_text(event.text)
-            if isinstance(event, TurnResult):
-                self._on_turn(event)
-                if event.finish_reason != "cancelled":
-                    event = await self._record(started.session, started.content, event, started.lease)
-        finally:
-            # Free the session before the reply goes out, so the client's next request is never `busy`.
-            del self._turns[session_id]
-            self._claims.discard(session_id)
-            await started.lease.release()
-        await on_end(event)
-
-    async def _record(self, session: Session, user_content: str, result: TurnResult,
-                      lease: Lease) -> TurnResult | TurnFailed:
-        """Append the completed turn to the session; what the client is told if that fails."""
-        try:
-            await self.store.append_turn(session, user_content, result.content, result.conversation_ids, lease,
-                                         dropped_turns=result.dropped_turns, reply_ids=result.reply_ids)
-        except VersionConflict:
-            self.engine.drop_cache(session.session_id)
-            return TurnFailed("conflict", "another worker recorded a turn of this session first; "
-                                          "this reply was not recorded")
-        except Exception:
-            log.exception("recording a turn of session %s failed", session.session_id)
-            self.engine.drop_cache(session.session_id)
-            return TurnFailed("internal", "the reply could not be recorded in the session; send the message again")
-        return result
 
     async def cancel_turn(self, connection: Connection, message: ChatCancel) -> None:
         turn_log = self.turn_logs.get(connection.owner, message.turn_id)
@@ -415,7 +293,7 @@ class Gateway:
 
     async def prefetch(self, connection: Connection, message: Typing) -> None:
         """A hint, so it answers nothing, not even for an unknown session."""
-        if message.session_id not in self._claims and await self._owned_session(connection, message.session_id):
+        if not self.turns.is_claimed(message.session_id) and await self._owned_session(connection, message.session_id):
             self.engine.prefetch(message.session_id)
 
     async def close_session(self, connection: Connection, message: SessionClose) -> None:
@@ -423,7 +301,7 @@ class Gateway:
         if session is None:
             await connection.send(_unknown_session(message.session_id))
             return
-        if running := self._turns.get(session.session_id):
+        if running := self.turns.turn_of(session.session_id):
             running.cancel()
         await self.store.delete(session.session_id)
         self.engine.close_session(session.session_id)
@@ -431,20 +309,6 @@ class Gateway:
             connection.sessions.discard(session.session_id)
             self._detach(session.session_id)
         await connection.send(SessionClosed(session_id=session.session_id))
-
-    async def drain(self, timeout_s: float) -> int:
-        """Refuse new turns, let running ones finish for up to `timeout_s`, then cancel the rest and
-        wait for them to stop. Returns how many were cancelled."""
-        self.draining = True
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while self._forwarders and asyncio.get_running_loop().time() < deadline:
-            await asyncio.wait(set(self._forwarders), timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
-        late = list(self._turns.values())
-        for turn in late:
-            turn.cancel()
-        if self._forwarders:
-            await asyncio.wait(set(self._forwarders))
-        return len(late)
 
 
 def _unknown_session(session_id: str, turn_id: str | None = None) -> ErrorMessage:

@@ -5,7 +5,7 @@ request is rendered to token ids and matched, through `PrefixIndex`, against the
 same key; the session whose cached ids it shares the most with is continued when the request extends
 it exactly, and otherwise branched (a new session whose cache starts as a copy of the shared part).
 Either way only the tokens after the reused prefix are prefilled. The turn itself runs through the
-gateway exactly as a websocket turn does (claims, rate limit, leases, metrics, recording).
+`TurnRunner` exactly as a websocket turn does (claims, rate limit, leases, metrics, recording).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cache_store.store import common_prefix_length
-from chatd.api.gateway import Gateway, StartedTurn
+from chatd.api.auth import KeyRing
 from chatd.api.openai_schema import (
     AssistantMessage,
     ChatCompletion,
@@ -41,6 +41,7 @@ from chatd.api.openai_schema import (
     RequestRefused,
 )
 from chatd.api.protocol import ErrorMessage
+from chatd.api.turns import StartedTurn, TurnRunner
 from chatd.config import Settings
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.scheduler import Engine
@@ -82,8 +83,8 @@ class ApiError(Exception):
 
 
 class OpenAIApi:
-    def __init__(self, engine: Engine, sessions: SessionStore, settings: Settings, gateway: Gateway):
-        self.engine, self.sessions, self.settings, self.gateway = engine, sessions, settings, gateway
+    def __init__(self, engine: Engine, sessions: SessionStore, settings: Settings, turns: TurnRunner, keys: KeyRing):
+        self.engine, self.sessions, self.settings, self.turns, self.keys = engine, sessions, settings, turns, keys
         self.index = PrefixIndex()
         self.created = int(time.time())
         self._renderer: PromptRenderer | None = None
@@ -136,15 +137,15 @@ class OpenAIApi:
             raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
         turn_id = "chatcmpl-" + secrets.token_urlsafe(12)
         try:
-            started = await self.gateway.begin_turn(session, content, params, turn_id, owner, client, api="openai")
+            started = await self.turns.begin_turn(session, content, params, turn_id, owner, client, api="openai")
         except BaseException:
-            self.gateway.release_claim(session.session_id)
+            self.turns.release_claim(session.session_id)
             raise
         if isinstance(started, ErrorMessage):
-            self.gateway.release_claim(session.session_id)
+            self.turns.release_claim(session.session_id)
             raise ApiError.of(started)
         events: asyncio.Queue[str | TurnResult | TurnFailed] = asyncio.Queue()
-        self.gateway.forward(started, events.put, lambda event: self._ended(owner, started, event, events))
+        self.turns.forward(started, events.put, lambda event: self._ended(owner, started, event, events))
         first = await events.get()
         if isinstance(first, TurnFailed):
             raise ApiError.of(first)
@@ -207,7 +208,7 @@ class OpenAIApi:
         best, best_history, best_ids, shared = None, history, plain_ids, 0
         for session in await self._candidates(owner, plain_ids, hint):
             if session.system == system and _same(session.messages, history) and \
-                    self.gateway.try_claim(session.session_id):
+                    self.turns.try_claim(session.session_id):
                 return session
             spliced = _splice(history, session.messages)
             prompt_ids = plain_ids if spliced == history and _ids_of(spliced) == _ids_of(history) else \
@@ -215,7 +216,7 @@ class OpenAIApi:
             if (reach := common_prefix_length(session.token_ids, prompt_ids)) > shared:
                 best, best_history, best_ids, shared = session, spliced, prompt_ids, reach
         session = await self.sessions.create(system, owner=owner, messages=best_history)
-        self.gateway.try_claim(session.session_id)  # new: nobody else can know it yet
+        self.turns.try_claim(session.session_id)  # new: nobody else can know it yet
         if best is not None and shared >= BLOCK:
             self.engine.fork_session(best.session_id, session.session_id, best_ids)
         return session
@@ -236,9 +237,9 @@ class OpenAIApi:
     def _authenticate(self, request: Request) -> str | None:
         """The key's id; 401 for a missing or unknown key when the server has keys. Without keys any
         bearer token is accepted (OpenAI's clients always send one)."""
-        if not self.gateway.keys.required:
+        if not self.keys.required:
             return None
-        _, owner = self.gateway.keys.bearer(request.headers)
+        _, owner = self.keys.bearer(request.headers)
         if owner is None:
             raise ApiError(401, "missing or unknown API key: send Authorization: Bearer <key>",
                            code="invalid_api_key")
@@ -250,7 +251,7 @@ class OpenAIApi:
         if not self.engine.ready.is_set():
             raise ApiError(503, "the model is still loading; retry shortly", code="unavailable",
                            retry_after_s=1.0)
-        if self.gateway.draining:
+        if self.turns.draining:
             raise ApiError(503, "the server is shutting down; retry on another worker", code="unavailable")
         if self.engine.waiting >= self.settings.max_waiting:
             raise ApiError(503, f"the server is at capacity ({self.engine.waiting} turns waiting); retry shortly",

@@ -21,11 +21,13 @@ from starlette.responses import Response
 from cache_store import CacheStore
 from cache_store.faults import FAULT_KINDS, TIERS, NoCache, corrupt
 from cache_store.stage_faults import STAGES
+from chatd.api.auth import KeyRing
 from chatd.api.client_socket import ClientSocket
 from chatd.api.gateway import Gateway
 from chatd.api.http_responses import json_response, static_response, text_response
 from chatd.api.openai_api import OpenAIApi
 from chatd.api.protocol import ErrorCode
+from chatd.api.turns import TurnRunner
 from chatd.config import Settings
 from chatd.engine.scheduler import Engine
 from chatd.engine.turn import TurnResult
@@ -68,9 +70,11 @@ class ChatServer:
         self.sessions: SessionStore = (
             RedisSessionStore(settings.redis_url, settings.session_retention_s, lease_ttl_s=settings.lease_ttl_s)
             if settings.redis_url else InMemorySessionStore(settings.session_retention_s))
-        self.gateway = Gateway(self.engine, self.sessions, settings, on_turn=self._turn_finished,
-                               on_error=self._error_sent, on_request=self.metrics.observe_request)
-        self.openai = OpenAIApi(self.engine, self.sessions, settings, self.gateway)
+        self.keys = KeyRing(settings.api_keys())
+        self.turns = TurnRunner(self.engine, self.sessions, settings, on_turn=self._turn_finished,
+                                on_request=self.metrics.observe_request)
+        self.gateway = Gateway(self.turns, self.keys, on_error=self._error_sent)
+        self.openai = OpenAIApi(self.engine, self.sessions, settings, self.turns, self.keys)
         self.app = self._build_app()
         self._uvicorn: uvicorn.Server | None = None
         self._socket = None
@@ -119,9 +123,9 @@ class ChatServer:
         and flushes the session store."""
         for listener in self._uvicorn.servers:
             listener.close()  # stop listening; open connections stay until the turns are done
-        running = len(self.gateway.running_turns)
+        running = len(self.turns.running_turns)
         log.info("shutting down: %d turns running, waiting up to %.0f s", running, self.settings.shutdown_timeout_s)
-        if cancelled := await self.gateway.drain(self.settings.shutdown_timeout_s):
+        if cancelled := await self.turns.drain(self.settings.shutdown_timeout_s):
             log.warning("shutting down: cancelled %d turns still running after %.0f s", cancelled,
                         self.settings.shutdown_timeout_s)
 
@@ -232,7 +236,7 @@ class ChatServer:
         if self._websockets >= self.settings.max_connections:
             return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE,
                                  f"too many connections (the limit is {self.settings.max_connections}); retry later\n")
-        sent, owner = self.gateway.keys.bearer(websocket.headers)
+        sent, owner = self.keys.bearer(websocket.headers)
         if sent and owner is None:
             return text_response(http.HTTPStatus.UNAUTHORIZED, "unknown API key\n")
         return None
@@ -242,8 +246,8 @@ class ChatServer:
         if not self.settings.enable_fault_injection:
             return json_response(http.HTTPStatus.FORBIDDEN, {
                 "error": "fault injection is disabled; start the server with --enable-fault-injection"}), None
-        _, owner = self.gateway.keys.bearer(request.headers)
-        if self.gateway.keys.required and owner is None:
+        _, owner = self.keys.bearer(request.headers)
+        if self.keys.required and owner is None:
             return json_response(http.HTTPStatus.UNAUTHORIZED,
                                  {"error": "send the session owner's key as Authorization: Bearer <key>"}), None
         return None, owner
@@ -263,7 +267,7 @@ class ChatServer:
             session = await self.sessions.get(session_id)
             if session is None or session.owner != owner:
                 return json_response(http.HTTPStatus.NOT_FOUND, {"error": f"no session {session_id!r}"})
-        elif self.gateway.keys.required:
+        elif self.keys.required:
             return json_response(http.HTTPStatus.BAD_REQUEST, {"error": "with API keys, name one of your sessions"})
         self.engine.faults.arm(stage, session_id, fatal)
         log.warning("fault armed at the engine's %s stage (%s%s)", stage, session_id or "any session",

@@ -13,11 +13,8 @@ supervisor to restart it.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import queue
-import random
 import threading
 import time
 from collections import Counter, deque
@@ -30,29 +27,21 @@ import torch
 
 from cache_store import (
     CacheEntry,
-    CacheLayout,
     CacheLookup,
     CacheStore,
-    KVGeometry,
-    Offloader,
     SessionRunning,
-    kv_bytes_per_token,
 )
-from cache_store.arena import ArenaFull, KVArena
-from cache_store.remote_tier import RemoteTier
-from cache_store.stage_faults import FaultPoints, InjectedFatalFault, Stage
+from cache_store.arena import ArenaFull
+from cache_store.stage_faults import FaultPoints, Stage
 from cache_store.store import CopyObserver
 from chatd.config import Settings
-from chatd.engine.deep_check import DEEP_CHECK_TOLERANCE, DEEP_CHECK_TOLERANCE_INT8, deep_check_distance
 from chatd.engine.model_runner import ModelRunner
 from chatd.engine.running_turn import RunningTurn
-from chatd.engine.sampling import TokenSampler
-from chatd.engine.text_stream import TextStream
+from chatd.engine.supervision import EngineUnavailable, is_fatal
 from chatd.engine.turn import FinishReason, Turn, TurnFailed, TurnResult
-from chatd.model.context_window import DoesNotFit, fit
+from chatd.engine.turn_setup import CacheFinder, TurnPreparer
+from chatd.engine.wiring import wire
 from chatd.model.loader import LoadedModel
-from chatd.model.prompt import PromptRenderer
-from sessions import Message
 
 log = logging.getLogger(__name__)
 
@@ -71,26 +60,10 @@ class _CacheCommand:
 
 
 _STOP = object()
-_CUDA_FAILURES = ("CUDA error", "device-side assert", "illegal memory access", "CUBLAS_STATUS", "cuDNN error")
-
-
-def is_fatal(error: BaseException) -> bool:
-    """Whether the engine cannot go on after `error`: anything but an ordinary exception, an error of
-    the accelerator (its context is poisoned; out of memory is not), or an injected fatal fault."""
-    if not isinstance(error, Exception) or isinstance(error, InjectedFatalFault):
-        return True
-    if isinstance(error, torch.cuda.OutOfMemoryError):
-        return False
-    return isinstance(error, torch.AcceleratorError) or (
-        isinstance(error, RuntimeError) and any(text in str(error) for text in _CUDA_FAILURES))
 
 
 def _queue_ms(turn: Turn) -> float:
     return (time.perf_counter() - turn.received_at) * 1000.0
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine has stopped serving (see `Engine.failure`)."""
 
 
 class Engine:
@@ -114,7 +87,6 @@ class Engine:
         self.loaded: LoadedModel | None = None
         self.cache: CacheStore | None = None
         self.runner: ModelRunner | None = None
-        self.deep_check_distances: deque[float] = deque(maxlen=256)
         self._queued: deque[Turn] = deque()  # submitted, not started: admitted oldest first
         self._head: RunningTurn | None = None  # the oldest, rendered, waiting for device memory
         self._live: dict[int, Turn] = {}  # every turn taken from the queue and not yet ended, by id
@@ -126,7 +98,6 @@ class Engine:
         self._waiting = 0
         self._active = 0
         self._lock = threading.Lock()  # the waiting count, and submissions against a failure
-        self._sampling = random.Random()
 
     def start(self) -> None:
         self._thread.start()
@@ -321,10 +292,14 @@ class Engine:
         try:
             self.faults.check("render", turn.session_id)
             with torch.inference_mode():
-                return self._prepare_turn(turn)
+                prepared = self._preparer.prepare(turn)
         except Exception as error:
             self._fail(turn, error, "render")
             return None
+        if isinstance(prepared, TurnFailed):
+            self._end(turn, prepared)
+            return None
+        return prepared
 
     def _left_queue(self) -> None:
         with self._lock:
@@ -360,7 +335,7 @@ class Engine:
                 if running.lookup is None:  # as late as possible: turns ahead may have shared a prefix
                     self.faults.check("lookup", session_id)
                     try:
-                        lookup = self._lookup(running)
+                        lookup = self._finder.find(running)
                     except ArenaFull:  # no room on the device to restore its cache into
                         self._wait_for_room(running)
                         return 0
@@ -515,61 +490,14 @@ class Engine:
     def _prepare(self, loaded: LoadedModel) -> None:
         torch.set_num_threads(self.settings.torch_threads())
         self.loaded = loaded
-        self._renderer = PromptRenderer(loaded.tokenizer)
-        self._system_ids = functools.lru_cache(maxsize=1024)(
-            lambda text: self._renderer.render([Message("system", text)], add_generation_prompt=False))
-        self._bytes_per_token = kv_bytes_per_token(loaded.model.config, loaded.model.dtype)
-        settings = self.settings
-        geometry = KVGeometry.of(loaded.model.config)
-        remote = RemoteTier(settings.redis_url, settings.remote_kv_ttl_s) if settings.remote_kv else None
-        budget_bytes = int(settings.device_budget_mb(loaded.device) * MB)
-        self.arena = KVArena(geometry.layers, geometry.kv_heads, geometry.head_dim, loaded.model.dtype, loaded.device,
-                             tokens=budget_bytes // self._bytes_per_token,
-                             make_room=lambda tokens: self.cache.evict_one())
-        self._max_context = min(loaded.max_context, self.arena.max_tokens)
-        self.runner = ModelRunner(loaded, self.arena, make_room=lambda: self.cache.evict_idle(),
-                                  on_prefill=lambda tokens, seconds: self.cache.cost.record_prefill(tokens, seconds))
-        self.cache = CacheStore(
-            new_cache=self.runner.new_cache, offloader=Offloader(loaded.device), enabled=settings.session_cache,
-            layout=CacheLayout(geometry.layers, geometry.kv_heads, geometry.head_dim, loaded.model.dtype),
-            model_key=loaded.identity(),
-            device_budget_bytes=self.arena.nbytes(),
-            host_budget_bytes=int(settings.host_cache_mb * MB), ttl_s=settings.session_ttl_s, remote=remote,
-            on_copy=self._on_cache_copy, faults=self.faults, host_kv_dtype=settings.host_kv_dtype,
-            remote_kv_dtype=settings.remote_kv_dtype)
-        if remote is not None:
-            remote.probe()
-            self._measure_prefill()
+        self.arena, self.runner, self.cache = wire(loaded, self.settings, self.faults, self._on_cache_copy)
+        self._preparer = TurnPreparer(loaded, self.arena, self.settings)
+        self._finder = CacheFinder(self.cache, self.runner, self.settings, loaded.model.dtype)
 
-    def _measure_prefill(self, tokens: int = 256) -> None:
-        """Seed the cost model's prefill rate with one prefill of `tokens` tokens."""
-        ids = torch.randint(100, self.loaded.model.config.vocab_size, (min(tokens, self._max_context - 1),))
-        with torch.inference_mode():
-            self.runner.timed_prefill(CacheEntry(self.runner.scratch_cache()), ids.tolist())
-
-    def _prepare_turn(self, turn: Turn) -> RunningTurn | None:
-        """Render the prompt within the context (dropping the oldest turns if it must); None if the
-        new message cannot fit (a cancel is seen when its prefill would start)."""
-        started = time.perf_counter()
-        loaded = self.loaded
-        message_tokens = self._renderer.count(turn.messages[-1].content)
-        if message_tokens > self.settings.max_prompt_tokens:
-            self._end(turn, TurnFailed("too_long", f"the message is {message_tokens} tokens; this server takes "
-                                                   f"at most {self.settings.max_prompt_tokens} per message"))
-            return None
-        room = min(turn.params.max_new_tokens, self._max_context // 4)
-        try:
-            window = fit(self._renderer, turn.messages, turn.dropped_turns, self._max_context, room)
-        except DoesNotFit as error:
-            self._end(turn, TurnFailed("too_long", str(error)))
-            return None
-        prompt_ids = window.prompt_ids
-        prefix_len = self._shared_prefix_length(window.messages, prompt_ids)
-        max_new_tokens = min(turn.params.max_new_tokens, self._max_context - len(prompt_ids))
-        region_tokens = self.arena.region_tokens(len(prompt_ids) + max_new_tokens)
-        return RunningTurn(turn, prompt_ids, prefix_len, max_new_tokens, TokenSampler(turn.params),
-                           TextStream(loaded.tokenizer, turn.params.stop), started, messages=window.messages,
-                           dropped_turns=window.dropped_turns, reserve_bytes=region_tokens * self._bytes_per_token)
+    @property
+    def deep_check_distances(self) -> deque[float]:
+        """The deep check's latest distances (for tests and benchmarks)."""
+        return self._finder.deep_check_distances
 
     def _begin_prefill(self, running: RunningTurn, lookup: CacheLookup) -> None:
         """Take the cache the lookup found (or a new one) and line up the prompt tokens it does not cover."""
@@ -594,38 +522,3 @@ class Engine:
             self._fail(running, error, "write-back")
             return
         self._end(turn, result)
-
-    def _lookup(self, running: RunningTurn) -> CacheLookup:
-        """The turn's cache; none when its window just moved past turns the cache covered."""
-        turn = running.turn
-        if running.dropped_turns > turn.dropped_turns:
-            self.cache.drop(turn.session_id)
-            return CacheLookup("miss", 0, miss_reason="truncated")
-        return self._checked_lookup(turn.session_id, running.messages, running.prompt_ids, running.prefix_len,
-                                    turn.session_version, turn, turn.owner)
-
-    def _checked_lookup(self, session_id: str, messages: list[Message], prompt_ids: list[int],
-                        prefix_len: int, version: int, turn: Turn | None = None,
-                        owner: str | None = None) -> CacheLookup:
-        """The cache store's lookup (with its cheap checks), plus the sampled deep check."""
-        lookup = self.cache.lookup(session_id, prompt_ids, prefix_len, version, turn=turn, scope=owner)
-        if lookup.miss_reason == "new" and any(m.role == "assistant" for m in messages):
-            lookup = dataclasses.replace(lookup, miss_reason="cold")  # history, but no cache here yet
-        if (lookup.entry is None or lookup.cached_tokens < 2
-                or self._sampling.random() >= self.settings.verify_sample_rate):
-            return lookup
-        distance = deep_check_distance(lookup.entry, self.runner.forward, self.runner.scratch_cache)
-        self.deep_check_distances.append(distance)
-        tolerance = DEEP_CHECK_TOLERANCE_INT8 if lookup.quantized else DEEP_CHECK_TOLERANCE.get(
-            self.loaded.model.dtype, 5e-2)
-        if distance > tolerance:
-            log.warning("session %s: deep check distance %.3g over %.3g", session_id, distance, tolerance)
-            return self.cache.report_corruption(session_id, ("deep",))
-        return lookup
-
-    def _shared_prefix_length(self, messages: list[Message], prompt_ids: list[int]) -> int:
-        """Length of the system prompt's tokens at the start of the prompt, which sessions share."""
-        if not messages or messages[0].role != "system":
-            return 0
-        system_ids = self._system_ids(messages[0].content)
-        return len(system_ids) if prompt_ids[:len(system_ids)] == system_ids else 0

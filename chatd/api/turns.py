@@ -1,0 +1,160 @@
+"""The life of a turn, shared by the websocket gateway and the OpenAI-compatible API: one turn per
+session (claimed before the first await), the rate limit, the session's lease, the engine, the relay of
+its events in a task of its own, recording the completed turn, and the drain at shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from chatd.api.protocol import ErrorMessage
+from chatd.api.rate_limit import RateLimiter
+from chatd.config import Settings
+from chatd.engine.sampling import SamplingParams
+from chatd.engine.scheduler import Engine
+from chatd.engine.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
+from sessions import Lease, Session, SessionBusy, SessionStore, VersionConflict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StartedTurn:
+    """A turn the engine has: what its forwarder needs to relay it and record it."""
+
+    turn: Turn
+    session: Session
+    content: str  # the user message, recorded with the reply
+    events: asyncio.Queue[TurnEvent]
+    lease: Lease
+
+
+class TurnRunner:
+    """`on_request` sees the API of every turn started and `on_turn` every finished turn, for metrics."""
+
+    def __init__(self, engine: Engine, store: SessionStore, settings: Settings,
+                 on_turn: Callable[[TurnResult], None] = lambda result: None,
+                 on_request: Callable[[str], None] = lambda api: None):
+        self.engine, self.store, self.settings = engine, store, settings
+        self.rate_limit = RateLimiter(settings.rate_limit_per_min)
+        self.draining = False
+        self._on_turn, self._on_request = on_turn, on_request
+        self._claims: set[str] = set()  # sessions a turn holds, from before its first await: one turn per session
+        self._turns: dict[str, Turn] = {}  # session id -> its turn in the engine
+        self._forwarders: set[asyncio.Task] = set()
+
+    @property
+    def running_turns(self) -> list[Turn]:
+        return list(self._turns.values())
+
+    def turn_of(self, session_id: str) -> Turn | None:
+        """The session's turn in the engine, if it has one."""
+        return self._turns.get(session_id)
+
+    def is_claimed(self, session_id: str) -> bool:
+        return session_id in self._claims
+
+    def try_claim(self, session_id: str) -> bool:
+        """Claim the session for one turn (synchronously: nothing can interleave); False if it has one."""
+        if session_id in self._claims:
+            return False
+        self._claims.add(session_id)
+        return True
+
+    def release_claim(self, session_id: str) -> None:
+        self._claims.discard(session_id)
+
+    async def begin_turn(self, session: Session, content: str, params: SamplingParams, turn_id: str,
+                         owner: str | None, client: str, api: str = "websocket") -> StartedTurn | ErrorMessage:
+        """Start a turn of a claimed session in the engine (rate limit, lease, a fresh copy of the
+        session), or say why not. Shared by the websocket and the OpenAI-compatible API."""
+        if (wait := self.rate_limit.acquire(client)) is not None:
+            return ErrorMessage(turn_id=turn_id, code="rate_limited", retryable=True, retry_after_s=round(wait, 2),
+                                message=f"over {self.settings.rate_limit_per_min:g} turns per minute; "
+                                        f"retry in {wait:.1f} s")
+        try:
+            lease = await self.store.lease(session.session_id)
+        except SessionBusy as error:
+            return ErrorMessage(turn_id=turn_id, code="busy", retryable=True, message=str(error))
+        try:
+            session = await self.store.get(session.session_id) or session  # fresh: another worker may have written
+        except BaseException:
+            await lease.release()
+            raise
+        if self.draining:  # the shutdown began while the store answered
+            await lease.release()
+            return ErrorMessage(turn_id=turn_id, code="unavailable", retryable=True,
+                                message="the server is shutting down; reconnect and send the message again")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TurnEvent] = asyncio.Queue()
+        turn = Turn(
+            turn_id=turn_id,
+            session_id=session.session_id,
+            messages=session.prompt_messages(content),
+            params=params,
+            owner=owner,
+            emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+            session_version=session.version,
+            dropped_turns=session.dropped_turns,
+        )
+        self._turns[session.session_id] = turn
+        self._on_request(api)
+        self.engine.submit(turn)
+        return StartedTurn(turn, session, content, events, lease)
+
+    def forward(self, started: StartedTurn, on_text: Callable[[str], Awaitable[None]],
+                on_end: Callable[[TurnResult | TurnFailed], Awaitable[None]]) -> None:
+        """Relay a started turn's events in a task of their own (so that a slow or gone client never
+        holds the session), record the turn when it completes, and free the session."""
+        task = asyncio.create_task(self._forward(started, on_text, on_end))
+        self._forwarders.add(task)
+        task.add_done_callback(self._forwarders.discard)
+
+    async def _forward(self, started: StartedTurn, on_text: Callable[[str], Awaitable[None]],
+                       on_end: Callable[[TurnResult | TurnFailed], Awaitable[None]]) -> None:
+        session_id = started.session.session_id
+        try:
+            while isinstance(event := await started.events.get(), TokenText):
+                await on_text(event.text)
+            if isinstance(event, TurnResult):
+                self._on_turn(event)
+                if event.finish_reason != "cancelled":
+                    event = await self._record(started.session, started.content, event, started.lease)
+        finally:
+            # Free the session before the reply goes out, so the client's next request is never `busy`.
+            del self._turns[session_id]
+            self._claims.discard(session_id)
+            await started.lease.release()
+        await on_end(event)
+
+    async def _record(self, session: Session, user_content: str, result: TurnResult,
+                      lease: Lease) -> TurnResult | TurnFailed:
+        """Append the completed turn to the session; what the client is told if that fails."""
+        try:
+            await self.store.append_turn(session, user_content, result.content, result.conversation_ids, lease,
+                                         dropped_turns=result.dropped_turns, reply_ids=result.reply_ids)
+        except VersionConflict:
+            self.engine.drop_cache(session.session_id)
+            return TurnFailed("conflict", "another worker recorded a turn of this session first; "
+                                          "this reply was not recorded")
+        except Exception:
+            log.exception("recording a turn of session %s failed", session.session_id)
+            self.engine.drop_cache(session.session_id)
+            return TurnFailed("internal", "the reply could not be recorded in the session; send the message again")
+        return result
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new turns, let running ones finish for up to `timeout_s`, then cancel the rest and
+        wait for them to stop. Returns how many were cancelled."""
+        self.draining = True
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._forwarders and asyncio.get_running_loop().time() < deadline:
+            await asyncio.wait(set(self._forwarders), timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+        late = list(self._turns.values())
+        for turn in late:
+            turn.cancel()
+        if self._forwarders:
+            await asyncio.wait(set(self._forwarders))
+        return len(late)

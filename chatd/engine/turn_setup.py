@@ -1,0 +1,100 @@
+"""Before a turn's prefill: its prompt rendered within the context, the part a session may share (its
+system prompt), the arena region it may reach; then its cache found and checked."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import random
+import time
+from collections import deque
+
+import torch
+
+from cache_store import CacheLookup, CacheStore, kv_bytes_per_token
+from cache_store.arena import KVArena
+from chatd.config import Settings
+from chatd.engine.deep_check import DEEP_CHECK_TOLERANCE, DEEP_CHECK_TOLERANCE_INT8, deep_check_distance
+from chatd.engine.model_runner import ModelRunner
+from chatd.engine.running_turn import RunningTurn
+from chatd.engine.sampling import TokenSampler
+from chatd.engine.text_stream import TextStream
+from chatd.engine.turn import Turn, TurnFailed
+from chatd.model.context_window import DoesNotFit, fit
+from chatd.model.loader import LoadedModel
+from chatd.model.prompt import PromptRenderer
+from sessions import Message
+
+log = logging.getLogger(__name__)
+
+
+class TurnPreparer:
+    """Render a queued turn into a `RunningTurn`, or say why it cannot run (`too_long`)."""
+
+    def __init__(self, loaded: LoadedModel, arena: KVArena, settings: Settings):
+        self._loaded, self._arena, self._settings = loaded, arena, settings
+        self._renderer = PromptRenderer(loaded.tokenizer)
+        self._system_ids = functools.lru_cache(maxsize=1024)(
+            lambda text: self._renderer.render([Message("system", text)], add_generation_prompt=False))
+        self._bytes_per_token = kv_bytes_per_token(loaded.model.config, loaded.model.dtype)
+        self.max_context = min(loaded.max_context, arena.max_tokens)  # the arena bounds a conversation too
+
+    def prepare(self, turn: Turn) -> RunningTurn | TurnFailed:
+        """The prompt within the context (the oldest turns dropped if they must be); `too_long` if the new
+        message cannot fit."""
+        started_at = time.perf_counter()
+        message_tokens = self._renderer.count(turn.messages[-1].content)
+        if message_tokens > self._settings.max_prompt_tokens:
+            return TurnFailed("too_long", f"the message is {message_tokens} tokens; this server takes at most "
+                                          f"{self._settings.max_prompt_tokens} per message")
+        room = min(turn.params.max_new_tokens, self.max_context // 4)
+        try:
+            window = fit(self._renderer, turn.messages, turn.dropped_turns, self.max_context, room)
+        except DoesNotFit as error:
+            return TurnFailed("too_long", str(error))
+        prompt_ids = window.prompt_ids
+        max_new_tokens = min(turn.params.max_new_tokens, self.max_context - len(prompt_ids))
+        region_tokens = self._arena.region_tokens(len(prompt_ids) + max_new_tokens)
+        return RunningTurn(turn, prompt_ids, self._shared_prefix_length(window.messages, prompt_ids), max_new_tokens,
+                           TokenSampler(turn.params), TextStream(self._loaded.tokenizer, turn.params.stop),
+                           started_at, messages=window.messages, dropped_turns=window.dropped_turns,
+                           reserve_bytes=region_tokens * self._bytes_per_token)
+
+    def _shared_prefix_length(self, messages: list[Message], prompt_ids: list[int]) -> int:
+        """Length of the system prompt's tokens at the start of the prompt, which sessions share."""
+        if not messages or messages[0].role != "system":
+            return 0
+        system_ids = self._system_ids(messages[0].content)
+        return len(system_ids) if prompt_ids[:len(system_ids)] == system_ids else 0
+
+
+class CacheFinder:
+    """The turn's cache from the cache store (with its cheap checks), plus the deep check on a sample
+    of reuses (`--verify-sample-rate`)."""
+
+    def __init__(self, cache: CacheStore, runner: ModelRunner, settings: Settings, dtype: torch.dtype):
+        self._cache, self._runner, self._settings, self._dtype = cache, runner, settings, dtype
+        self._sampling = random.Random()
+        self.deep_check_distances: deque[float] = deque(maxlen=256)
+
+    def find(self, running: RunningTurn) -> CacheLookup:
+        """None to reuse when the turn's window just moved past turns the cache covered (`truncated`)."""
+        turn = running.turn
+        if running.dropped_turns > turn.dropped_turns:
+            self._cache.drop(turn.session_id)
+            return CacheLookup("miss", 0, miss_reason="truncated")
+        lookup = self._cache.lookup(turn.session_id, running.prompt_ids, running.prefix_len, turn.session_version,
+                                    turn=turn, scope=turn.owner)
+        if lookup.miss_reason == "new" and any(m.role == "assistant" for m in running.messages):
+            lookup = dataclasses.replace(lookup, miss_reason="cold")  # history, but no cache here yet
+        if (lookup.entry is None or lookup.cached_tokens < 2
+                or self._sampling.random() >= self._settings.verify_sample_rate):
+            return lookup
+        distance = deep_check_distance(lookup.entry, self._runner.forward, self._runner.scratch_cache)
+        self.deep_check_distances.append(distance)
+        tolerance = DEEP_CHECK_TOLERANCE_INT8 if lookup.quantized else DEEP_CHECK_TOLERANCE.get(self._dtype, 5e-2)
+        if distance > tolerance:
+            log.warning("session %s: deep check distance %.3g over %.3g", turn.session_id, distance, tolerance)
+            return self._cache.report_corruption(turn.session_id, ("deep",))
+        return lookup

@@ -1,0 +1,50 @@
+"""What the engine works with once its model is loaded, built in one place: the KV arena within the
+device budget, the model runner over it, and the cache store with its tiers."""
+
+from __future__ import annotations
+
+import torch
+
+from cache_store import CacheEntry, CacheLayout, CacheStore, KVGeometry, Offloader, kv_bytes_per_token
+from cache_store.arena import KVArena
+from cache_store.remote_tier import RemoteTier
+from cache_store.stage_faults import FaultPoints
+from cache_store.store import CopyObserver
+from chatd.config import Settings
+from chatd.engine.model_runner import ModelRunner
+from chatd.model.loader import LoadedModel
+
+MB = 1024 * 1024
+
+
+def wire(loaded: LoadedModel, settings: Settings, faults: FaultPoints,
+         on_cache_copy: CopyObserver | None) -> tuple[KVArena, ModelRunner, CacheStore]:
+    """The arena, the runner and the cache store for `loaded`, as `settings` size them. The arena and the
+    runner make room by asking the cache store to evict; the store allocates its caches in the arena."""
+    geometry = KVGeometry.of(loaded.model.config)
+    bytes_per_token = kv_bytes_per_token(loaded.model.config, loaded.model.dtype)
+    remote = RemoteTier(settings.redis_url, settings.remote_kv_ttl_s) if settings.remote_kv else None
+    budget_bytes = int(settings.device_budget_mb(loaded.device) * MB)
+    # The arena and the runner call back into the store, which is built last (the lambdas bind it late).
+    arena = KVArena(geometry.layers, geometry.kv_heads, geometry.head_dim, loaded.model.dtype, loaded.device,
+                    tokens=budget_bytes // bytes_per_token, make_room=lambda tokens: store.evict_one())
+    runner = ModelRunner(loaded, arena, make_room=lambda: store.evict_idle(),
+                         on_prefill=lambda tokens, seconds: store.cost.record_prefill(tokens, seconds))
+    store = CacheStore(
+        new_cache=runner.new_cache, offloader=Offloader(loaded.device), enabled=settings.session_cache,
+        layout=CacheLayout(geometry.layers, geometry.kv_heads, geometry.head_dim, loaded.model.dtype),
+        model_key=loaded.identity(), device_budget_bytes=arena.nbytes(),
+        host_budget_bytes=int(settings.host_cache_mb * MB), ttl_s=settings.session_ttl_s, remote=remote,
+        on_copy=on_cache_copy, faults=faults, host_kv_dtype=settings.host_kv_dtype,
+        remote_kv_dtype=settings.remote_kv_dtype)
+    if remote is not None:
+        remote.probe()
+        _measure_prefill(loaded, runner, min(loaded.max_context, arena.max_tokens))
+    return arena, runner, store
+
+
+def _measure_prefill(loaded: LoadedModel, runner: ModelRunner, max_context: int, tokens: int = 256) -> None:
+    """Seed the cost model's prefill rate (fetch a remote cache, or recompute?) with one real prefill."""
+    ids = torch.randint(100, loaded.model.config.vocab_size, (min(tokens, max_context - 1),))
+    with torch.inference_mode():
+        runner.timed_prefill(CacheEntry(runner.scratch_cache()), ids.tolist())
