@@ -65,6 +65,8 @@ def order_for(tokens: int) -> int:
 
 
 class KVArena:
+    """Per-layer key and value buffers allocated once; caches are regions of them."""
+
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  tokens: int, make_room: Callable[[int], bool] | None = None):
         units = tokens // UNIT

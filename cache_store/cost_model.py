@@ -21,12 +21,16 @@ class Throughput:
 
 @dataclass(frozen=True)
 class RemoteDecision:
+    """Fetch a remote cache or recompute, and the estimates behind the choice."""
+
     choice: Literal["fetch", "recompute"]
     fetch_ms: float | None  # estimated: bytes over the measured Redis throughput
     prefill_ms: float | None  # estimated: tokens over the measured prefill rate
 
 
 class CostModel:
+    """Chooses between fetching a remote cache and recomputing it, from measured rates."""
+
     def __init__(self, throughput: Throughput):
         self.throughput = throughput
         self.prefill_tokens_per_s: float | None = None

@@ -11,6 +11,8 @@ from cache_store.policy import ConnectedLRUPolicy, EvictionPolicy, Residency
 
 
 class DeviceTier:
+    """Caches on the compute device, their residency and reservations, under the device budget."""
+
     def __init__(self, budget_bytes: int, policy: EvictionPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.budget_bytes = budget_bytes

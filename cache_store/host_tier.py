@@ -15,6 +15,8 @@ from cache_store.offload import HostEntry
 
 
 class HostTier:
+    """Offloaded caches in host memory, first offloaded dropped first, under the memory really held."""
+
     def __init__(self, budget_bytes: int, pool: HostBufferPool | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.budget_bytes = budget_bytes

@@ -21,10 +21,12 @@ CHECKS = ("fingerprint", "length", "shape", "checksum", "finite", "deep")
 
 
 def token_digest(token_ids: Sequence[int]) -> str:
+    """A digest of token ids, for fingerprints."""
     return xxhash.xxh3_64_hexdigest(pack_ids(token_ids))
 
 
 def fingerprint(entry: CacheEntry, model_key: str, owner: str, layout: CacheLayout) -> Fingerprint:
+    """The identity a cache is written back with and checked against on every reuse."""
     return Fingerprint(model_key, owner, token_digest(entry.token_ids), entry.num_tokens, layout, entry.quantized)
 
 

@@ -76,6 +76,8 @@ def host_nbytes(entry: CacheEntry, kv_dtype: KVDtype) -> int:
 
 
 class Offloader:
+    """Copies caches between the device and host memory (pinned, on a side stream, on CUDA)."""
+
     def __init__(self, device: torch.device):
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None

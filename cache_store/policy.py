@@ -20,6 +20,8 @@ class Residency:
 
 
 class EvictionPolicy(Protocol):
+    """The order in which idle caches leave the device."""
+
     def priority(self, residency: Residency) -> tuple: ...
 
 

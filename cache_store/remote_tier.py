@@ -36,6 +36,8 @@ USAGE_EVERY_S = 5.0
 
 @dataclass(frozen=True)
 class RemoteHeader:
+    """What Redis says about a session's cache before its bytes are fetched."""
+
     session_id: str
     fingerprint: Fingerprint
     session_version: int
@@ -51,6 +53,8 @@ def _dtype(name: str) -> torch.dtype:
 
 
 class RemoteTier:
+    """Caches in Redis, written in the background, shared by every worker."""
+
     def __init__(self, url: str, ttl_s: float, timeout_s: float = 1.0):
         self.ttl_s = int(ttl_s)
         self.throughput = Throughput()

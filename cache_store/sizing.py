@@ -9,6 +9,8 @@ import torch
 
 @dataclass(frozen=True)
 class KVGeometry:
+    """The shape of a model's KV cache: layers, KV heads, head size."""
+
     layers: int
     attention_heads: int
     kv_heads: int

@@ -72,6 +72,7 @@ class CacheLookup:
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids two sequences share."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
@@ -98,6 +99,8 @@ class RemoteCaches(Protocol):
 
 
 class CacheStore:
+    """The cache boundary: admission under the device budget, lookup across tiers, write-back, eviction."""
+
     def __init__(self, *, new_cache: Callable[[], DynamicCache], offloader: Offloader, layout: CacheLayout,
                  model_key: str, device_budget_bytes: int, host_budget_bytes: int, enabled: bool = True,
                  policy: EvictionPolicy | None = None, ttl_s: float | None = None,

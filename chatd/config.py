@@ -40,6 +40,8 @@ TextList = Annotated[list[str], NoDecode, BeforeValidator(_list_from_text)]
 
 
 class Settings(BaseSettings):
+    """Every setting of `chatd serve`, from flags or `CHATD_*` environment variables, validated in one place."""
+
     model_config = SettingsConfigDict(env_prefix="CHATD_", protected_namespaces=())
 
     host: str = Field("127.0.0.1", description="interface to listen on")

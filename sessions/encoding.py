@@ -14,6 +14,7 @@ UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 def redis_key(session_id: str, part: str) -> str:
+    """The Redis key of one part of a session (meta, messages, tokens, lease, fence, kv, kvmeta)."""
     return f"chatd:{{{session_id}}}:{part}"
 
 
@@ -23,6 +24,7 @@ def pack_ids(token_ids: Sequence[int]) -> bytes:
 
 
 def unpack_ids(packed: bytes | None) -> list[int]:
+    """The token ids `pack_ids` wrote."""
     ids = array("i")
     ids.frombytes(packed or b"")
     return ids.tolist()

@@ -30,6 +30,8 @@ def block_hashes(owner: str | None, token_ids: Sequence[int]) -> list[int]:
 
 
 class PrefixIndex:
+    """Chained block hashes of each session's conversation ids, per owner, to find a resent conversation's session."""
+
     def __init__(self) -> None:
         self._hashes: dict[str, list[int]] = {}  # session id -> its chain
         self._sessions: dict[int, set[str]] = {}  # chained hash -> sessions whose conversation has that prefix

@@ -57,6 +57,8 @@ def _all_keys(session_id: str) -> list[str]:
 
 
 class RedisSessionStore:
+    """Sessions in Redis, shared by workers and kept across restarts; writes queued through outages."""
+
     def __init__(self, url: str, retention_s: float, timeout_s: float = 2.0, lease_ttl_s: float = 15.0):
         self.retention_s = int(retention_s)
         self.lease_ttl_ms = int(lease_ttl_s * 1000)

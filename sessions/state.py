@@ -13,6 +13,8 @@ Role = Literal["system", "user", "assistant"]
 
 @dataclass(frozen=True)
 class Message:
+    """One message of a conversation."""
+
     role: Role
     content: str
     # For a reply: the ids the model generated, which `content` decodes to. A prompt splices them in

@@ -41,6 +41,8 @@ class LocalLease:
 
 
 class SessionStore(Protocol):
+    """Where sessions live: in memory, or in Redis."""
+
     async def create(self, system: str | None, owner: str | None = None, messages: Sequence[Message] = ()) -> Session:
         """A new session; `messages` is a history it starts with (a stateless client's branch)."""
 

@@ -40,10 +40,10 @@ def test_compose_file_parses_and_names_files_that_exist():
     assert "hash $arg_session_id consistent;" in nginx_conf
 
 
-def start_worker(checkpoint: Path, redis_url: str) -> ServerProcess:
+def start_worker(checkpoint: Path, redis_url: str, *flags: str) -> ServerProcess:
     """`chatd serve` as its own process, as deployed."""
     return ServerProcess(["--model", str(checkpoint), "--device", "cpu", "--redis-url", redis_url,
-                          "--lease-ttl-s", "2"])
+                          "--lease-ttl-s", "2", *flags])
 
 
 @pytest.fixture

@@ -71,3 +71,12 @@ def test_no_import_cycles():
 def test_chatd_has_a_handful_of_loose_modules():
     loose = sorted(path.name for path in (ROOT / "chatd").glob("*.py"))
     assert loose == ["__init__.py", "__main__.py", "config.py"], loose
+
+
+def test_every_public_class_and_function_says_why_it_exists():
+    undocumented = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
+                    for package in PACKAGES for path in (ROOT / package).rglob("*.py")
+                    for node in ast.parse(path.read_text()).body
+                    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+                    and not node.name.startswith("_") and ast.get_docstring(node) is None]
+    assert not undocumented, undocumented

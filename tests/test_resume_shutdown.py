@@ -12,7 +12,7 @@ from chatd.api.server import ChatServer
 from chatd.config import Settings
 from chatd.tools.client import ChatClient, ChatError
 from sessions.redis_store import RedisSessionStore
-from tests.test_deploy import Worker
+from tests.test_deploy import start_worker
 
 QUESTION = "Tell me everything about bicycle maintenance."
 
@@ -88,7 +88,7 @@ async def test_a_resumed_turn_can_be_cancelled_from_the_new_connection(tiny):
 
 @pytest.mark.parametrize(("timeout_s", "recorded"), [(60, True), (0, False)])
 async def test_sigterm_drains_running_turns_and_exits_cleanly(tiny_checkpoint, redis_server, timeout_s, recorded):
-    worker = Worker(tiny_checkpoint, redis_server.url, "--shutdown-timeout-s", str(timeout_s))
+    worker = start_worker(tiny_checkpoint, redis_server.url, "--shutdown-timeout-s", str(timeout_s))
     url = f"ws://127.0.0.1:{worker.port}/ws"
     async with ChatClient(await connect(url)) as client:
         session_id = (await client.open_session()).session_id

@@ -13,6 +13,8 @@ def key_id(key: str) -> str:
 
 
 class KeyRing:
+    """The server's API keys, compared in constant time, known by their ids."""
+
     def __init__(self, keys: list[str]):
         self._keys = [(key.encode(), key_id(key)) for key in dict.fromkeys(keys)]
 

@@ -16,6 +16,8 @@ class ClientGone(Exception):
 
 
 class ClientSocket:
+    """A websocket client as the gateway uses it: headers, address, frames in, text out, close."""
+
     def __init__(self, websocket: WebSocket):
         self._websocket = websocket
 

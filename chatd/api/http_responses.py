@@ -20,11 +20,13 @@ PAGE_HEADERS = {
 
 
 def json_response(status: http.HTTPStatus, body: dict, headers: dict[str, str] | None = None) -> Response:
+    """A JSON answer that no cache keeps."""
     return JSONResponse(body, status.value, {"Cache-Control": "no-store", "Access-Control-Allow-Origin": "*",
                                              **(headers or {})})
 
 
 def text_response(status: http.HTTPStatus, text: str) -> Response:
+    """A plain-text answer."""
     return PlainTextResponse(text, status.value)
 
 

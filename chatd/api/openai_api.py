@@ -62,6 +62,8 @@ _TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_fo
 
 
 class ApiError(Exception):
+    """A failed OpenAI API request: its status, and the error body OpenAI's clients parse."""
+
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  retry_after_s: float | None = None):
         super().__init__(message)
@@ -83,6 +85,9 @@ class ApiError(Exception):
 
 
 class OpenAIApi:
+    """The OpenAI-compatible routes over the turn runner, and the index that finds a resent conversation's
+    session."""
+
     def __init__(self, engine: Engine, sessions: SessionStore, settings: Settings, turns: TurnRunner, keys: KeyRing):
         self.engine, self.sessions, self.settings, self.turns, self.keys = engine, sessions, settings, turns, keys
         self.index = PrefixIndex()

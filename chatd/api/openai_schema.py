@@ -20,11 +20,15 @@ class RequestRefused(ValueError):
 
 
 class TextPart(BaseModel):
+    """A text part of a message's content array."""
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessageIn(BaseModel):
+    """One message of a chat completions request."""
+
     model_config = ConfigDict(extra="ignore")  # `name` and the like change nothing here
 
     role: Literal["system", "developer", "user", "assistant"]
@@ -37,10 +41,14 @@ class ChatMessageIn(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """`stream_options`: whether a last chunk carries the usage."""
+
     include_usage: bool = False
 
 
 class ResponseFormat(BaseModel):
+    """`response_format`: only `text` is served."""
+
     model_config = ConfigDict(extra="allow")
     type: str = "text"
 
@@ -121,10 +129,14 @@ class ChatCompletionRequest(BaseModel):
 
 
 class CompletionTokensDetails(BaseModel):
+    """`prompt_tokens_details`: the prompt tokens reused from a cache."""
+
     cached_tokens: int = 0
 
 
 class CompletionUsage(BaseModel):
+    """A completion's token counts."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -132,11 +144,15 @@ class CompletionUsage(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """The reply of a non-streamed completion."""
+
     role: Literal["assistant"] = "assistant"
     content: str
 
 
 class Choice(BaseModel):
+    """The one choice of a non-streamed completion."""
+
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
@@ -144,6 +160,8 @@ class Choice(BaseModel):
 
 
 class ChatCompletion(BaseModel):
+    """A non-streamed chat completion."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -153,11 +171,15 @@ class ChatCompletion(BaseModel):
 
 
 class ChunkDelta(BaseModel):
+    """What one streamed chunk adds: the role first, then text."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
 
 
 class ChunkChoice(BaseModel):
+    """The one choice of a streamed chunk."""
+
     index: int = 0
     delta: ChunkDelta
     finish_reason: Literal["stop", "length"] | None = None
@@ -165,6 +187,8 @@ class ChunkChoice(BaseModel):
 
 
 class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed completion."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -174,6 +198,8 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """A served model, as `/v1/models` lists it."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -181,11 +207,15 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    """The body of `GET /v1/models`."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
 class ErrorBody(BaseModel):
+    """An error in OpenAI's shape."""
+
     message: str
     type: str
     param: str | None = None
@@ -193,4 +223,6 @@ class ErrorBody(BaseModel):
 
 
 class ErrorResponse(BaseModel):
+    """The body of every failed OpenAI API request."""
+
     error: ErrorBody

@@ -18,6 +18,8 @@ class _Message(BaseModel):
 
 
 class ChatParams(_Message):
+    """Sampling parameters of a `chat.request`."""
+
     max_new_tokens: int = Field(256, ge=1, le=MAX_NEW_TOKENS_CAP)
     temperature: float = Field(0.0, ge=0.0, le=5.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -34,12 +36,16 @@ class Auth(_Message):
 
 
 class SessionOpen(_Message):
+    """Open a new session, or resume one by id."""
+
     type: Literal["session.open"]
     session_id: str | None = None
     system: str | None = None
 
 
 class ChatRequest(_Message):
+    """One user message for a session: starts a turn."""
+
     type: Literal["chat.request"]
     session_id: str
     turn_id: str | None = Field(None, min_length=1, max_length=128)
@@ -48,6 +54,8 @@ class ChatRequest(_Message):
 
 
 class ChatCancel(_Message):
+    """Stop a running turn; its `chat.done` says `cancelled`."""
+
     type: Literal["chat.cancel"]
     turn_id: str
 
@@ -68,6 +76,8 @@ class Typing(_Message):
 
 
 class SessionClose(_Message):
+    """Delete a session and its cache."""
+
     type: Literal["session.close"]
     session_id: str
 
@@ -83,6 +93,7 @@ class ProtocolError(ValueError):
 
 def parse_client_message(frame: str | bytes
                          ) -> Auth | SessionOpen | ChatRequest | ChatCancel | ChatResume | Typing | SessionClose:
+    """A client frame as its model, or `ProtocolError` naming what is wrong."""
     if isinstance(frame, bytes):
         raise ProtocolError("binary frames are not supported: send JSON text frames")
     try:
@@ -128,15 +139,21 @@ def _lone_surrogate(data: dict) -> str | None:
 
 
 class HistoryMessage(BaseModel):
+    """One completed message of a session, as `session.ready` lists them."""
+
     role: Literal["user", "assistant"]
     content: str
 
 
 class AuthOk(BaseModel):
+    """The key was accepted."""
+
     type: Literal["auth.ok"] = "auth.ok"
 
 
 class SessionReady(BaseModel):
+    """The session is open: its id, turns so far and history."""
+
     type: Literal["session.ready"] = "session.ready"
     session_id: str
     turns: int
@@ -146,10 +163,14 @@ class SessionReady(BaseModel):
 
 
 class Delta(BaseModel):
+    """A piece of reply text."""
+
     content: str
 
 
 class ChatDelta(BaseModel):
+    """A streamed piece of a turn's reply, numbered for `chat.resume`."""
+
     type: Literal["chat.delta"] = "chat.delta"
     turn_id: str
     seq: int
@@ -157,12 +178,16 @@ class ChatDelta(BaseModel):
 
 
 class Usage(BaseModel):
+    """A turn's token counts: prompt, completion, and prompt tokens reused from a cache."""
+
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
 
 
 class Timings(BaseModel):
+    """Where a turn's time went, in milliseconds."""
+
     queue_ms: float
     ttft_ms: float
     prefill_ms: float
@@ -180,6 +205,8 @@ class RemoteReport(BaseModel):
 
 
 class CacheReport(BaseModel):
+    """Where a turn's cache came from, or why there was none."""
+
     source: Literal["device", "host", "remote", "prefix", "miss"]
     miss_reason: Literal["new", "cold", "evicted", "disabled", "drift", "corrupt", "stale", "truncated"] | None = None
     cleared: list[str] = Field(default_factory=list)
@@ -188,6 +215,8 @@ class CacheReport(BaseModel):
 
 
 class ChatDone(BaseModel):
+    """A turn's end: the whole reply, why it ended, usage, timings and the cache report."""
+
     type: Literal["chat.done"] = "chat.done"
     turn_id: str
     finish_reason: Literal["stop", "length", "cancelled"]
@@ -199,11 +228,15 @@ class ChatDone(BaseModel):
 
 
 class SessionClosed(BaseModel):
+    """The session was deleted."""
+
     type: Literal["session.closed"] = "session.closed"
     session_id: str
 
 
 class ErrorMessage(BaseModel):
+    """A request that failed: a code, a message, and whether to retry."""
+
     type: Literal["error"] = "error"
     turn_id: str | None = None
     code: ErrorCode

@@ -10,6 +10,8 @@ MAX_CLIENTS = 100_000  # beyond this, clients with a full allowance are forgotte
 
 
 class RateLimiter:
+    """Turns per minute per client, as token buckets."""
+
     def __init__(self, per_minute: float | None, clock: Callable[[], float] = time.monotonic):
         self.per_minute = per_minute
         self._clock = clock

@@ -13,6 +13,7 @@ from chatd.api.protocol import json_schemas
 
 
 def protocol_schema() -> dict:
+    """Both APIs' JSON Schemas in one document."""
     openai = {name: TypeAdapter(model).json_schema() for name, model in [
         ("chat_completions_request", ChatCompletionRequest), ("chat_completion", ChatCompletion),
         ("chat_completion_chunk", ChatCompletionChunk), ("models", ModelList), ("error", ErrorResponse)]}
@@ -23,6 +24,7 @@ def protocol_schema() -> dict:
 
 
 def render() -> str:
+    """The schema document as the checked-in file holds it."""
     return json.dumps(protocol_schema(), indent=2, sort_keys=True) + "\n"
 
 

@@ -15,6 +15,8 @@ OutMessage = ChatDelta | ChatDone | ErrorMessage
 
 
 class Sink(Protocol):
+    """Whoever a turn log delivers to: a websocket connection."""
+
     async def send(self, message: OutMessage) -> None: ...
 
 

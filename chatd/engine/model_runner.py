@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
+    """Forward passes over caches in the KV arena, one sequence or a batched decode step, with an OOM retry."""
+
     def __init__(self, loaded: LoadedModel, arena: KVArena, make_room: Callable[[], int],
                  on_prefill: Callable[[int, float], None]):
         self.loaded = loaded

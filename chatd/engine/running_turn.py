@@ -15,6 +15,8 @@ from sessions import Message
 
 @dataclass
 class RunningTurn:
+    """A turn between engine steps: its prompt, cache, sampler, text stream and progress."""
+
     turn: Turn
     prompt_ids: list[int]
     prefix_len: int  # the system prompt's tokens, which sessions with the same one share

@@ -9,6 +9,8 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one reply is sampled: length, temperature, top-p, seed and stop strings."""
+
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0

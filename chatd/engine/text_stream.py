@@ -13,6 +13,8 @@ from transformers import PreTrainedTokenizerBase
 
 
 class TextStream:
+    """Turns generated ids into released text, holding back what could still become a stop string."""
+
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str] = ()):
         self._tokenizer = tokenizer
         self._stop = [s for s in stop if s]

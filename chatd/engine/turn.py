@@ -23,6 +23,8 @@ class TokenText:
 
 @dataclass(frozen=True)
 class TurnResult:
+    """A finished turn as the engine reports it: the reply, its usage, timings and cache outcome."""
+
     finish_reason: FinishReason
     content: str
     prompt_tokens: int
@@ -54,6 +56,8 @@ class TurnResult:
 
 @dataclass(frozen=True)
 class TurnFailed:
+    """A turn the engine could not complete, with the error code the client gets."""
+
     code: Literal["too_long", "conflict", "busy", "unavailable", "internal"]
     message: str
 

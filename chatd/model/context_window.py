@@ -17,6 +17,8 @@ REFILL_SHARE = 0.75
 
 @dataclass(frozen=True)
 class Window:
+    """The part of a conversation that fits the context: its messages, their ids, and the turns left out."""
+
     messages: list[Message]  # what the prompt renders
     prompt_ids: list[int]
     dropped_turns: int  # oldest turns left out, from the start of the conversation

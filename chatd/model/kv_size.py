@@ -22,6 +22,7 @@ def _bytes_per_token(config, shape: KVGeometry, name: str) -> int:
 
 def kv_size_table(model: str, tokens: list[int], dtypes: list[str], budget_mb: float | None,
                   cache_dir: Path | None = None) -> str:
+    """The `chatd kv-size` table: bytes per token and per session, and sessions per budget."""
     source = converted_checkpoint(model, cache_dir or default_cache_dir()) if model in BUNDLED_MODELS else model
     config = AutoConfig.from_pretrained(source)
     shape = KVGeometry.of(config)

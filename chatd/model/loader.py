@@ -37,6 +37,8 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 @dataclass
 class LoadedModel:
+    """A model ready to serve: weights, tokenizer, device, the ids that end a turn, and a stable identity."""
+
     name: str
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
@@ -60,6 +62,7 @@ class LoadedModel:
 
 
 def resolve_device(device: str) -> torch.device:
+    """The device to run on: `auto` picks CUDA when there is one."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)
@@ -69,6 +72,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype to run in: `auto` is float32 on a CPU and bf16 on a GPU that has it."""
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -143,4 +147,5 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
 
 
 def default_cache_dir() -> Path:
+    """Where converted checkpoints of bundled models are kept between runs."""
     return Path.home() / ".cache" / "chatd"

@@ -21,6 +21,8 @@ from sessions import Message
 
 
 class PromptRenderer:
+    """Renders messages with the model's chat template, message text never parsed for special tokens."""
+
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = copy.deepcopy(tokenizer)  # its split-special-tokens flag is ours alone
         # A random marker per process: message text cannot guess it to smuggle in a slot.

@@ -24,6 +24,8 @@ SNAPSHOT_MAX_AGE_S = 1.0  # dashboards polling at once share one snapshot (tens 
 
 @dataclass(frozen=True)
 class TurnRecord:
+    """What the stats windows keep of one finished turn."""
+
     finished_at: float
     first_token_at: float | None  # None for a turn cancelled before its first token
     ttft_s: float
@@ -50,6 +52,8 @@ def percentiles(values: Iterable[float] | np.ndarray, scale: float = 1000.0) -> 
 
 
 class StatsRecorder:
+    """Rolling windows over finished turns and tier samples, for /v1/stats and the dashboard."""
+
     def __init__(self, model_name: str, clock: Callable[[], float] = time.perf_counter):
         self.model_name = model_name
         self._clock = clock

@@ -29,6 +29,8 @@ DEFAULT_SCENARIOS = Path(__file__).resolve().parents[2] / "bench" / "scenarios"
 
 @dataclass
 class TurnSample:
+    """What a simulated customer measured of one turn."""
+
     customer: int
     turn: int  # 1-based
     ttft_ms: float | None = None
@@ -41,6 +43,8 @@ class TurnSample:
 
 @dataclass(frozen=True)
 class Workload:
+    """The customers a benchmark plays: scenarios, how many, turns, think time."""
+
     scenarios: list[dict]
     customers: int
     turns: int
@@ -51,6 +55,7 @@ class Workload:
 
 
 def load_scenarios(folder: Path) -> list[dict]:
+    """The scripted conversations under a folder."""
     scenarios = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
     if not scenarios:
         raise SystemExit(f"chatd bench: no scenarios (*.json) in {folder}")
@@ -58,6 +63,7 @@ def load_scenarios(folder: Path) -> list[dict]:
 
 
 async def play_customer(url: str, workload: Workload, index: int, samples: list[TurnSample], progress: tqdm) -> None:
+    """One simulated customer's conversation over the websocket protocol."""
     scenario = workload.scenarios[index % len(workload.scenarios)]
     pauses = random.Random(workload.seed * 1000 + index)
     async with await ChatClient.connect(url, api_key=workload.api_key) as client:
@@ -164,6 +170,7 @@ async def run_workload(url: str, workload: Workload, label: str) -> tuple[list[T
 
 
 def summarize(samples: list[TurnSample], wall_s: float) -> dict:
+    """Percentiles, throughput, cache sources and errors of a run."""
     ok = [s for s in samples if s.error is None]
     by_turn = {}
     for turn in sorted({s.turn for s in ok}):
@@ -204,6 +211,7 @@ def _figure(result: dict, path: tuple[str, ...]) -> float | None:
 
 
 def report(results: list[dict]) -> str:
+    """The side-by-side table of one or two configurations."""
     header = f"{'':<26}" + "".join(f"{r['label']:>12}" for r in results)
     header += "   A/B" if len(results) == 2 else ""
     lines = [header]
@@ -221,6 +229,7 @@ def report(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: Path) -> None:
+    """TTFT by turn and the inter-token distribution, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -246,6 +255,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main(args) -> None:
+    """The entry point: parse the command line and run the command."""
     workload = Workload(load_scenarios(args.scenarios), args.customers, args.turns, args.think_s,
                         args.max_new_tokens, args.seed, args.api_key)
     flag_sets = [args.a, args.b] if args.compare else ([args.serve] if args.serve is not None else [])

@@ -40,6 +40,7 @@ def _setting_source(loc: tuple, overrides: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The entry point: parse the command line and run the command."""
     parser = argparse.ArgumentParser(prog="chatd", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     _serve_parser(commands)

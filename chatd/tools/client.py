@@ -73,6 +73,8 @@ class TurnStream:
 
 
 class ChatClient:
+    """The websocket protocol from the client's side, replies parsed into the protocol's models."""
+
     def __init__(self, websocket: ClientConnection):
         self._websocket = websocket
         self._turns: dict[str, TurnStream] = {}

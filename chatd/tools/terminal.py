@@ -10,6 +10,7 @@ from chatd.tools.client import ChatClient, ChatError
 
 async def chat(url: str, system: str | None, session_id: str | None, max_new_tokens: int,
                api_key: str | None = None) -> None:
+    """An interactive conversation in the terminal."""
     async with await ChatClient.connect(url, api_key=api_key) as client:
         ready = await client.open_session(system=system, session_id=session_id)
         print(f"session {ready.session_id} ({ready.turns} turns so far). Ctrl-D to quit.", file=sys.stderr)
