@@ -45,7 +45,6 @@ from chatd.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
-MB = 1024 * 1024
 EXPIRE_EVERY_S = 1.0
 T = TypeVar("T")
 
