@@ -206,9 +206,9 @@ class ChatServer:
         if (refusal := self._refuse_websocket(websocket)) is not None:
             await websocket.send_denial_response(refusal)
             return
-        await websocket.accept()
-        self._websockets += 1
+        self._websockets += 1  # counted before the first await: concurrent handshakes see each other
         try:
+            await websocket.accept()
             await self.gateway.handle(ClientSocket(websocket))
         finally:
             self._websockets -= 1
