@@ -64,21 +64,28 @@ class CacheEntry:
             return self.cache.nbytes()
         return sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in self.tensors())
 
-    def clone(self, new_cache: Callable[[], DynamicCache | ArenaCache]) -> CacheEntry:
-        clone = entry_from_tensors(new_cache, [(k.clone(), v.clone()) for k, v in self.tensors()], self.token_ids,
-                                   self.fingerprint)
-        clone.checksum, clone.session_version = self.checksum, self.session_version
+    def clone(self, new_cache: Callable[[], DynamicCache | ArenaCache], tokens: int | None = None) -> CacheEntry:
+        """A copy in a cache of its own: whole (with its fingerprint and checksum), or its first `tokens`
+        (without them: whoever keeps such a copy stamps it). Copied once, from views of this one."""
+        whole = tokens is None or tokens == self.num_tokens
+        tokens = self.num_tokens if tokens is None else tokens
+        clone = entry_from_tensors(new_cache, [(k[..., :tokens, :], v[..., :tokens, :]) for k, v in self.tensors()],
+                                   self.token_ids[:tokens], self.fingerprint if whole else None, owned=False)
+        clone.checksum = self.checksum if whole else None
+        clone.session_version = self.session_version
         return clone
 
 
 def entry_from_tensors(new_cache: Callable[[], DynamicCache | ArenaCache], tensors: KVTensors, token_ids: list[int],
-                       fingerprint: Fingerprint | None = None) -> CacheEntry:
-    """Adopt existing key/value tensors as a cache: copied into a region of the arena, or taken as
-    they are by a `DynamicCache`."""
+                       fingerprint: Fingerprint | None = None, owned: bool = True) -> CacheEntry:
+    """Existing key/value tensors as a cache: copied into a region of the arena, or taken by a
+    `DynamicCache` as they are (copied first unless they are `owned`: views of another cache are not)."""
     cache = new_cache()
     if isinstance(cache, ArenaCache):
         cache.load(tensors)
         return CacheEntry(cache, list(token_ids), fingerprint)
+    if not owned:
+        tensors = [(keys.clone(), values.clone()) for keys, values in tensors]
     while len(cache.layers) < len(tensors):
         cache.layers.append(DynamicLayer())
     for layer, (keys, values) in zip(cache.layers, tensors, strict=False):

@@ -38,10 +38,6 @@ class HostEntry:
     scales: KVTensors | None = None
 
     @property
-    def kv_dtype(self) -> KVDtype:
-        return "same" if self.scales is None else "int8"
-
-    @property
     def stored(self) -> KVTensors:
         """Every tensor it stores, scales included: what its checksum covers."""
         return [*self.tensors, *(self.scales or [])]
@@ -109,13 +105,11 @@ class Offloader:
                     keys.record_stream(self._stream)  # keep the device memory until the copy has run
                     values.record_stream(self._stream)
             self._stream.synchronize()  # the checksum needs the bytes on the host
-        stamp = entry.fingerprint
+        digest, stamp = checksum(targets), entry.fingerprint  # every stored byte, scales included
         if scales is not None:
             targets, scales = targets[:len(targets) - len(scales)], targets[len(targets) - len(scales):]
             stamp = dataclasses.replace(stamp, quantized="int8") if stamp is not None else None
-        stored = [*targets, *(scales or [])]
-        return HostEntry(targets, list(entry.token_ids), stamp, checksum(stored), entry.session_version, buffer,
-                         scales)
+        return HostEntry(targets, list(entry.token_ids), stamp, digest, entry.session_version, buffer, scales)
 
     def restore(self, host: HostEntry, new_cache: Callable[[], DynamicCache]
                 ) -> tuple[CacheEntry, torch.cuda.Event | None]:

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from cache_store.arena import ArenaFull
 from cache_store.cost_model import CostModel, RemoteDecision, Throughput
 from cache_store.device_tier import DeviceTier
-from cache_store.entry import CacheEntry, entry_from_tensors
+from cache_store.entry import CacheEntry
 from cache_store.host_pool import HostBufferPool
 from cache_store.host_tier import HostTier
 from cache_store.identity import CacheLayout
@@ -256,8 +256,7 @@ class CacheStore:
         if shared <= 0:
             return 0
         try:
-            copy = entry_from_tensors(self.new_cache, [(k[..., :shared, :].clone(), v[..., :shared, :].clone())
-                                                       for k, v in entry.tensors()], entry.token_ids[:shared])
+            copy = entry.clone(self.new_cache, shared)
         except ArenaFull:
             return 0  # no room for a copy now: the branch prefills from scratch
         copy.fingerprint = fingerprint(copy, self.model_key, target, self.layout)
