@@ -68,8 +68,11 @@ class KVArena:
     """Per-layer key and value buffers allocated once; caches are regions of them."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 tokens: int, make_room: Callable[[int], bool] | None = None):
+                 tokens: int, make_room: Callable[[int], bool] | None = None, windows: Sequence[int | None] = ()):
         units = tokens // UNIT
+        # Each layer's sliding window (None: full attention). Every layer keeps every token of a region;
+        # a sliding layer's attention reads only its window of it.
+        self.windows = tuple(windows) or (None,) * layers
         self.tokens = units * UNIT
         self.keys = [torch.empty(kv_heads, self.tokens, head_dim, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.empty_like(keys) for keys in self.keys]

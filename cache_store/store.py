@@ -38,6 +38,7 @@ from cache_store.offload import HostEntry, Offloader, host_nbytes
 from cache_store.policy import EvictionPolicy
 from cache_store.quantize import KVDtype
 from cache_store.remote_tier import RemoteHeader
+from cache_store.sizing import layer_tokens_needed
 from cache_store.stage_faults import FaultPoints
 from sessions.encoding import pack_ids
 
@@ -106,12 +107,14 @@ class CacheStore:
                  policy: EvictionPolicy | None = None, ttl_s: float | None = None,
                  remote: RemoteCaches | None = None, clock: Callable[[], float] = time.monotonic,
                  on_copy: CopyObserver | None = None, faults: FaultPoints | None = None,
-                 host_kv_dtype: KVDtype = "same", remote_kv_dtype: KVDtype = "same"):
+                 host_kv_dtype: KVDtype = "same", remote_kv_dtype: KVDtype = "same",
+                 layer_windows: Sequence[int | None] = ()):
         self.enabled = enabled
         self.host_kv_dtype, self.remote_kv_dtype = host_kv_dtype, remote_kv_dtype
         self.remote = remote
         self.cost = CostModel(remote.throughput if remote else Throughput())
         self.layout = layout
+        self.layer_windows = tuple(layer_windows) or (None,) * layout.layers  # per layer: sliding window or None
         self.model_key = model_key
         self.device = DeviceTier(device_budget_bytes, policy, clock)
         self.host = HostTier(host_budget_bytes, HostBufferPool(pinned=offloader.pins_memory), clock)
@@ -343,8 +346,13 @@ class CacheStore:
         """Occupancy and cumulative counters, for metrics and `/v1/stats`."""
         device_sessions = [key for key in self.device if not key.startswith(_PREFIX)]
         cached = {*device_sessions, *self.host.keys()}
+        lengths = self.device.token_counts(device_sessions)
+        layer_token_bytes = 2 * self.layout.kv_heads * self.layout.head_dim * self.layout.dtype.itemsize
         stats = {
             "device_bytes": self.device.used_bytes(), "device_budget_bytes": self.device.budget_bytes,
+            # the keys and values resident sessions hold, and the part of them their layers' windows need
+            "device_kv_bytes": sum(lengths) * self.layout.layers * layer_token_bytes,
+            "device_window_bytes": sum(layer_tokens_needed(self.layer_windows, n) for n in lengths) * layer_token_bytes,
             "device_reserved_bytes": self.device.reserved_bytes(), "device_sessions": len(device_sessions),
             "prefixes": sum(1 for key in self.device if key.startswith(_PREFIX)),
             "host_bytes": self.host.used_bytes(), "host_budget_bytes": self.host.budget_bytes,

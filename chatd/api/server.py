@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Request, WebSocket
 from starlette.responses import Response
 
-from cache_store import CacheStore
+from cache_store import CacheStore, KVGeometry, kv_bytes_per_token
 from cache_store.faults import FAULT_KINDS, TIERS, NoCache, corrupt
 from cache_store.stage_faults import STAGES
 from chatd.api.auth import KeyRing
@@ -31,6 +31,7 @@ from chatd.api.turns import TurnRunner
 from chatd.config import Settings
 from chatd.engine.scheduler import Engine
 from chatd.engine.turn import TurnResult
+from chatd.model.kv_size import kv_report
 from chatd.model.loader import LoadedModel, load_model
 from chatd.observability.metrics import CONTENT_TYPE, LiveState, Metrics
 from chatd.observability.stats import StatsRecorder
@@ -82,6 +83,7 @@ class ChatServer:
         self._websockets = 0  # open websocket connections
         self._sampler: asyncio.Task | None = None
         self._last_cache_stats: dict[str, int] = {}
+        self._kv: dict = {}
 
     @property
     def port(self) -> int:
@@ -147,7 +149,17 @@ class ChatServer:
         return LiveState(running=self.engine.running, waiting=self.engine.waiting,
                          connected_sessions=self.gateway.connected_sessions, cache=self._last_cache_stats,
                          engine_up=self.engine.failure is None, engine_failures=dict(self.engine.failures),
-                         decode_steps=dict(self.engine.batch_sizes), kv_dtypes=self._kv_dtypes())
+                         decode_steps=dict(self.engine.batch_sizes), kv_dtypes=self._kv_dtypes(),
+                         kv=self._kv_layout())
+
+    def _kv_layout(self) -> dict:
+        """The model's layers and windows, and what a session of N tokens holds against what its windows need
+        (once the model is loaded; it never changes)."""
+        loaded = self.engine.loaded
+        if not self._kv and loaded is not None:
+            config = loaded.model.config
+            self._kv = kv_report(KVGeometry.of(config), kv_bytes_per_token(config, loaded.model.dtype))
+        return self._kv
 
     def _kv_dtypes(self) -> dict[str, str]:
         """How each tier stores caches: the model's dtype on the device; its dtype or int8 beyond."""

@@ -2,11 +2,11 @@
 arena in place.
 
 The step's cache (`_ArenaStep`) writes each row's new key and value at that row's own position in the
-arena, one indexed store per layer, and hands attention the arena's buffers; the `chatd_arena`
-attention then runs each row over a view of its own region, exactly as a single sequence's decode
-attends (through transformers' own sdpa attention). Nothing proportional to the cached tokens is
-copied or allocated, rows of any lengths share the step, and a session joins or leaves the batch
-between two steps without touching the others.
+arena, one indexed store per layer, and hands attention the arena's buffers; chatd's arena attention
+(`chatd.engine.attention`) then runs each row over a view of its own region, exactly as a single
+sequence's decode attends: the layer's own window, through the attention transformers chose for the
+model. Nothing proportional to the cached tokens is copied or allocated, rows of any lengths share the
+step, and a session joins or leaves the batch between two steps without touching the others.
 """
 
 from __future__ import annotations
@@ -16,37 +16,10 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import AttentionInterface
 
 from cache_store import CacheEntry
 from cache_store.arena import ArenaCache, KVArena
-
-ARENA_ATTENTION = "chatd_arena"
-
-
-def _arena_attention(module, query, key, value, attention_mask, **kwargs):
-    """Per-row attention over arena regions in a batched decode step (each row exactly as a single
-    sequence's decode runs it); transformers' sdpa attention for every other call."""
-    rows = kwargs.pop("arena_rows", None)
-    if rows is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    outputs = [sdpa_attention_forward(module, query[row:row + 1], key[:, start:start + length].unsqueeze(0),
-                                      value[:, start:start + length].unsqueeze(0), None, **kwargs)[0]
-               for row, (start, length) in enumerate(rows)]
-    return torch.cat(outputs), None
-
-
-AttentionInterface.register(ARENA_ATTENTION, _arena_attention)
-AttentionMaskInterface.register(ARENA_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-
-
-def use_arena_attention(model: PreTrainedModel) -> None:
-    """Route the model's attention through `chatd_arena` (sdpa for all but batched arena steps)."""
-    if model.config._attn_implementation not in ("sdpa", ARENA_ATTENTION):
-        raise ValueError(f"the KV arena needs sdpa attention, not {model.config._attn_implementation!r}")
-    model.config._attn_implementation = ARENA_ATTENTION
+from chatd.engine.attention import ArenaRows
 
 
 class _StepLayer(CacheLayerMixin):
@@ -92,7 +65,8 @@ def decode_step(model: PreTrainedModel, entries: Sequence[CacheEntry], tokens: S
     for cache in caches:
         cache.reserve(cache.get_seq_length() + 1)
     lengths = [cache.get_seq_length() for cache in caches]
-    rows = [(cache.region.start, length + 1) for cache, length in zip(caches, lengths, strict=True)]
+    rows = ArenaRows([(cache.region.start, length + 1) for cache, length in zip(caches, lengths, strict=True)],
+                     caches[0].arena.windows)
     output = model(input_ids=torch.tensor([[t] for t in tokens], dtype=torch.long, device=device),
                    position_ids=torch.tensor([[n] for n in lengths], device=device),
                    cache=_ArenaStep(caches[0].arena, caches, device), use_cache=True, logits_to_keep=1,

@@ -16,7 +16,8 @@ from transformers import DynamicCache
 
 from cache_store import CacheEntry
 from cache_store.arena import ArenaCache, KVArena
-from chatd.engine.batch import decode_step, use_arena_attention
+from chatd.engine.attention import use_arena_attention
+from chatd.engine.batch import decode_step
 from chatd.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ class ModelRunner:
         self.arena = arena
         self._make_room = make_room  # frees device memory; returns how many caches it moved
         self._on_prefill = on_prefill  # (tokens, seconds) of every timed prefill
-        use_arena_attention(loaded.model)
+        self.attention = use_arena_attention(loaded.model)  # "sdpa", or "eager" where sdpa cannot serve
 
     def new_cache(self) -> ArenaCache:
         return ArenaCache(self.arena)

@@ -27,7 +27,8 @@ def wire(loaded: LoadedModel, settings: Settings, faults: FaultPoints,
     budget_bytes = int(settings.device_budget_mb(loaded.device) * MB)
     # The arena and the runner call back into the store, which is built last (the lambdas bind it late).
     arena = KVArena(geometry.layers, geometry.kv_heads, geometry.head_dim, loaded.model.dtype, loaded.device,
-                    tokens=budget_bytes // bytes_per_token, make_room=lambda tokens: store.evict_one())
+                    tokens=budget_bytes // bytes_per_token, make_room=lambda tokens: store.evict_one(),
+                    windows=geometry.windows)
     runner = ModelRunner(loaded, arena, make_room=lambda: store.evict_idle(),
                          on_prefill=lambda tokens, seconds: store.cost.record_prefill(tokens, seconds))
     store = CacheStore(
@@ -36,7 +37,7 @@ def wire(loaded: LoadedModel, settings: Settings, faults: FaultPoints,
         model_key=loaded.identity(), device_budget_bytes=arena.nbytes(),
         host_budget_bytes=int(settings.host_cache_mb * MB), ttl_s=settings.session_ttl_s, remote=remote,
         on_copy=on_cache_copy, faults=faults, host_kv_dtype=settings.host_kv_dtype,
-        remote_kv_dtype=settings.remote_kv_dtype)
+        remote_kv_dtype=settings.remote_kv_dtype, layer_windows=geometry.windows)
     if remote is not None:
         remote.probe()
         _measure_prefill(loaded, runner, min(loaded.max_context, arena.max_tokens))

@@ -26,8 +26,8 @@ def kv_size_table(model: str, tokens: list[int], dtypes: list[str], budget_mb: f
     source = converted_checkpoint(model, cache_dir or default_cache_dir()) if model in BUNDLED_MODELS else model
     config = AutoConfig.from_pretrained(source)
     shape = KVGeometry.of(config)
-    lines = [f"{model}: {shape.layers} layers, {shape.kv_heads} KV heads (of {shape.attention_heads}), "
-             f"head_dim {shape.head_dim}"]
+    lines = [f"{model}: {shape.layers} layers{_windows_note(shape)}, {shape.kv_heads} KV heads "
+             f"(of {shape.attention_heads}), head_dim {shape.head_dim}"]
     header = f"{'dtype':<9} {'bytes/token':>11} " + " ".join(f"{f'{n} tok':>12}" for n in tokens)
     if budget_mb:
         header += "   " + " ".join(f"{f'n@{n}':>8}" for n in tokens)
@@ -38,12 +38,37 @@ def kv_size_table(model: str, tokens: list[int], dtypes: list[str], budget_mb: f
         if budget_mb:
             row += "   " + " ".join(f"{int(budget_mb * 2**20 // (per_token * n)):>8,}" for n in tokens)
         lines.append(row)
+        if shape.sliding_layers:
+            needed = [per_token * n * shape.needed_share(n) for n in tokens]
+            row = f"{'  windows':<21} " + " ".join(f"{_human(int(b)):>12}" for b in needed)
+            if budget_mb:
+                row += "   " + " ".join(f"{int(budget_mb * 2**20 // b):>8,}" for b in needed)
+            lines.append(row)
     if budget_mb:
         lines.append(f"n@T: sessions of T tokens that a {budget_mb:g} MB budget holds")
+    if shape.sliding_layers:
+        lines.append("windows: what the layers' sliding windows need of those bytes (a sliding layer only its last "
+                     "window - 1 tokens); the KV arena keeps every token of every layer")
     if INT8 in dtypes:
         lines.append(f"{INT8}: an offloaded copy with --host-kv-dtype/--remote-kv-dtype int8 (plus "
                      f"{_human(4 * shape.layers * shape.kv_heads * shape.head_dim)} of key scales per session)")
     return "\n".join(lines)
+
+
+def _windows_note(shape: KVGeometry) -> str:
+    windows = sorted({window for window in shape.windows if window is not None})
+    if not windows:
+        return ""
+    return f" ({shape.sliding_layers} sliding, window {'/'.join(map(str, windows))} tokens)"
+
+
+def kv_report(shape: KVGeometry, bytes_per_token: int, tokens: tuple[int, ...] = (512, 2048, 8192)) -> dict:
+    """For `/v1/stats`: the layers' windows, and what a session of N tokens holds against what its windows need."""
+    return {"layers": shape.layers, "sliding_layers": shape.sliding_layers,
+            "windows": sorted({window for window in shape.windows if window is not None}),
+            "bytes_per_token": bytes_per_token,
+            "sessions": [{"tokens": n, "holds_bytes": bytes_per_token * n,
+                          "windows_need_bytes": int(bytes_per_token * n * shape.needed_share(n))} for n in tokens]}
 
 
 def _human(nbytes: int) -> str:

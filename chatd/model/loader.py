@@ -18,6 +18,8 @@ import torch
 import xxhash
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from chatd.model.servable import attention_implementation, check_servable, read_config
+
 log = logging.getLogger(__name__)
 
 
@@ -47,7 +49,8 @@ class LoadedModel:
 
     @property
     def max_context(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+        text = self.model.config.get_text_config(decoder=True)
+        return int(getattr(text, "max_position_embeddings", 2048))
 
     def identity(self) -> str:
         """A digest of what a cache depends on: the model's name, config and weight metadata (names,
@@ -131,19 +134,35 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto",
                cache_dir: Path | None = None) -> LoadedModel:
-    """Load `spec` (a bundled alias, a local directory or a Hugging Face id) ready for inference."""
+    """Load `spec` (a bundled alias, a local directory or a Hugging Face id) ready for inference; a model
+    chatd cannot serve exactly is refused (`Unservable`) before its weights are read."""
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     source: str | Path = spec
     if spec in BUNDLED_MODELS:
         source = converted_checkpoint(spec, cache_dir or default_cache_dir())
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    config = read_config(source)
+    check_servable(config)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     if tokenizer.chat_template is None:
         raise ValueError(f"model {spec!r}: its tokenizer has no chat template")
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=resolved_dtype)
+    model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=resolved_dtype, trust_remote_code=False,
+                                                 attn_implementation=attention_implementation(config))
     model.to(resolved_device).eval()
     return LoadedModel(name=spec, model=model, tokenizer=tokenizer, device=resolved_device,
                        stop_token_ids=stop_token_ids(tokenizer, model))
+
+
+def check_model(spec: str) -> None:
+    """Refuse at start a model chatd cannot serve (`Unservable`), from its config alone. A config that cannot
+    be read here (a hub id offline, a typo) is left to the load, which says why."""
+    if spec in BUNDLED_MODELS:
+        return
+    try:
+        config = read_config(spec)
+    except OSError:
+        return
+    check_servable(config)
 
 
 def default_cache_dir() -> Path:

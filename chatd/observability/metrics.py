@@ -43,6 +43,7 @@ class LiveState:
     engine_failures: dict[str, int] = field(default_factory=dict)  # turns failed, by engine stage
     decode_steps: dict[int, int] = field(default_factory=dict)  # batched decode steps, by batch size
     kv_dtypes: dict[str, str] = field(default_factory=dict)  # how each tier stores caches: a dtype, or int8
+    kv: dict = field(default_factory=dict)  # the model's layers and windows: `chatd.model.kv_size.kv_report`
 
     def tier_bytes(self, tier: str) -> tuple[int, int]:
         """Bytes in use and the budget of a tier (0, 0 when it does not exist)."""

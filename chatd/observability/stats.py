@@ -105,7 +105,9 @@ class StatsRecorder:
             used, budget = live.tier_bytes(tier)
             tiers[tier] = {"bytes": used, "budget_bytes": budget, "usage": round(used / budget, 4) if budget else 0.0,
                            "sessions": live.cache.get(f"{tier}_sessions"), "kv_dtype": live.kv_dtypes.get(tier)}
-        return {"running": live.running, "waiting": live.waiting, "tiers": tiers,
+        tiers["device"]["kv_bytes"] = live.cache.get("device_kv_bytes", 0)  # keys and values of resident sessions
+        tiers["device"]["window_bytes"] = live.cache.get("device_window_bytes", 0)  # what their windows need
+        return {"running": live.running, "waiting": live.waiting, "tiers": tiers, "kv": live.kv,
                 "sessions": {"connected": live.connected_sessions, "idle": live.cache.get("idle_sessions", 0)}}
 
     def _window(self, start: float, end: float, live: LiveState, tokens: tuple[np.ndarray, np.ndarray]) -> dict:

@@ -106,7 +106,14 @@ def main(argv: list[str] | None = None) -> None:
         # One line per connection and probe is noise in production; frame dumps (DEBUG) would show API keys.
         logging.getLogger("websockets").setLevel(logging.INFO if settings.log_level == "debug" else logging.WARNING)
         from chatd.api.server import EngineFailed, ModelLoadError, run
+        from chatd.model.loader import check_model
+        from chatd.model.servable import Unservable
 
+        try:
+            check_model(settings.model)
+        except Unservable as error:  # one line, before the port opens
+            print(f"chatd serve: model {settings.model!r} cannot be served: {error}", file=sys.stderr)
+            sys.exit(2)
         try:
             asyncio.run(run(settings))
         except (ModelLoadError, EngineFailed) as error:
