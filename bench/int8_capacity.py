@@ -41,7 +41,7 @@ def make_entry(tokens: int) -> CacheEntry:
 
 
 def store(kv_dtype: str, remote: RemoteTier | None = None) -> CacheStore:
-    return CacheStore(new_cache=DynamicCache, offloader=Offloader(torch.device("cpu")), layout=LAYOUT,
+    return CacheStore(new_cache=lambda tokens: DynamicCache(), offloader=Offloader(torch.device("cpu")), layout=LAYOUT,
                       model_key="bench", device_budget_bytes=8 * GB, host_budget_bytes=8 * GB,
                       host_kv_dtype=kv_dtype, remote=remote, remote_kv_dtype=kv_dtype)
 

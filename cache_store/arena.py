@@ -1,67 +1,55 @@
 """The KV arena: per layer one buffer `[kv_heads, tokens, head_dim]`, allocated once on the compute
 device; a session's cache is a region of it (the same positions in every layer) plus its length.
 
-Regions come from a buddy allocator in units of `UNIT` tokens, so a region is a power of two of units,
-at least as long as what the turn may reach (reserved at admission). Keys and values are written in
-place at a row's own position; what a layer hands attention is a view of the region, never a copy.
-A region is freed when its cache object is garbage collected, wherever the cache was dropped.
+Regions are exactly as long as they ask for, in units of `UNIT` tokens (`RunAllocator`): a turn's region
+is reserved at admission for its prompt and `max_new_tokens`, shrunk at write-back to the cache's length
+(rounded up to a unit: the only slack), grown in place when the run after it is free and moved once
+otherwise. When the free units would do but no run is long enough, the arena slides resident regions
+together (device-to-device copies) before anyone is evicted. Keys and values are written in place at a
+row's own position; a layer hands attention a view of its region, never a copy, and reads the region's
+start when asked, so a region can move between two steps. A region is freed when its cache is collected.
 """
 
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from collections.abc import Callable, Sequence
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-UNIT = 16  # tokens: the smallest region
+from cache_store.allocator import RunAllocator
+
+UNIT = 16  # tokens: regions are whole units
 
 
 class ArenaFull(RuntimeError):
-    """No free region is large enough, even after evicting every idle cache."""
+    """No free region is large enough, even after compaction and evicting every idle cache."""
 
 
-class BuddyAllocator:
-    """Regions of 2**k units out of `units`, split and merged with their buddies."""
-
-    def __init__(self, units: int):
-        self.units = units
-        self._free: dict[int, set[int]] = {}  # order -> offsets of free blocks of 2**order units
-        offset = 0
-        for order in range(units.bit_length() - 1, -1, -1):  # largest first: every block aligned to its size
-            if units & (1 << order):
-                self._free.setdefault(order, set()).add(offset)
-                offset += 1 << order
-        self.max_order = units.bit_length() - 1 if units else -1
-
-    def allocate(self, order: int) -> int | None:
-        """The offset of a free block of 2**order units, or None."""
-        for found in range(order, self.max_order + 1):
-            if self._free.get(found):
-                offset = self._free[found].pop()
-                while found > order:  # split, keeping the upper halves free
-                    found -= 1
-                    self._free.setdefault(found, set()).add(offset + (1 << found))
-                return offset
-        return None
-
-    def release(self, offset: int, order: int) -> None:
-        while order < self.max_order and (buddy := offset ^ (1 << order)) in self._free.get(order, ()):
-            self._free[order].discard(buddy)
-            offset, order = min(offset, buddy), order + 1
-        self._free.setdefault(order, set()).add(offset)
-
-    def largest_free(self) -> int:
-        """Units of the largest free block."""
-        return max((1 << order for order, offsets in self._free.items() if offsets), default=0)
+def units_for(tokens: int) -> int:
+    """The units of a region that holds `tokens` (at least one)."""
+    return max(1, -(-tokens // UNIT))
 
 
-def order_for(tokens: int) -> int:
-    """The order of the smallest region that holds `tokens`."""
-    units = max(1, -(-tokens // UNIT))
-    return (units - 1).bit_length()
+class TemporaryCache(DynamicCache):
+    """A cache outside the arena, for a conversation longer than the whole arena: it lives for one turn,
+    outside the device budget (counted as a turn outside the arena), and leaves the device at write-back."""
+
+
+class _Region:
+    """A cache's positions in the arena, [start, start + capacity); the arena moves it in compaction."""
+
+    def __init__(self, start: int, capacity: int, owner: ArenaCache):
+        self.start, self.capacity = start, capacity
+        self._owner = weakref.ref(owner)
+
+    def used(self) -> int:
+        """Tokens its cache holds (what a move copies)."""
+        owner = self._owner()
+        return owner.used_tokens() if owner is not None else 0
 
 
 class KVArena:
@@ -70,52 +58,137 @@ class KVArena:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  tokens: int, make_room: Callable[[int], bool] | None = None, windows: Sequence[int | None] = ()):
         units = tokens // UNIT
-        # Each layer's sliding window (None: full attention). Every layer keeps every token of a region;
-        # a sliding layer's attention reads only its window of it.
-        self.windows = tuple(windows) or (None,) * layers
         self.tokens = units * UNIT
         self.keys = [torch.empty(kv_heads, self.tokens, head_dim, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.empty_like(keys) for keys in self.keys]
         self.bytes_per_token = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        self.allocator = BuddyAllocator(units)
+        # Each layer's sliding window (None: full attention). Every layer keeps every token of a region;
+        # a sliding layer's attention reads only its window of it.
+        self.windows = tuple(windows) or (None,) * layers
+        self.allocator = RunAllocator(units)
         self.make_room = make_room or (lambda tokens: False)  # evicts one idle cache; False when none is left
-
-    @property
-    def max_tokens(self) -> int:
-        """The longest cache the arena can hold at all."""
-        return (1 << self.allocator.max_order) * UNIT if self.allocator.max_order >= 0 else 0
-
-    def region_tokens(self, tokens: int) -> int:
-        return (1 << order_for(tokens)) * UNIT
+        self._regions: set[_Region] = set()
+        self.compactions = 0
+        self.compaction_bytes = 0  # bytes moved by compactions
+        self.compaction_seconds = 0.0
 
     def nbytes(self) -> int:
         return self.tokens * self.bytes_per_token
 
-    def allocate(self, tokens: int) -> tuple[int, int]:
-        """(start, capacity) of a free region for `tokens`, evicting idle caches while none is free."""
-        order = order_for(tokens)
-        if (1 << order) * UNIT > self.max_tokens:
-            raise ArenaFull(f"a cache of {tokens} tokens is longer than the arena's largest region "
-                            f"({self.max_tokens} tokens)")
+    def region_tokens(self, tokens: int) -> int:
+        """The tokens a region for `tokens` holds: rounded up to a whole unit."""
+        return units_for(tokens) * UNIT
+
+    def allocate(self, tokens: int, owner: ArenaCache) -> _Region:
+        """A free region for `tokens`: compacting when the free units would do, else evicting idle caches
+        one at a time. Compaction may move any region, the caller's own included."""
+        units = units_for(tokens)
+        if units > self.allocator.units:
+            raise ArenaFull(f"a cache of {tokens} tokens is longer than the whole KV arena ({self.tokens} tokens)")
         collected = False
-        while (offset := self.allocator.allocate(order)) is None:
+        while (start := self.allocator.allocate(units)) is None:
+            if self.allocator.free_units() >= units and self.compact(units):
+                continue
             if self.make_room(tokens):
                 continue
             if collected:
-                raise ArenaFull(f"no free region of {self.region_tokens(tokens)} tokens in the KV arena")
+                raise ArenaFull(f"no room for a region of {units * UNIT} tokens in the KV arena")
             gc.collect()  # a dropped cache caught in a reference cycle holds its region until collected
             collected = True
-        return offset * UNIT, (1 << order) * UNIT
+        region = _Region(start * UNIT, units * UNIT, owner)
+        self._regions.add(region)
+        return region
 
-    def release(self, start: int, capacity: int) -> None:
-        self.allocator.release(start // UNIT, order_for(capacity))
+    def grow(self, region: _Region, tokens: int) -> bool:
+        """Extend `region` in place to hold `tokens`, if the run after it is free."""
+        units, more = region.capacity // UNIT, units_for(tokens) - region.capacity // UNIT
+        if not self.allocator.grow(region.start // UNIT, units, more):
+            return False
+        region.capacity += more * UNIT
+        return True
 
+    def shrink(self, region: _Region, tokens: int) -> None:
+        """Give back what `region` holds beyond `tokens` (rounded up to a unit)."""
+        keep = min(units_for(tokens), region.capacity // UNIT)
+        self.allocator.shrink(region.start // UNIT, region.capacity // UNIT, keep)
+        region.capacity = keep * UNIT
 
-class _Region:
-    """A cache's positions in the arena; freed when the cache that owns it is collected."""
+    def release(self, region: _Region) -> None:
+        if region in self._regions:
+            self._regions.discard(region)
+            self.allocator.release(region.start // UNIT, region.capacity // UNIT)
 
-    def __init__(self, arena: KVArena, start: int, capacity: int):
-        self.arena, self.start, self.capacity = arena, start, capacity
+    def compact(self, units: int) -> bool:
+        """Make a free run of `units` by sliding the cheapest stretch of neighbouring regions together: of every
+        stretch whose free runs (before, between and after its regions) add up to `units`, the one whose caches
+        hold the fewest tokens; only the tokens each region holds are copied. Whether such a run now exists."""
+        started = time.perf_counter()
+        regions = sorted(self._regions, key=lambda r: r.start)
+        stretch = self._cheapest_stretch(regions, units * UNIT)
+        moved = 0
+        if stretch is not None:
+            first, last = stretch
+            position = regions[first - 1].start + regions[first - 1].capacity if first else 0
+            for region in regions[first:last]:
+                if region.start != position:
+                    used = region.used()
+                    self.copy(region.start, position, used)
+                    moved += used
+                    region.start = position
+                position += region.capacity
+            self.allocator.rebuild((r.start // UNIT, r.capacity // UNIT) for r in self._regions)
+        self.compactions += 1
+        self.compaction_bytes += moved * self.bytes_per_token
+        self.compaction_seconds += time.perf_counter() - started
+        return self.allocator.largest_free() >= units
+
+    def _cheapest_stretch(self, regions: list[_Region], tokens: int) -> tuple[int, int] | None:
+        """(first, last): sliding `regions[first:last]` towards `regions[first - 1]` joins the free runs around
+        them into one of at least `tokens`, copying the fewest tokens; None when no stretch frees that much.
+        Two pointers over the regions in order: the free tokens and the cost of a stretch both grow with it."""
+        ends = [0] + [r.start + r.capacity for r in regions]  # ends[k]: where the free run before regions[k] starts
+        starts = [r.start for r in regions] + [self.tokens]  # starts[k]: where that run ends
+        gaps = [start - end for start, end in zip(starts, ends, strict=True)]
+        used = [r.used() for r in regions]
+        best, best_cost = None, None
+        last, free, cost = 0, gaps[0], 0
+        for first in range(len(regions) + 1):
+            if last < first:
+                last, free, cost = first, gaps[first], 0
+            while free < tokens and last < len(regions):
+                cost += used[last]
+                last += 1
+                free += gaps[last]
+            if free < tokens:
+                break
+            if best_cost is None or cost < best_cost:
+                best, best_cost = (first, last), cost
+            if first < len(regions):  # the stretch loses its first gap and region
+                free -= gaps[first]
+                cost -= used[first] if last > first else 0
+        return best
+
+    def copy(self, source: int, target: int, tokens: int) -> None:
+        """Copy `tokens` positions of every layer from `source` to `target` (the ranges may overlap)."""
+        if tokens <= 0 or source == target:
+            return
+        for buffers in (self.keys, self.values):
+            for buffer in buffers:
+                chunk = buffer[:, source:source + tokens]
+                if abs(source - target) < tokens:
+                    chunk = chunk.clone()  # overlapping ranges: through a transient copy
+                buffer[:, target:target + tokens] = chunk
+
+    def stats(self) -> dict[str, int | float]:
+        """Tokens in caches (used), held by regions beyond that (reserved), free; the longest free run;
+        compactions."""
+        held = sum(region.capacity for region in self._regions)
+        used = sum(min(region.used(), region.capacity) for region in self._regions)
+        return {"arena_used_tokens": used, "arena_reserved_tokens": held - used,
+                "arena_free_tokens": self.allocator.free_units() * UNIT,
+                "arena_largest_free_tokens": self.allocator.largest_free() * UNIT,
+                "arena_compactions": self.compactions, "arena_compaction_bytes": self.compaction_bytes,
+                "arena_compaction_seconds": self.compaction_seconds}
 
 
 class ArenaLayer(CacheLayerMixin):
@@ -180,11 +253,11 @@ class ArenaCache(Cache):
         super().__init__(layers=[ArenaLayer(self, index) for index in range(len(arena.keys))])
 
     def reserve(self, tokens: int) -> None:
-        """Make the region hold at least `tokens` (moving the cache once if it must grow)."""
-        if self.region is not None and tokens <= self.region.capacity:
+        """Make the region hold at least `tokens`: in place when the run after it is free, else moved once."""
+        if self.region is not None and (tokens <= self.region.capacity or self.arena.grow(self.region, tokens)):
             return
         try:
-            start, capacity = self.arena.allocate(tokens)
+            region = self.arena.allocate(tokens, self)
         except ArenaFull:
             if self.region is None:
                 raise
@@ -194,28 +267,34 @@ class ArenaCache(Cache):
             try:
                 self.load(kept, tokens)
             except ArenaFull:
-                self.load(kept)  # back into the block just freed, which holds it again
+                self.load(kept)  # back into the units just freed, which hold it again
                 raise
             return
         if self.region is not None:
-            old = self.region.start
-            for layer, keys, values in zip(self.layers, self.arena.keys, self.arena.values, strict=True):
-                keys[:, start:start + layer.length] = keys[:, old:old + layer.length]
-                values[:, start:start + layer.length] = values[:, old:old + layer.length]
+            self.arena.copy(self.region.start, region.start, self.used_tokens())  # read after any compaction
             self._free()
-        self._own(start, capacity)
+        self._own(region)
 
-    def _own(self, start: int, capacity: int) -> None:
-        self.region = _Region(self.arena, start, capacity)
-        self._finalizer = weakref.finalize(self, self.arena.release, start, capacity)
+    def fit(self) -> None:
+        """Shrink the region to what the cache holds (rounded up to a unit), as at write-back."""
+        if self.region is not None:
+            self.arena.shrink(self.region, max(1, self.used_tokens()))
+
+    def used_tokens(self) -> int:
+        """The most tokens any layer holds (they differ only mid-forward, or in a cache injected with a fault)."""
+        return max((layer.get_seq_length() for layer in self.layers), default=0)
+
+    def _own(self, region: _Region) -> None:
+        self.region = region
+        self._finalizer = weakref.finalize(self, self.arena.release, region)
 
     def _free(self) -> None:
         self._finalizer()
         self.region = None
 
     def load(self, tensors: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int = 0) -> None:
-        """Copy keys and values `[1, heads, tokens, head_dim]` per layer into a region of their own,
-        with room for `room` tokens."""
+        """Copy keys and values `[1, heads, tokens, head_dim]` per layer (never views of another arena cache:
+        see `copy_from`) into a region of their own, with room for `room` tokens."""
         tokens = max((keys.shape[-2] for keys, _ in tensors), default=0)
         self.reserve(max(tokens, room, 1))
         start = self.region.start
@@ -225,6 +304,14 @@ class ArenaCache(Cache):
             keys_buffer[:, start:start + length] = keys[0]
             values_buffer[:, start:start + length] = values[0]
             layer.length = length
+
+    def copy_from(self, source: ArenaCache, tokens: int) -> None:
+        """The first `tokens` of another cache of the same arena, copied once device to device. The region is
+        taken first and the source's position read after, since taking it may compact (move) the source."""
+        self.reserve(max(tokens, 1))
+        self.arena.copy(source.region.start, self.region.start, tokens)
+        for layer in self.layers:
+            layer.length = tokens
 
     def nbytes(self) -> int:
         """The bytes its region holds in the arena."""

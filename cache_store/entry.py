@@ -9,10 +9,13 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from cache_store.arena import ArenaCache
+from cache_store.arena import ArenaCache, TemporaryCache
 from cache_store.identity import Fingerprint
 
 KVTensors = list[tuple[torch.Tensor, torch.Tensor]]
+# Makes an empty cache for a number of tokens: a region of the arena, or tensors of its own when the arena
+# could never hold that many.
+NewCache = Callable[[int], DynamicCache | ArenaCache]
 
 
 @dataclass
@@ -58,29 +61,48 @@ class CacheEntry:
         return [(layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized]
 
     def nbytes(self) -> int:
-        """Bytes the cache really holds: its region of the KV arena, or the allocated storage of its
-        own tensors (which after a crop is larger than the used length)."""
+        """Bytes the cache counts for in the device budget: its region of the KV arena, or the allocated
+        storage of its own tensors (which after a crop is larger than the used length); none for a
+        `TemporaryCache`, which is outside the arena and its budget by design."""
         if isinstance(self.cache, ArenaCache):
             return self.cache.nbytes()
+        if isinstance(self.cache, TemporaryCache):
+            return 0
         return sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in self.tensors())
 
-    def clone(self, new_cache: Callable[[], DynamicCache | ArenaCache], tokens: int | None = None) -> CacheEntry:
+    def clone(self, new_cache: NewCache, tokens: int | None = None) -> CacheEntry:
         """A copy in a cache of its own: whole (with its fingerprint and checksum), or its first `tokens`
-        (without them: whoever keeps such a copy stamps it). Copied once, from views of this one."""
+        (without them: whoever keeps such a copy stamps it). Copied once, from this one's keys and values."""
         whole = tokens is None or tokens == self.num_tokens
         tokens = self.num_tokens if tokens is None else tokens
-        clone = entry_from_tensors(new_cache, [(k[..., :tokens, :], v[..., :tokens, :]) for k, v in self.tensors()],
-                                   self.token_ids[:tokens], self.fingerprint if whole else None, owned=False)
+        cache = new_cache(tokens)
+        if isinstance(cache, ArenaCache) and isinstance(self.cache, ArenaCache):
+            cache.copy_from(self.cache, tokens)
+            clone = CacheEntry(cache, self.token_ids[:tokens], self.fingerprint if whole else None)
+        else:
+            clone = _fill(cache, [(k[..., :tokens, :], v[..., :tokens, :]) for k, v in self.tensors()],
+                          self.token_ids[:tokens], self.fingerprint if whole else None, owned=False)
         clone.checksum = self.checksum if whole else None
         clone.session_version = self.session_version
         return clone
 
+    def move_out_of_arena(self) -> None:
+        """Hold its keys and values in a `TemporaryCache` rather than a region of the arena (a conversation
+        about to outgrow the whole arena); the region is freed."""
+        if isinstance(self.cache, ArenaCache):
+            self.cache = _fill(TemporaryCache(), self.tensors(), self.token_ids, self.fingerprint, owned=False).cache
 
-def entry_from_tensors(new_cache: Callable[[], DynamicCache | ArenaCache], tensors: KVTensors, token_ids: list[int],
+
+def entry_from_tensors(new_cache: NewCache, tensors: KVTensors, token_ids: list[int],
                        fingerprint: Fingerprint | None = None, owned: bool = True) -> CacheEntry:
-    """Existing key/value tensors as a cache: copied into a region of the arena, or taken by a
-    `DynamicCache` as they are (copied first unless they are `owned`: views of another cache are not)."""
-    cache = new_cache()
+    """Existing key/value tensors (never views of an arena cache: see `CacheEntry.clone`) as a cache: copied
+    into a region of the arena, or taken by a `DynamicCache` as they are (copied first unless they are
+    `owned`)."""
+    return _fill(new_cache(len(token_ids)), tensors, token_ids, fingerprint, owned)
+
+
+def _fill(cache: DynamicCache | ArenaCache, tensors: KVTensors, token_ids: list[int],
+          fingerprint: Fingerprint | None, owned: bool) -> CacheEntry:
     if isinstance(cache, ArenaCache):
         cache.load(tensors)
         return CacheEntry(cache, list(token_ids), fingerprint)

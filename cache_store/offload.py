@@ -11,13 +11,11 @@ same path runs (and is tested) everywhere.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
-from cache_store.entry import CacheEntry, KVTensors, entry_from_tensors
+from cache_store.entry import CacheEntry, KVTensors, NewCache, entry_from_tensors
 from cache_store.identity import Fingerprint
 from cache_store.integrity import checksum
 from cache_store.quantize import KVDtype, dequantize, quantize, quantized_nbytes
@@ -111,8 +109,7 @@ class Offloader:
             stamp = dataclasses.replace(stamp, quantized="int8") if stamp is not None else None
         return HostEntry(targets, list(entry.token_ids), stamp, digest, entry.session_version, buffer, scales)
 
-    def restore(self, host: HostEntry, new_cache: Callable[[], DynamicCache]
-                ) -> tuple[CacheEntry, torch.cuda.Event | None]:
+    def restore(self, host: HostEntry, new_cache: NewCache) -> tuple[CacheEntry, torch.cuda.Event | None]:
         """The host entry as a device cache, and the event after which its host memory may be reused
         (None: at once)."""
         copied = None

@@ -16,12 +16,11 @@ from typing import Literal, Protocol
 
 import torch
 import xxhash
-from transformers import DynamicCache
 
-from cache_store.arena import ArenaFull
+from cache_store.arena import ArenaCache, ArenaFull, TemporaryCache
 from cache_store.cost_model import CostModel, RemoteDecision, Throughput
 from cache_store.device_tier import DeviceTier
-from cache_store.entry import CacheEntry
+from cache_store.entry import CacheEntry, NewCache
 from cache_store.host_pool import HostBufferPool
 from cache_store.host_tier import HostTier
 from cache_store.identity import CacheLayout
@@ -102,7 +101,7 @@ class RemoteCaches(Protocol):
 class CacheStore:
     """The cache boundary: admission under the device budget, lookup across tiers, write-back, eviction."""
 
-    def __init__(self, *, new_cache: Callable[[], DynamicCache], offloader: Offloader, layout: CacheLayout,
+    def __init__(self, *, new_cache: NewCache, offloader: Offloader, layout: CacheLayout,
                  model_key: str, device_budget_bytes: int, host_budget_bytes: int, enabled: bool = True,
                  policy: EvictionPolicy | None = None, ttl_s: float | None = None,
                  remote: RemoteCaches | None = None, clock: Callable[[], float] = time.monotonic,
@@ -211,6 +210,8 @@ class CacheStore:
             return
         self.device.pop(session_id)
         self._lost.pop(session_id, None)
+        if isinstance(entry.cache, ArenaCache):
+            entry.cache.fit()  # its region shrinks to what it holds: the rest is free for others
         entry.fingerprint = fingerprint(entry, self.model_key, session_id, self.layout)
         entry.checksum = checksum(entry.tensors())
         entry.session_version = session_version
@@ -219,8 +220,8 @@ class CacheStore:
         if self.remote is not None:
             snapshot = self._offloader.offload(entry, kv_dtype=self.remote_kv_dtype)
             self.remote.put(session_id, snapshot)  # written in the background
-        if self.device.used_bytes() > self.device.budget_bytes:  # alone larger than the budget
-            self._offload(session_id)
+        if isinstance(entry.cache, TemporaryCache) or self.device.used_bytes() > self.device.budget_bytes:
+            self._offload(session_id)  # longer than the whole arena, or alone larger than the budget
 
     def release(self, session_id: str) -> None:
         """The session's turn ended without touching its cache (cancelled before its lookup)."""
@@ -346,11 +347,11 @@ class CacheStore:
         """Occupancy and cumulative counters, for metrics and `/v1/stats`."""
         device_sessions = [key for key in self.device if not key.startswith(_PREFIX)]
         cached = {*device_sessions, *self.host.keys()}
-        lengths = self.device.token_counts(device_sessions)
+        lengths = self.device.token_counts(list(self.device))  # sessions' caches and shared prefixes
         layer_token_bytes = 2 * self.layout.kv_heads * self.layout.head_dim * self.layout.dtype.itemsize
         stats = {
             "device_bytes": self.device.used_bytes(), "device_budget_bytes": self.device.budget_bytes,
-            # the keys and values resident sessions hold, and the part of them their layers' windows need
+            # the keys and values resident caches hold, and the part of them their layers' windows need
             "device_kv_bytes": sum(lengths) * self.layout.layers * layer_token_bytes,
             "device_window_bytes": sum(layer_tokens_needed(self.layer_windows, n) for n in lengths) * layer_token_bytes,
             "device_reserved_bytes": self.device.reserved_bytes(), "device_sessions": len(device_sessions),
@@ -444,7 +445,8 @@ class CacheStore:
         """Put a checked host entry back on the device. Its restore time, observed from `started`, counts
         the fetch, the checks and the copy, not the evictions that made room for it."""
         fetched_s = time.perf_counter() - started
-        self._make_room(self.device.extra_bytes(session_id, host_entry.device_nbytes), keep=session_id)
+        if host_entry.device_nbytes <= self.device.budget_bytes:  # else it is restored outside the arena
+            self._make_room(self.device.extra_bytes(session_id, host_entry.device_nbytes), keep=session_id)
         copy_started = time.perf_counter()
         try:
             entry, copied = self._offloader.restore(host_entry, self.new_cache)

@@ -83,3 +83,33 @@ def run_turn(engine: Engine, session: Session, content: str, on_text=None, recor
     if record and isinstance(final, TurnResult) and final.finish_reason != "cancelled":
         session.record_turn(content, final.content)
     return final, [e.text for e in events[:-1]]
+
+
+def run_together(engine, sessions, contents, lengths, on_text=None) -> list[TurnResult]:
+    """Submit one turn per session at once (reply lengths `lengths`); wait for all; record them.
+    `on_text(turn, turns)` runs in the engine thread whenever `turn` streams text."""
+    results, finished, turns = {}, threading.Event(), []
+
+    def emitter(index):
+        def emit(event):
+            if isinstance(event, TokenText):
+                if on_text:
+                    on_text(turns[index], turns)
+                return
+            results[index] = event
+            if len(results) == len(sessions):
+                finished.set()
+        return emit
+
+    for index, (session, content, length) in enumerate(zip(sessions, contents, lengths, strict=True)):
+        turns.append(Turn(turn_id=f"t{index}", session_id=session.session_id,
+                          messages=session.prompt_messages(content), params=SamplingParams(max_new_tokens=length),
+                          emit=emitter(index), session_version=session.version))
+    for turn in turns:
+        engine.submit(turn)
+    assert finished.wait(120)
+    ordered = [results[i] for i in range(len(sessions))]
+    for session, content, result in zip(sessions, contents, ordered, strict=True):
+        if result.finish_reason != "cancelled":
+            session.record_turn(content, result.content, result.conversation_ids)
+    return ordered

@@ -2,47 +2,14 @@
 the same tokens as one turn at a time, FIFO admission, and a cancel that leaves the rest of the batch alone."""
 
 import json
-import threading
 from pathlib import Path
 
-from chatd.engine.sampling import SamplingParams
-from chatd.engine.turn import TokenText, Turn, TurnResult
 from sessions import Session
-from tests.support import run_turn, running_engine
+from tests.support import run_together, run_turn, running_engine
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "bench" / "scenarios"
 QUESTIONS = ["Where is my parcel?", "My invoice is wrong.", "I need a new password.", "Cancel my order 12.",
              "Is the shop open on Sunday?", "Do you ship to Norway?"]
-
-
-def run_together(engine, sessions, contents, lengths, on_text=None) -> list[TurnResult]:
-    """Submit one turn per session at once (reply lengths `lengths`); wait for all; record them.
-    `on_text(turn, turns)` runs in the engine thread whenever `turn` streams text."""
-    results, finished, turns = {}, threading.Event(), []
-
-    def emitter(index):
-        def emit(event):
-            if isinstance(event, TokenText):
-                if on_text:
-                    on_text(turns[index], turns)
-                return
-            results[index] = event
-            if len(results) == len(sessions):
-                finished.set()
-        return emit
-
-    for index, (session, content, length) in enumerate(zip(sessions, contents, lengths, strict=True)):
-        turns.append(Turn(turn_id=f"t{index}", session_id=session.session_id,
-                          messages=session.prompt_messages(content), params=SamplingParams(max_new_tokens=length),
-                          emit=emitter(index), session_version=session.version))
-    for turn in turns:
-        engine.submit(turn)
-    assert finished.wait(120)
-    ordered = [results[i] for i in range(len(sessions))]
-    for session, content, result in zip(sessions, contents, ordered, strict=True):
-        if result.finish_reason != "cancelled":
-            session.record_turn(content, result.content, result.conversation_ids)
-    return ordered
 
 
 def test_batched_turns_generate_exactly_what_one_at_a_time_does(tiny):

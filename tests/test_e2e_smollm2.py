@@ -103,3 +103,30 @@ async def test_an_int8_host_tier_keeps_every_conversation_where_full_precision_d
     agreement = sum(a.content == b.content for a, b in zip(results["same"], results["int8"], strict=True))
     print(f"int8 host tier: {agreement} of {len(results['int8'])} replies identical to full precision")
     assert all(d.content and d.usage.completion_tokens > 0 for d in results["int8"])
+
+
+async def test_a_conversation_longer_than_the_arena_is_shown_its_whole_history(smollm2):
+    """With `--device-cache-mb 12` the KV arena holds 272 tokens of SmolLM2; this conversation outgrows it by
+    turn 4. The budget must never change what the model is shown: every turn's prompt and reply equal an
+    unlimited server's, and the turns longer than the arena run in a cache outside it (counted)."""
+    async with ChatServer(Settings(port=0, device_cache_mb=12), load=lambda: smollm2) as small, \
+            ChatServer(Settings(port=0), load=lambda: smollm2) as unlimited:
+        await small.wait_ready()
+        await unlimited.wait_ready()
+        arena_tokens = small.engine.arena.tokens
+        async with ChatClient(await connect(small.url)) as limited_client, \
+                ChatClient(await connect(unlimited.url)) as reference_client:
+            limited_id = (await limited_client.open_session(system=SYSTEM)).session_id
+            reference_id = (await reference_client.open_session(system=SYSTEM)).session_id
+            for index, content in enumerate(TURNS):
+                got = await limited_client.chat(limited_id, content, max_new_tokens=64)
+                expected = await reference_client.chat(reference_id, content, max_new_tokens=64)
+                got_done, expected_done = await got.result(), await expected.result()
+                assert got.deltas == expected.deltas, f"turn {index + 1}"
+                assert got_done.usage.prompt_tokens == expected_done.usage.prompt_tokens, f"turn {index + 1}"
+                assert got_done.cache.miss_reason != "truncated"
+        total = expected_done.usage.prompt_tokens + expected_done.usage.completion_tokens
+        assert total > arena_tokens, f"the conversation ({total} tokens) never outgrew the arena ({arena_tokens})"
+        assert small.engine.outside_arena_turns >= 1
+        stats = small.engine.cache.stats()
+        assert stats["device_bytes"] <= stats["device_budget_bytes"]

@@ -21,8 +21,7 @@ from chatd.engine.turn import TurnResult
 from chatd.model.loader import LoadedModel
 from sessions import Session
 from tests.families import FAMILIES, WINDOW, Int8Reference, family_model, reference_reply
-from tests.support import run_turn, running_engine
-from tests.test_batching import run_together
+from tests.support import run_together, run_turn, running_engine
 
 QUESTIONS = ["Where is my parcel?", "My invoice is wrong, it says 40 euros twice.", "I need a new password.",
              "Cancel my order 12.", "Is the shop open on Sunday afternoon, or only in the morning?",

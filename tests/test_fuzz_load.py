@@ -173,7 +173,7 @@ async def test_500_idle_connections_beside_16_chatting_sessions(tiny):
         chats = await asyncio.gather(*(customer(index) for index in range(16)))
         await asyncio.sleep(1.5)  # a few keepalive rounds on every idle connection
         assert all(websocket.state.name == "OPEN" for websocket in idle)
-        stats = server.stats.snapshot(await server.live_state())
+        stats = server.stats.snapshot(server.live_state())
         for websocket in idle:
             await websocket.close()
     assert all(len(sources) == 4 for sources in chats)

@@ -79,7 +79,7 @@ def test_a_frame_for_the_wrong_session_is_refused():
     store = make_store()
     store.put("a", make_entry(ids(6)))
     store.put("b", make_entry(ids(6), seed=2))
-    store.device.put("a", store.device.get("b").clone(DynamicCache))  # b's cache served as a's
+    store.device.put("a", store.device.get("b").clone(lambda tokens: DynamicCache()))  # b's cache served as a's
     lookup = store.lookup("a", ids(8))
     assert (lookup.miss_reason, lookup.cleared) == ("corrupt", ("fingerprint",))
 

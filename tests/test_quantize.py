@@ -39,7 +39,7 @@ def entry(seed: int, owner: str) -> CacheEntry:
 
 
 def store(host_kv_dtype: str, **kwargs) -> CacheStore:
-    return CacheStore(new_cache=DynamicCache, offloader=Offloader(torch.device("cpu")), layout=LAYOUT,
+    return CacheStore(new_cache=lambda tokens: DynamicCache(), offloader=Offloader(torch.device("cpu")), layout=LAYOUT,
                       model_key="test-model", device_budget_bytes=100 * CACHE_BYTES, host_kv_dtype=host_kv_dtype,
                       **kwargs)
 

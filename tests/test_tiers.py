@@ -167,7 +167,7 @@ def test_a_turn_that_does_not_fit_beside_a_running_one_waits_for_it(tiny):
     """Two new sessions at once, a device arena that holds what one turn may reach but not two: the
     second waits for the first to finish rather than overrun the budget, and both answer correctly."""
     bytes_per_token = kv_bytes_per_token(tiny.model.config, tiny.model.dtype)
-    with running_engine(tiny, device_cache_mb=300 * bytes_per_token / 2**20) as engine, \
+    with running_engine(tiny, device_cache_mb=200 * bytes_per_token / 2**20) as engine, \
             running_engine(tiny) as reference:
         sessions = [Session("first"), Session("second")]
         results = [None, None]

@@ -162,9 +162,11 @@ async def test_dashboard_draws_live_charts_after_traffic(server, browser):
     origin = f"http://127.0.0.1:{server.port}"
     page, watch = await open_page(browser, origin, "/dashboard", viewport={"width": 1300, "height": 1000})
     await expect(page.locator("#updated")).to_contain_text("updated")
-    for chart in ("chart-ttft", "chart-tps", "chart-hit", "chart-tiers", "chart-evictions"):
+    for chart in ("chart-ttft", "chart-tps", "chart-hit", "chart-tiers", "chart-arena", "chart-evictions"):
         assert int(await page.locator(f"#{chart}").get_attribute("data-points")) > 0, chart
     assert "ms" in await page.locator("#tile-ttft").inner_text()
+    used, reserved, free = (int(n) for n in (await page.locator("#tile-arena").inner_text()).split(" / "))
+    assert used > 0 and used + reserved + free == server.engine.arena.tokens
     assert await page.locator("#summary tr").count() >= 4
     first_update = await page.locator("#updated").inner_text()
     await asyncio.sleep(3.5)

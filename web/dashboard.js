@@ -11,6 +11,7 @@ const charts = {
   tps: new LineChart(byId("chart-tps")),
   hit: new LineChart(byId("chart-hit"), {format: (v) => `${Math.round(v * 100)}%`, max: 1}),
   tiers: new LineChart(byId("chart-tiers")),
+  arena: new LineChart(byId("chart-arena"), {integer: true}),
   evictions: new LineChart(byId("chart-evictions"), {integer: true}),
 };
 
@@ -29,6 +30,9 @@ function tiles(stats) {
   byId("tile-sessions").textContent = `${now.sessions.connected} / ${now.sessions.idle}`;
   byId("tile-tiers").textContent = `${percent(now.tiers.device.usage)} / ${percent(now.tiers.host.usage)}`;
   byId("tile-evictions").textContent = `${sum(five.evictions)} / ${sum(five.corruptions)}`;
+  const arena = now.arena || {};
+  byId("tile-arena").textContent = arena.used_tokens === undefined ? "–"
+    : `${arena.used_tokens} / ${arena.reserved_tokens} / ${arena.free_tokens}`;
   byId("model").textContent = `${stats.model} · up ${Math.round(stats.uptime_s)} s`;
 
   const rows = [
@@ -41,6 +45,8 @@ function tiles(stats) {
     ...Object.entries(five.errors).map(([code, n]) => [`Errors: ${code}`, n]),
     ["Device tier", `${mb(now.tiers.device.bytes)} of ${mb(now.tiers.device.budget_bytes)}, ${now.tiers.device.sessions ?? 0} sessions`],
     ["Host tier", `${mb(now.tiers.host.bytes)} of ${mb(now.tiers.host.budget_bytes)}, ${now.tiers.host.sessions ?? 0} sessions`],
+    ["KV arena: longest free run", `${arena.largest_free_tokens ?? "–"} tokens`],
+    ["KV arena: compactions", `${arena.compactions ?? 0} (${mb(arena.compaction_bytes ?? 0)} moved)`],
   ];
   const body = byId("summary");
   body.replaceChildren(...rows.map(([name, value]) => {
@@ -64,6 +70,8 @@ function draw(stats) {
     line(source, (p) => (p.cached_token_ratio === null ? null : p.cached_token_ratio[source] ?? 0))));
   const tiers = ["device", "host"].concat(stats.now.tiers.remote.budget_bytes ? ["remote"] : []);
   charts.tiers.draw(tiers.map((tier) => line(tier, (p) => (p.tier_bytes ? p.tier_bytes[tier] / MB : null))));
+  charts.arena.draw(["used", "reserved", "free"].map((state) =>
+    line(state, (p) => (p.arena_tokens ? p.arena_tokens[state] : null))));
   charts.evictions.draw([
     line("device evictions", (p) => (p.evictions ? p.evictions.device : null)),
     line("host evictions", (p) => (p.evictions ? p.evictions.host : null)),

@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Request, WebSocket
 from starlette.responses import Response
 
-from cache_store import CacheStore, KVGeometry, kv_bytes_per_token
+from cache_store import KVGeometry, kv_bytes_per_token
 from cache_store.faults import FAULT_KINDS, TIERS, NoCache, corrupt
 from cache_store.stage_faults import STAGES
 from chatd.api.auth import KeyRing
@@ -40,7 +40,6 @@ from sessions.redis_store import RedisSessionStore
 
 log = logging.getLogger(__name__)
 SAMPLE_EVERY_S = 5.0  # how often tier occupancy and cache counters are sampled for /v1/stats
-LIVE_TIMEOUT_S = 2.0
 FATAL_GRACE_S = 1.0  # after the engine failed: answer 503 this long before exiting
 CLOSE_TIMEOUT_S = 5.0  # at exit, how long connections may take to close
 
@@ -82,7 +81,6 @@ class ChatServer:
         self._ticker: asyncio.Task | None = None
         self._websockets = 0  # open websocket connections
         self._sampler: asyncio.Task | None = None
-        self._last_cache_stats: dict[str, int] = {}
         self._kv: dict = {}
 
     @property
@@ -137,17 +135,11 @@ class ChatServer:
         if self.engine.load_error is not None:
             raise ModelLoadError(f"loading model {self.settings.model!r} failed: {self.engine.load_error}")
 
-    async def live_state(self) -> LiveState:
-        """What the server is doing now. The cache counters come from the engine thread (between two
-        steps); if it does not answer in time, the last ones it gave are reported."""
-        if self.engine.failure is None and self.engine.ready.is_set() and self.engine.cache is not None:
-            try:
-                self._last_cache_stats = await asyncio.wait_for(
-                    asyncio.wrap_future(self.engine.call(CacheStore.stats)), LIVE_TIMEOUT_S)
-            except TimeoutError:
-                log.warning("the engine did not report cache stats within %.0f s", LIVE_TIMEOUT_S)
+    def live_state(self) -> LiveState:
+        """What the server is doing now. The cache and arena counters are the engine's latest snapshot,
+        published between its steps: reading them never waits for the engine."""
         return LiveState(running=self.engine.running, waiting=self.engine.waiting,
-                         connected_sessions=self.gateway.connected_sessions, cache=self._last_cache_stats,
+                         connected_sessions=self.gateway.connected_sessions, cache=self.engine.cache_stats,
                          engine_up=self.engine.failure is None, engine_failures=dict(self.engine.failures),
                          decode_steps=dict(self.engine.batch_sizes), kv_dtypes=self._kv_dtypes(),
                          kv=self._kv_layout())
@@ -186,7 +178,7 @@ class ChatServer:
     async def _sample_forever(self) -> None:
         while True:
             try:
-                self.stats.sample(await self.live_state())
+                self.stats.sample(self.live_state())
             except Exception:  # the dashboard loses a point; the server goes on
                 log.exception("sampling the cache stats failed")
             await asyncio.sleep(SAMPLE_EVERY_S)
@@ -233,10 +225,10 @@ class ChatServer:
         return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE, "loading\n")
 
     async def _metrics(self) -> Response:
-        return Response(self.metrics.exposition(await self.live_state()), media_type=CONTENT_TYPE)
+        return Response(self.metrics.exposition(self.live_state()), media_type=CONTENT_TYPE)
 
     async def _stats(self) -> Response:
-        return json_response(http.HTTPStatus.OK, self.stats.snapshot(await self.live_state()))
+        return json_response(http.HTTPStatus.OK, self.stats.snapshot(self.live_state()))
 
     def _refuse_websocket(self, websocket: WebSocket) -> Response | None:
         """Refuse a handshake from a browser page of another origin (403), over --max-connections

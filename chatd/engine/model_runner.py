@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from cache_store import CacheEntry
-from cache_store.arena import ArenaCache, KVArena
+from cache_store.arena import ArenaCache, KVArena, TemporaryCache
 from chatd.engine.attention import use_arena_attention
 from chatd.engine.batch import decode_step
 from chatd.model.loader import LoadedModel
@@ -34,7 +34,11 @@ class ModelRunner:
         self._on_prefill = on_prefill  # (tokens, seconds) of every timed prefill
         self.attention = use_arena_attention(loaded.model)  # "sdpa", or "eager" where sdpa cannot serve
 
-    def new_cache(self) -> ArenaCache:
+    def new_cache(self, tokens: int = 0) -> ArenaCache | TemporaryCache:
+        """An empty cache for `tokens`: a region of the arena, or, for more than the whole arena holds, a
+        temporary cache outside it (so that no conversation is ever cut to the arena's size)."""
+        if tokens > self.arena.tokens:
+            return TemporaryCache()
         return ArenaCache(self.arena)
 
     def scratch_cache(self) -> DynamicCache:
@@ -45,9 +49,23 @@ class ModelRunner:
         """Append `token_ids` to the session's cache; return the logits after the last of them."""
         return self._retrying([entry], lambda: self._step(entry, token_ids))
 
-    def forward_batch(self, entries: Sequence[CacheEntry], tokens: Sequence[int]) -> torch.Tensor:
-        """Feed `tokens[i]` after `entries[i]`, all in one pass; return the logits [B, V]."""
-        return self._retrying(entries, lambda: decode_step(self.loaded.model, entries, tokens, self.loaded.device))
+    def decode(self, entries: Sequence[CacheEntry], tokens: Sequence[int]) -> torch.Tensor:
+        """Feed `tokens[i]` after `entries[i]`; return the logits [B, V]. The caches in the arena step together
+        in one pass; a lone one, and one in a temporary cache outside the arena, step alone."""
+        together = [i for i, entry in enumerate(entries) if isinstance(entry.cache, ArenaCache)]
+        if len(together) < 2:
+            together = []
+        logits: list[torch.Tensor | None] = [None] * len(entries)
+        if together:
+            batch = [entries[i] for i in together]
+            rows = self._retrying(batch, lambda: decode_step(self.loaded.model, batch, [tokens[i] for i in together],
+                                                             self.loaded.device))
+            for index, row in zip(together, rows, strict=True):
+                logits[index] = row
+        for index, entry in enumerate(entries):
+            if logits[index] is None:
+                logits[index] = self.forward(entry, [tokens[index]])
+        return torch.stack(logits)
 
     def timed_prefill(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
         """A prefill whose speed is reported (the cost model compares it with fetching a cache)."""

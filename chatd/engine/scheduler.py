@@ -31,7 +31,7 @@ from cache_store import (
     CacheStore,
     SessionRunning,
 )
-from cache_store.arena import ArenaFull
+from cache_store.arena import ArenaCache, ArenaFull
 from cache_store.stage_faults import FaultPoints, Stage
 from cache_store.store import CopyObserver
 from chatd.config import Settings
@@ -46,6 +46,7 @@ from chatd.model.loader import LoadedModel
 log = logging.getLogger(__name__)
 
 EXPIRE_EVERY_S = 1.0
+PUBLISH_EVERY_S = 0.1  # while busy, how often the counters are published for /metrics and /v1/stats
 T = TypeVar("T")
 
 
@@ -92,6 +93,9 @@ class Engine:
         self._prefilling: deque[RunningTurn] = deque()  # admitted, prompt being fed chunk by chunk
         self._decoding: list[RunningTurn] = []  # the decode batch
         self.prefill_chunks = 0
+        self.outside_arena_turns = 0  # turns longer than the whole arena, run in a temporary cache outside it
+        self.cache_stats: dict[str, int | float] = {}  # published between steps: `_publish`
+        self._published_at = 0.0
         self.batch_sizes: Counter[int] = Counter()  # decode steps by batch size
         self._deferred: list[_CacheCommand] = []
         self._waiting = 0
@@ -187,7 +191,12 @@ class Engine:
 
     def _serve(self) -> None:
         expired_at = time.monotonic()
-        while self._take_commands(block=not (self._decoding or self._prefilling or self._head)):
+        while True:
+            idle = not (self._decoding or self._prefilling or self._head)
+            if idle or time.monotonic() - self._published_at >= PUBLISH_EVERY_S:
+                self._publish()  # before waiting: what /metrics reads while the engine is idle is current
+            if not self._take_commands(block=idle):
+                break
             self._admit()
             if self._prefilling:
                 self._prefill_step()
@@ -222,9 +231,19 @@ class Engine:
         self._active = 0
 
     def _end(self, turn: Turn, event: TurnResult | TurnFailed) -> None:
-        """A turn's last event: it is no longer the engine's."""
+        """A turn's last event: it is no longer the engine's. The counters are published first, so that a
+        client that has its answer reads them with its turn counted."""
         self._live.pop(id(turn), None)
+        self._publish()
         turn.emit(event)
+
+    def _publish(self) -> None:
+        """Publish the cache store's and the arena's counters for /metrics and /v1/stats, which read the latest
+        snapshot and never wait for the engine."""
+        if self.cache is not None:
+            self.cache_stats = {**self.cache.stats(), **self.arena.stats(),
+                                "outside_arena_turns": self.outside_arena_turns}
+        self._published_at = time.monotonic()
 
     def _unavailable(self) -> str:
         return f"the engine has stopped ({self._closed}); retry on another worker or after its restart"
@@ -362,11 +381,22 @@ class Engine:
         return fed
 
     def _make_room(self, running: RunningTurn) -> bool:
-        """Give the turn's cache a region for all it may reach, so that it never moves mid-turn. With
-        no region free even after evicting every idle cache, it waits for a decoding turn to finish;
-        with none decoding, it is answered `busy` (its cache written back as it found it)."""
+        """Give the turn's cache a region for all it may reach. With no region free even after compaction and
+        evicting every idle cache, it waits for a decoding turn to finish; with none decoding, it is answered
+        `busy` (its cache written back as it found it). A turn longer than the whole arena runs in a temporary
+        cache outside it instead, so that the device budget never shortens what the model is shown."""
+        tokens = len(running.prompt_ids) + running.max_new_tokens
+        if tokens > self.arena.tokens:
+            if isinstance(running.entry.cache, ArenaCache):
+                running.entry.move_out_of_arena()
+            self.outside_arena_turns += 1
+            log.info("session %s: its turn may reach %d tokens, more than the whole KV arena (%d): it runs in a "
+                     "temporary cache outside the arena, which leaves the device at write-back",
+                     running.turn.session_id, tokens, self.arena.tokens)
+            running.has_room = True
+            return True
         try:
-            running.entry.cache.reserve(len(running.prompt_ids) + running.max_new_tokens)
+            running.entry.cache.reserve(tokens)
         except ArenaFull:
             self._wait_for_room(running)
             return False
@@ -446,9 +476,7 @@ class Engine:
             for running in batch:
                 self.faults.check("decode", running.turn.session_id)
             with torch.inference_mode():
-                if len(batch) == 1:
-                    return self.runner.forward(batch[0].entry, [batch[0].next_input])[None]
-                return self.runner.forward_batch([r.entry for r in batch], [r.next_input for r in batch])
+                return self.runner.decode([r.entry for r in batch], [r.next_input for r in batch])
         except BaseException:
             for running, length in zip(batch, lengths, strict=True):
                 running.entry.crop(length)  # some layers may already hold the new token
@@ -484,6 +512,7 @@ class Engine:
                 result.set_exception(error)
             return
         if result is not None:
+            self._publish()
             result.set_result(value)
 
     def _prepare(self, loaded: LoadedModel) -> None:

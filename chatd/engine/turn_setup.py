@@ -38,7 +38,7 @@ class TurnPreparer:
         self._system_ids = functools.lru_cache(maxsize=1024)(
             lambda text: self._renderer.render([Message("system", text)], add_generation_prompt=False))
         self._bytes_per_token = kv_bytes_per_token(loaded.model.config, loaded.model.dtype)
-        self.max_context = min(loaded.max_context, arena.max_tokens)  # the arena bounds a conversation too
+        self.max_context = loaded.max_context  # the model's: the device budget never shortens a conversation
 
     def prepare(self, turn: Turn) -> RunningTurn | TurnFailed:
         """The prompt within the context (the oldest turns dropped if they must be); `too_long` if the new
@@ -55,7 +55,11 @@ class TurnPreparer:
             return TurnFailed("too_long", str(error))
         prompt_ids = window.prompt_ids
         max_new_tokens = min(turn.params.max_new_tokens, self.max_context - len(prompt_ids))
+        # What its region may reach; a turn longer than the whole arena runs in a temporary cache outside it,
+        # which the budget does not count.
         region_tokens = self._arena.region_tokens(len(prompt_ids) + max_new_tokens)
+        if region_tokens > self._arena.tokens:
+            region_tokens = 0
         return RunningTurn(turn, prompt_ids, self._shared_prefix_length(window.messages, prompt_ids), max_new_tokens,
                            TokenSampler(turn.params), TextStream(self._loaded.tokenizer, turn.params.stop),
                            started_at, messages=window.messages, dropped_turns=window.dropped_turns,

@@ -40,12 +40,13 @@ def wire(loaded: LoadedModel, settings: Settings, faults: FaultPoints,
         remote_kv_dtype=settings.remote_kv_dtype, layer_windows=geometry.windows)
     if remote is not None:
         remote.probe()
-        _measure_prefill(loaded, runner, min(loaded.max_context, arena.max_tokens))
+        _measure_prefill(loaded, runner, loaded.max_context)
     return arena, runner, store
 
 
 def _measure_prefill(loaded: LoadedModel, runner: ModelRunner, max_context: int, tokens: int = 256) -> None:
     """Seed the cost model's prefill rate (fetch a remote cache, or recompute?) with one real prefill."""
-    ids = torch.randint(100, loaded.model.config.vocab_size, (min(tokens, max_context - 1),))
+    vocab = loaded.model.config.get_text_config(decoder=True).vocab_size
+    ids = torch.randint(100, vocab, (min(tokens, max_context - 1),))
     with torch.inference_mode():
         runner.timed_prefill(CacheEntry(runner.scratch_cache()), ids.tolist())

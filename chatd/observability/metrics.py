@@ -210,5 +210,31 @@ class _LiveCollector(Collector):
             tier_info.add_metric([*name, tier, kv_dtype], 1.0)
             if f"{tier}_sessions" in live.cache:
                 tier_sessions.add_metric([*name, tier], live.cache[f"{tier}_sessions"])
+        yield from _arena_families(live, name, label)
         yield from (running, waiting, usage, sessions, evictions, corruptions, engine_up, failures, remote_errors,
                     offload_failures, steps, tier_info, tier_sessions)
+
+
+def _arena_families(live: LiveState, name: list[str], label: list[str]):
+    """The KV arena: its tokens by state, its longest free run, compactions and turns run outside it."""
+    tokens = GaugeMetricFamily("chatd:kv_arena_tokens", "Tokens of the KV arena: holding keys and values (used), "
+                               "held by regions beyond that (reserved: what running turns may reach, and rounding "
+                               "to a 16-token unit), and in no region (free).", labels=[*label, "state"])
+    for state in ("used", "reserved", "free"):
+        tokens.add_metric([*name, state], live.cache.get(f"arena_{state}_tokens", 0))
+    largest = GaugeMetricFamily("chatd:kv_arena_largest_free_tokens", "The longest free run of the KV arena: the "
+                                "longest region it can give without compacting or evicting.", labels=label)
+    largest.add_metric(name, live.cache.get("arena_largest_free_tokens", 0))
+    compactions = CounterMetricFamily("chatd:kv_arena_compactions", "Times the KV arena slid caches together for a "
+                                      "long enough run, before evicting anyone.", labels=label)
+    compactions.add_metric(name, live.cache.get("arena_compactions", 0))
+    moved = CounterMetricFamily("chatd:kv_arena_compaction_bytes", "Bytes of keys and values compactions moved "
+                                "(device to device).", labels=label)
+    moved.add_metric(name, live.cache.get("arena_compaction_bytes", 0))
+    paused = CounterMetricFamily("chatd:kv_arena_compaction_seconds", "Time the engine spent compacting the KV arena "
+                                 "(a pause between two steps).", labels=label)
+    paused.add_metric(name, live.cache.get("arena_compaction_seconds", 0.0))
+    outside = CounterMetricFamily("chatd:kv_outside_arena_turns", "Turns longer than the whole KV arena, run in a "
+                                  "temporary cache outside it.", labels=label)
+    outside.add_metric(name, live.cache.get("outside_arena_turns", 0))
+    return tokens, largest, compactions, moved, paused, outside

@@ -105,9 +105,12 @@ class StatsRecorder:
             used, budget = live.tier_bytes(tier)
             tiers[tier] = {"bytes": used, "budget_bytes": budget, "usage": round(used / budget, 4) if budget else 0.0,
                            "sessions": live.cache.get(f"{tier}_sessions"), "kv_dtype": live.kv_dtypes.get(tier)}
-        tiers["device"]["kv_bytes"] = live.cache.get("device_kv_bytes", 0)  # keys and values of resident sessions
+        tiers["device"]["kv_bytes"] = live.cache.get("device_kv_bytes", 0)  # keys and values of resident caches
         tiers["device"]["window_bytes"] = live.cache.get("device_window_bytes", 0)  # what their windows need
-        return {"running": live.running, "waiting": live.waiting, "tiers": tiers, "kv": live.kv,
+        arena = {key.removeprefix("arena_"): value for key, value in live.cache.items() if key.startswith("arena_")}
+        if arena:
+            arena["outside_arena_turns"] = live.cache.get("outside_arena_turns", 0)
+        return {"running": live.running, "waiting": live.waiting, "tiers": tiers, "kv": live.kv, "arena": arena,
                 "sessions": {"connected": live.connected_sessions, "idle": live.cache.get("idle_sessions", 0)}}
 
     def _window(self, start: float, end: float, live: LiveState, tokens: tuple[np.ndarray, np.ndarray]) -> dict:
@@ -151,9 +154,11 @@ class StatsRecorder:
                      "tokens_per_s": round(int(tokens[index]) / SERIES_STEP_S, 3),
                      "cached_token_ratio": _cache_outcomes(finished[index])["cached_token_ratio"]
                      if finished[index] else None,
-                     "tier_bytes": None, "evictions": None, "corruptions": None}
+                     "tier_bytes": None, "arena_tokens": None, "evictions": None, "corruptions": None}
             if at_end is not None:
                 point["tier_bytes"] = {tier: at_end.tier_bytes(tier)[0] for tier in TIERS}
+                point["arena_tokens"] = {state: at_end.cache.get(f"arena_{state}_tokens", 0)
+                                         for state in ("used", "reserved", "free")}
                 point["evictions"] = _delta(at_end.evictions(), at_start.evictions() if at_start else None)
                 point["corruptions"] = sum(_delta(at_end.corruptions(),
                                                   at_start.corruptions() if at_start else None).values())

@@ -24,6 +24,7 @@ from chatd.observability.stats import percentile
 from chatd.tools.client import ChatClient, ChatError
 from chatd.tools.server_process import ServerProcess
 
+STATS_SETTLE_S = 1.5  # longer than /v1/stats keeps a snapshot
 DEFAULT_SCENARIOS = Path(__file__).resolve().parents[2] / "bench" / "scenarios"
 
 
@@ -105,6 +106,20 @@ def served_model(url: str, api_key: str | None) -> str:
 def openai_url(websocket_url: str) -> str:
     """chatd's OpenAI-compatible API beside its websocket endpoint: ws://host:port/ws -> http://host:port/v1."""
     return re.sub(r"^ws(s?)://", r"http\1://", websocket_url).removesuffix("/ws") + "/v1"
+
+
+def device_tier(url: str) -> dict | None:
+    """What a chatd server's device tier holds now (`/v1/stats`): resident sessions, the bytes their regions
+    hold and the bytes of their keys and values; None for a server without chatd's stats."""
+    stats_url = re.sub(r"^ws(s?)://", r"http\1://", url).removesuffix("/ws").removesuffix("/v1") + "/v1/stats"
+    try:
+        with urllib.request.urlopen(stats_url, timeout=10) as response:
+            device = json.load(response)["now"]["tiers"]["device"]
+    except (OSError, ValueError, KeyError):
+        return None
+    held, kv = device.get("bytes", 0), device.get("kv_bytes", 0)
+    return {"sessions": device.get("sessions"), "held_bytes": held, "kv_bytes": kv,
+            "held_per_kv": round(held / kv, 3) if kv else None}
 
 
 def _openai_turn(url: str, model: str, messages: list[dict], max_new_tokens: int,
@@ -196,6 +211,14 @@ def summarize(samples: list[TurnSample], wall_s: float) -> dict:
     }
 
 
+def _device_line(device: dict | None) -> str:
+    if not device:
+        return "device tier not reported"
+    ratio = f" ({device['held_per_kv']:.2f}x)" if device["held_per_kv"] else ""
+    return (f"device tier at the end: {device['sessions']} sessions resident, {device['held_bytes'] / 2**20:.0f} MB "
+            f"held for {device['kv_bytes'] / 2**20:.0f} MB of keys and values{ratio}")
+
+
 FIGURES = [("TTFT p50, turns 3+ (ms)", ("ttft_ms_turn3_plus", "p50")),
            ("TTFT p95, turns 3+ (ms)", ("ttft_ms_turn3_plus", "p95")),
            ("inter-token p50 (ms)", ("inter_token_ms", "p50")), ("inter-token p95 (ms)", ("inter_token_ms", "p95")),
@@ -225,6 +248,7 @@ def report(results: list[dict]) -> str:
         lines.append(f"{r['label']}: TTFT p50/p95 by turn " + ", ".join(
             f"{turn}: {stats['p50']:.0f}/{stats['p95']:.0f}" for turn, stats in r["ttft_ms_by_turn"].items()
             if stats["p50"] is not None) + f" ms; cache sources {r['cache_sources']}; errors {r['errors'] or 'none'}")
+        lines.append(f"{r['label']}: " + _device_line(r.get("device_tier")))
     return "\n".join(lines)
 
 
@@ -271,16 +295,20 @@ def main(args) -> None:
     described = {label: (args.url or flags or "(defaults)") + (f" (code of {checkout})" if checkout else "")
                  for (_, label), flags, checkout in zip(targets, flag_sets or [args.url], checkouts, strict=False)}
     runs = {label: ([], 0.0) for _, label in targets}
+    device_tiers: dict[str, dict | None] = {}
     try:
         for _ in range(args.rounds):  # alternate, so that drift of the machine affects both alike
             for url, label in targets:
                 samples, wall_s = asyncio.run(run_workload(url, workload, label))
                 runs[label] = (runs[label][0] + samples, runs[label][1] + wall_s)
+                time.sleep(STATS_SETTLE_S)  # past the stats' snapshot age: the last write-backs counted
+                device_tiers[label] = device_tier(url)
     finally:
         for server in servers:
             server.stop()
     results = [{"label": label, "config": described[label], "wall_s": wall_s, **summarize(samples, wall_s),
-                "samples": [asdict(s) for s in samples]} for label, (samples, wall_s) in runs.items()]
+                "device_tier": device_tiers.get(label), "samples": [asdict(s) for s in samples]}
+               for label, (samples, wall_s) in runs.items()]
     for result in results:
         print(f"{result['label']}: {result['config']}")
     print(report(results))
