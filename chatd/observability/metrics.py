@@ -215,6 +215,18 @@ class _LiveCollector(Collector):
                     offload_failures, steps, tier_info, tier_sessions)
 
 
+_ARENA_COUNTERS = [  # (metric, help, key of the engine's published counters)
+    ("chatd:kv_arena_compactions", "Times the KV arena slid caches together for a long enough run, before "
+     "evicting anyone.", "arena_compactions"),
+    ("chatd:kv_arena_compaction_bytes", "Bytes of keys and values compactions moved (device to device).",
+     "arena_compaction_bytes"),
+    ("chatd:kv_arena_compaction_seconds", "Time the engine spent compacting the KV arena (a pause between two "
+     "steps).", "arena_compaction_seconds"),
+    ("chatd:kv_outside_arena_turns", "Turns longer than the whole KV arena, run in a temporary cache outside it.",
+     "outside_arena_turns"),
+]
+
+
 def _arena_families(live: LiveState, name: list[str], label: list[str]):
     """The KV arena: its tokens by state, its longest free run, compactions and turns run outside it."""
     tokens = GaugeMetricFamily("chatd:kv_arena_tokens", "Tokens of the KV arena: holding keys and values (used), "
@@ -225,16 +237,9 @@ def _arena_families(live: LiveState, name: list[str], label: list[str]):
     largest = GaugeMetricFamily("chatd:kv_arena_largest_free_tokens", "The longest free run of the KV arena: the "
                                 "longest region it can give without compacting or evicting.", labels=label)
     largest.add_metric(name, live.cache.get("arena_largest_free_tokens", 0))
-    compactions = CounterMetricFamily("chatd:kv_arena_compactions", "Times the KV arena slid caches together for a "
-                                      "long enough run, before evicting anyone.", labels=label)
-    compactions.add_metric(name, live.cache.get("arena_compactions", 0))
-    moved = CounterMetricFamily("chatd:kv_arena_compaction_bytes", "Bytes of keys and values compactions moved "
-                                "(device to device).", labels=label)
-    moved.add_metric(name, live.cache.get("arena_compaction_bytes", 0))
-    paused = CounterMetricFamily("chatd:kv_arena_compaction_seconds", "Time the engine spent compacting the KV arena "
-                                 "(a pause between two steps).", labels=label)
-    paused.add_metric(name, live.cache.get("arena_compaction_seconds", 0.0))
-    outside = CounterMetricFamily("chatd:kv_outside_arena_turns", "Turns longer than the whole KV arena, run in a "
-                                  "temporary cache outside it.", labels=label)
-    outside.add_metric(name, live.cache.get("outside_arena_turns", 0))
-    return tokens, largest, compactions, moved, paused, outside
+    counters = []
+    for metric, help_text, key in _ARENA_COUNTERS:
+        counter = CounterMetricFamily(metric, help_text, labels=label)
+        counter.add_metric(name, live.cache.get(key, 0))
+        counters.append(counter)
+    return tokens, largest, *counters
