@@ -68,6 +68,8 @@ class RemoteTier:
         self._writes: queue.Queue[str | None] = queue.Queue()
         self._latest: dict[str, HostEntry] = {}
         self._lock = threading.Lock()
+        self._unwritten: set[str] = set()  # sessions with a snapshot queued or being written
+        self._written = threading.Condition(self._lock)
         self._writer = threading.Thread(target=self._write_loop, name="chatd-remote-kv", daemon=True)
         self._writer.start()
 
@@ -89,8 +91,15 @@ class RemoteTier:
         with self._lock:
             fresh = session_id not in self._latest
             self._latest[session_id] = entry
+            self._unwritten.add(session_id)
         if fresh:
             self._writes.put(session_id)
+
+    def wait_written(self, session_id: str, timeout_s: float) -> bool:
+        """Wait until the session's newest snapshot has been written (or has failed); whether it was within
+        `timeout_s`. A turn is answered after this, so that another worker can continue it from Redis."""
+        with self._written:
+            return self._written.wait_for(lambda: session_id not in self._unwritten, timeout_s)
 
     def head(self, session_id: str) -> RemoteHeader | None:
         if time.monotonic() < self._down_until:
@@ -181,6 +190,11 @@ class RemoteTier:
                     log.warning("remote KV tier: writing session %s's cache failed (%s: %s); %d writes have "
                                 "failed so far, later snapshots are still written", session_id,
                                 type(error).__name__, error, self.write_errors)
+            finally:
+                with self._written:
+                    if session_id not in self._latest:  # no newer snapshot queued meanwhile
+                        self._unwritten.discard(session_id)
+                        self._written.notify_all()
 
     def _write(self, session_id: str, entry: HostEntry) -> None:
         tensors = [t for pair in entry.tensors for t in pair]

@@ -163,10 +163,12 @@ class CacheStore:
             self.admit(session_id, turn, 0, alone=True)
         if not self.enabled:
             return CacheLookup("miss", 0, miss_reason="disabled")
-        if self._older_than(session_id, session_version):
-            # Another worker completed turns of this session since this cache was written.
-            self.drop(session_id)
-            return CacheLookup("miss", 0, miss_reason="stale")
+        stale = self._older_than(session_id, session_version)
+        if stale:
+            # Another worker completed turns of this session since this worker's copy was written: it goes,
+            # and the remote tier, which that worker wrote, may hold the newest.
+            self.device.pop(session_id)
+            self.host.discard(session_id)
         source: CacheSource = "device"
         entry = self.device.get(session_id)
         if entry is not None and (failed := self._check_resident(session_id, entry)):
@@ -189,6 +191,8 @@ class CacheStore:
                 return self.report_corruption(session_id, failed)
             if entry is not None:
                 source = "remote"
+        if entry is None and stale:
+            return CacheLookup("miss", 0, miss_reason="stale", remote=decision)
         if entry is None:
             return dataclasses.replace(self._start_from_prefix(session_id, prompt_ids, prefix_len, scope),
                                        remote=decision)

@@ -74,6 +74,11 @@ class RedisSessionStore:
 
     # ##### Public API #####
 
+    @property
+    def client(self) -> redis.Redis:
+        """The connection pool, shared with the prefix index."""
+        return self._redis
+
     async def create(self, system: str | None, owner: str | None = None, messages: Sequence[Message] = ()) -> Session:
         session = Session(session_id=new_session_id(), system=system, owner=owner, messages=list(messages))
         if self._down():

@@ -3,8 +3,6 @@ configuration routes sessions across real chatd worker processes sharing a real 
 
 import asyncio
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,9 +10,9 @@ import yaml
 from websockets.asyncio.client import connect
 
 from chatd.tools.client import ChatClient, ChatError
+from chatd.tools.nginx_process import NginxProcess, nginx_binary
 from chatd.tools.server_process import ServerProcess
 from sessions.redis_store import RedisSessionStore
-from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +35,7 @@ def test_compose_file_parses_and_names_files_that_exist():
     nginx_conf = (ROOT / "deploy/nginx/chatd.conf").read_text()
     for upstream in ("chatd-1", "chatd-2"):
         assert f"server {upstream}:8765" in nginx_conf
-    assert "hash $arg_session_id consistent;" in nginx_conf
+    assert "hash $chatd_session_key consistent;" in nginx_conf and "least_conn;" in nginx_conf
 
 
 def start_worker(checkpoint: Path, redis_url: str, *flags: str) -> ServerProcess:
@@ -57,32 +55,11 @@ def workers(tiny_checkpoint, redis_server):
 @pytest.fixture
 def nginx(workers, tmp_path):
     """Debian's nginx with the shipped configuration, its upstreams pointed at the two workers."""
-    binary = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-    if binary is None:
+    if nginx_binary() is None:
         pytest.skip("nginx is not installed (make test installs Debian's nginx-light where it can)")
-    port = free_port()
-    shipped = (ROOT / "deploy/nginx/chatd.conf").read_text()
-    for index, worker in enumerate(workers, start=1):
-        shipped = shipped.replace(f"server chatd-{index}:8765", f"server 127.0.0.1:{worker.port}")
-    (tmp_path / "chatd.conf").write_text(shipped.replace("listen 80;", f"listen 127.0.0.1:{port};"))
-    temp_paths = " ".join(f"{kind}_temp_path {tmp_path}/{kind};" for kind in ("client_body", "proxy", "fastcgi",
-                                                                            "uwsgi", "scgi"))
-    (tmp_path / "nginx.conf").write_text(
-        f"daemon off; worker_processes 1; pid {tmp_path}/nginx.pid; error_log {tmp_path}/error.log;\n"
-        f"events {{ worker_connections 128; }}\n"
-        f"http {{ access_log off; {temp_paths} include {tmp_path}/chatd.conf; }}\n")
-    process = subprocess.Popen([binary, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
-                               stderr=subprocess.PIPE)
-    for _ in range(100):
-        try:
-            with __import__("socket").create_connection(("127.0.0.1", port), timeout=0.2):
-                break
-        except OSError:
-            import time
-            time.sleep(0.05)
-    yield f"ws://127.0.0.1:{port}/ws"
-    process.terminate()
-    process.wait(10)
+    server = NginxProcess(workers, tmp_path)
+    yield server.ws_url
+    server.stop()
 
 
 async def one_turn(url: str, session_id: str, content: str, **params):

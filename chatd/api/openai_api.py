@@ -1,11 +1,12 @@
 """The OpenAI-compatible API: `GET /v1/models` and `POST /v1/chat/completions`, streamed (SSE) or not.
 
 OpenAI clients are stateless: each request carries the whole conversation and no session id. The
-request is rendered to token ids and matched, through `PrefixIndex`, against the conversations of the
-same key; the session whose cached ids it shares the most with is continued when the request extends
-it exactly, and otherwise branched (a new session whose cache starts as a copy of the shared part).
-Either way only the tokens after the reused prefix are prefilled. The turn itself runs through the
-`TurnRunner` exactly as a websocket turn does (claims, rate limit, leases, metrics, recording).
+request is rendered to token ids and matched, through the prefix index (in Redis when sessions are, so
+any worker finds any conversation), against the conversations of the same key; the session whose cached
+ids it shares the most with is continued when the request extends it exactly, and otherwise branched (a
+new session whose cache starts as a copy of the shared part). Either way only the tokens after the reused
+prefix are prefilled. The turn itself runs through the `TurnRunner` exactly as a websocket turn does
+(claims, rate limit, leases, metrics, recording).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cache_store.store import common_prefix_length
 from chatd.api.auth import KeyRing
+from chatd.api.gateway import WORKER
 from chatd.api.openai_schema import (
     AssistantMessage,
     ChatCompletion,
@@ -48,10 +50,13 @@ from chatd.engine.scheduler import Engine
 from chatd.engine.turn import TurnFailed, TurnResult
 from chatd.model.prompt import PromptRenderer
 from sessions import Message, Session, SessionStore, StoreUnavailable
-from sessions.prefix_index import BLOCK, PrefixIndex
+from sessions.prefix_index import BLOCK
+from sessions.redis_store import RedisSessionStore
+from sessions.shared_prefix_index import SharedPrefixIndex
 
 log = logging.getLogger(__name__)
-SESSION_HEADER = "X-Chatd-Session-Id"
+SESSION_HEADER = "X-Chatd-Session-Id"  # a client or gateway pins later requests with it (as X-Session-Id)
+WORKER_HEADER = "X-Chatd-Worker"  # host:pid of the worker that answered
 DEFAULT_MAX_TOKENS = 256
 
 # chatd's error codes (websocket protocol and engine) as HTTP statuses and OpenAI error types.
@@ -90,7 +95,9 @@ class OpenAIApi:
 
     def __init__(self, engine: Engine, sessions: SessionStore, settings: Settings, turns: TurnRunner, keys: KeyRing):
         self.engine, self.sessions, self.settings, self.turns, self.keys = engine, sessions, settings, turns, keys
-        self.index = PrefixIndex()
+        # In Redis when sessions are: every worker finds every conversation, whichever worker it reached before.
+        self.index = SharedPrefixIndex(sessions.client if isinstance(sessions, RedisSessionStore) else None,
+                                       settings.session_retention_s)
         self.created = int(time.time())
         self._renderer: PromptRenderer | None = None
         self.router = APIRouter(prefix="/v1")
@@ -135,26 +142,29 @@ class OpenAIApi:
         client = owner or (request.client.host if request.client else "unknown")
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
                                 seed=body.seed, stop=body.stop_list())
-        try:
-            session = await self._place(owner, system, history, content,
-                                        body.session_id or body.prompt_cache_key or x_session_id)
-        except StoreUnavailable as error:
-            raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
         turn_id = "chatcmpl-" + secrets.token_urlsafe(12)
         try:
-            started = await self.turns.begin_turn(session, content, params, turn_id, owner, client, api="openai")
-        except BaseException:
-            self.turns.release_claim(session.session_id)
-            raise
+            session, plain_ids, matched = await self._place(owner, system, history, content,
+                                                            body.session_id or body.prompt_cache_key or x_session_id)
+            started = await self._begin(session, content, params, turn_id, owner, client,
+                                        expected_version=session.version if matched else None)
+            if isinstance(started, ErrorMessage) and started.code in ("busy", "conflict") and matched:
+                # Another worker runs or ran a turn of the matched session meanwhile (an identical conversation
+                # elsewhere): this request branches into a session of its own, with exactly its history.
+                spliced = _splice(history, session.messages)
+                session = await self._branch(owner, system, history, plain_ids,
+                                             [(session, spliced, self._render(system, spliced, content))])
+                started = await self._begin(session, content, params, turn_id, owner, client)
+        except StoreUnavailable as error:
+            raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
         if isinstance(started, ErrorMessage):
-            self.turns.release_claim(session.session_id)
             raise ApiError.of(started)
         events: asyncio.Queue[str | TurnResult | TurnFailed] = asyncio.Queue()
         self.turns.forward(started, events.put, lambda event: self._ended(owner, started, event, events))
         first = await events.get()
         if isinstance(first, TurnFailed):
             raise ApiError.of(first)
-        headers = {SESSION_HEADER: session.session_id}
+        headers = {SESSION_HEADER: session.session_id, WORKER_HEADER: WORKER}
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self._stream(started, first, events, body.model, include_usage),
@@ -172,7 +182,7 @@ class OpenAIApi:
                      events: asyncio.Queue) -> None:
         """The turn is recorded (or failed): index the conversation it reached, then hand over the end."""
         if isinstance(event, TurnResult) and event.finish_reason != "cancelled":
-            self.index.add(owner, started.session.session_id, event.conversation_ids)
+            await self.index.add(owner, started.session.session_id, event.conversation_ids)
         await events.put(event)
 
     async def _stream(self, started: StartedTurn, first: str | TurnResult, events: asyncio.Queue, model: str,
@@ -205,19 +215,29 @@ class OpenAIApi:
                 started.turn.cancel()
 
     async def _place(self, owner: str | None, system: str | None, history: list[Message], content: str,
-                     hint: str | None) -> Session:
-        """The session this request runs in, claimed for it: the matched session when the request
-        extends it exactly and it is free; otherwise a new one, branched from the best match's cache.
-        The history's replies get the ids the model generated for them wherever a session knows them."""
+                     hint: str | None) -> tuple[Session, list[int], bool]:
+        """The session this request runs in, claimed for it, the request's plain prompt ids, and whether the
+        session is one it continues: the matched session when the request extends it exactly and it is free;
+        otherwise a new one, branched from the best match's cache. The history's replies get the ids the
+        model generated for them wherever a session knows them."""
         plain_ids = self._render(system, history, content)
-        best, best_history, best_ids, shared = None, history, plain_ids, 0
+        matches = []
         for session in await self._candidates(owner, plain_ids, hint):
             if session.system == system and _same(session.messages, history) and \
                     self.turns.try_claim(session.session_id):
-                return session
+                return session, plain_ids, True
             spliced = _splice(history, session.messages)
             prompt_ids = plain_ids if spliced == history and _ids_of(spliced) == _ids_of(history) else \
                 self._render(system, spliced, content)
+            matches.append((session, spliced, prompt_ids))
+        return await self._branch(owner, system, history, plain_ids, matches), plain_ids, False
+
+    async def _branch(self, owner: str | None, system: str | None, history: list[Message], plain_ids: list[int],
+                      matches: list[tuple[Session, list[Message], list[int]]]) -> Session:
+        """A new session, claimed, for `history`: its cache starts as a copy of the part it shares with the
+        match (session, spliced history, prompt ids) that shares the most, when that is a block or more."""
+        best, best_history, best_ids, shared = None, history, plain_ids, 0
+        for session, spliced, prompt_ids in matches:
             if (reach := common_prefix_length(session.token_ids, prompt_ids)) > shared:
                 best, best_history, best_ids, shared = session, spliced, prompt_ids, reach
         session = await self.sessions.create(system, owner=owner, messages=best_history)
@@ -226,14 +246,27 @@ class OpenAIApi:
             self.engine.fork_session(best.session_id, session.session_id, best_ids)
         return session
 
+    async def _begin(self, session: Session, content: str, params: SamplingParams, turn_id: str, owner: str | None,
+                     client: str, expected_version: int | None = None) -> StartedTurn | ErrorMessage:
+        """`TurnRunner.begin_turn` for a claimed session; the claim is released when it does not start."""
+        try:
+            started = await self.turns.begin_turn(session, content, params, turn_id, owner, client, api="openai",
+                                                  expected_version=expected_version)
+        except BaseException:
+            self.turns.release_claim(session.session_id)
+            raise
+        if isinstance(started, ErrorMessage):
+            self.turns.release_claim(session.session_id)
+        return started
+
     async def _candidates(self, owner: str | None, prompt_ids: list[int], hint: str | None) -> list[Session]:
         """The owner's sessions that may hold this conversation: the hinted one, then the index's
         matches, each verified against its real ids, longest shared prefix first."""
         found: list[Session] = []
-        for session_id in ([hint] if hint else []) + self.index.candidates(owner, prompt_ids):
+        for session_id in ([hint] if hint else []) + await self.index.candidates(owner, prompt_ids):
             session = await self.sessions.get(session_id)
             if session is None:
-                self.index.remove(session_id)
+                await self.index.remove(session_id, owner, prompt_ids)
             elif session.owner == owner and all(s.session_id != session_id for s in found):
                 found.append(session)
         found.sort(key=lambda s: common_prefix_length(s.token_ids, prompt_ids), reverse=True)

@@ -18,6 +18,7 @@ from chatd.engine.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
 from sessions import Lease, Session, SessionBusy, SessionStore, VersionConflict
 
 log = logging.getLogger(__name__)
+SHARE_WAIT_S = 2.0  # at most this long a reply waits for its cache to reach Redis (--remote-kv)
 
 
 @dataclass
@@ -67,9 +68,12 @@ class TurnRunner:
         self._claims.discard(session_id)
 
     async def begin_turn(self, session: Session, content: str, params: SamplingParams, turn_id: str,
-                         owner: str | None, client: str, api: str = "websocket") -> StartedTurn | ErrorMessage:
+                         owner: str | None, client: str, api: str = "websocket",
+                         expected_version: int | None = None) -> StartedTurn | ErrorMessage:
         """Start a turn of a claimed session in the engine (rate limit, lease, a fresh copy of the
-        session), or say why not. Shared by the websocket and the OpenAI-compatible API."""
+        session), or say why not. Shared by the websocket and the OpenAI-compatible API. With
+        `expected_version`, a session that another worker moved past it is `conflict` (a stateless request
+        matched it at that version, and must run on exactly that history)."""
         if (wait := self.rate_limit.acquire(client)) is not None:
             return ErrorMessage(turn_id=turn_id, code="rate_limited", retryable=True, retry_after_s=round(wait, 2),
                                 message=f"over {self.settings.rate_limit_per_min:g} turns per minute; "
@@ -83,6 +87,10 @@ class TurnRunner:
         except BaseException:
             await lease.release()
             raise
+        if expected_version is not None and session.version != expected_version:
+            await lease.release()
+            return ErrorMessage(turn_id=turn_id, code="conflict", retryable=True,
+                                message="another worker completed a turn of this session meanwhile")
         if self.draining:  # the shutdown began while the store answered
             await lease.release()
             return ErrorMessage(turn_id=turn_id, code="unavailable", retryable=True,
@@ -122,12 +130,21 @@ class TurnRunner:
                 self._on_turn(event)
                 if event.finish_reason != "cancelled":
                     event = await self._record(started.session, started.content, event, started.lease)
+                if isinstance(event, TurnResult) and self.settings.remote_kv:
+                    await self._await_shared(session_id)
         finally:
             # Free the session before the reply goes out, so the client's next request is never `busy`.
             del self._turns[session_id]
             self._claims.discard(session_id)
             await started.lease.release()
         await on_end(event)
+
+    async def _await_shared(self, session_id: str) -> None:
+        """Answer once the turn's cache is in Redis: a stateless client's next request may reach another
+        worker at once, and it should continue from this cache rather than recompute it."""
+        if not await asyncio.to_thread(self.engine.wait_shared, session_id, SHARE_WAIT_S):
+            log.warning("session %s: its cache was not in Redis within %.0f s; answering anyway (another worker "
+                        "would recompute it)", session_id, SHARE_WAIT_S)
 
     async def _record(self, session: Session, user_content: str, result: TurnResult,
                       lease: Lease) -> TurnResult | TurnFailed:

@@ -139,6 +139,12 @@ class Engine:
         turns queued before this call have finished."""
         self._commands.put(_CacheCommand(lambda store: store.forget(session_id), session_id=session_id))
 
+    def wait_shared(self, session_id: str, timeout_s: float) -> bool:
+        """With `--remote-kv`, wait (off the engine thread) until the session's cache is written to Redis, so that
+        the next turn can continue from it on any worker; whether it was within `timeout_s`."""
+        remote = self.cache.remote if self.cache is not None else None
+        return remote is None or remote.wait_written(session_id, timeout_s)
+
     def fork_session(self, source: str, target: str, prompt_ids: list[int]) -> None:
         """Start `target`'s cache as a copy of the part of `source`'s that `prompt_ids` begins with
         (a branch of a conversation); runs before any turn submitted after it."""

@@ -14,6 +14,7 @@ import random
 import re
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +39,8 @@ class TurnSample:
     inter_token_ms: list[float] = field(default_factory=list)
     e2e_ms: float = 0.0
     completion_tokens: int = 0
+    prompt_tokens: int | None = None  # as the server reported them, with the part a cache covered
+    cached_tokens: int | None = None
     cache_source: str | None = None
     error: str | None = None
 
@@ -80,6 +83,7 @@ async def play_customer(url: str, workload: Workload, index: int, samples: list[
             try:
                 done = await stream.result()
                 sample.cache_source, sample.completion_tokens = done.cache.source, done.usage.completion_tokens
+                sample.prompt_tokens, sample.cached_tokens = done.usage.prompt_tokens, done.usage.cached_tokens
             except ChatError as error:
                 sample.error = error.code
             if arrivals:
@@ -123,27 +127,37 @@ def device_tier(url: str) -> dict | None:
 
 
 def _openai_turn(url: str, model: str, messages: list[dict], max_new_tokens: int,
-                 api_key: str | None) -> tuple[float, list[float], str, int | None]:
+                 api_key: str | None) -> tuple[float, list[float], str, dict]:
     """One streamed chat completion from an OpenAI-compatible server (chatd's own, or a peer such as
-    llama.cpp's): when it was sent, when each content chunk arrived, the reply, and the cached prompt
-    tokens the server reported (None if it reported none)."""
+    llama.cpp's): when it was sent, when each content chunk arrived, the reply, and the usage the server
+    reported (empty if it reported none)."""
     body = json.dumps({"model": model, "messages": messages, "max_tokens": max_new_tokens, "temperature": 0.0,
                        "stream": True, "stream_options": {"include_usage": True}}).encode()
     request = urllib.request.Request(f"{url}/chat/completions", data=body, headers=_openai_headers(api_key))
-    sent, arrivals, reply, cached = time.perf_counter(), [], [], None
+    sent, arrivals, reply, usage = time.perf_counter(), [], [], {}
     with urllib.request.urlopen(request, timeout=600) as response:
         for line in response:
             line = line.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if usage := chunk.get("usage"):
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            usage = chunk.get("usage") or usage
             delta = chunk["choices"][0].get("delta", {}).get("content") if chunk.get("choices") else None
             if delta:
                 arrivals.append(time.perf_counter())
                 reply.append(delta)
-    return sent, arrivals, "".join(reply), cached
+    return sent, arrivals, "".join(reply), usage
+
+
+def _failure(error: OSError) -> str:
+    """What a failed request is counted as: its HTTP status and OpenAI error code, or the kind of error."""
+    if isinstance(error, urllib.error.HTTPError):
+        try:
+            code = json.loads(error.read() or b"{}").get("error", {}).get("code")
+        except (ValueError, AttributeError):
+            code = None
+        return f"HTTP {error.code}" + (f" {code}" if code else "")
+    return type(error).__name__
 
 
 async def play_openai_customer(url: str, workload: Workload, index: int, samples: list[TurnSample],
@@ -157,11 +171,13 @@ async def play_openai_customer(url: str, workload: Workload, index: int, samples
         sample = TurnSample(customer=index, turn=turn)
         messages.append({"role": "user", "content": scenario["turns"][(turn - 1) % len(scenario["turns"])]})
         try:
-            sent, arrivals, reply, cached = await asyncio.to_thread(_openai_turn, url, model, messages,
-                                                                    workload.max_new_tokens, workload.api_key)
+            sent, arrivals, reply, usage = await asyncio.to_thread(_openai_turn, url, model, messages,
+                                                                   workload.max_new_tokens, workload.api_key)
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             sample.cache_source = "unreported" if cached is None else "cached" if cached else "miss"
+            sample.prompt_tokens, sample.cached_tokens = usage.get("prompt_tokens"), cached
         except OSError as error:
-            sample.error, arrivals, sent, reply = type(error).__name__, [], time.perf_counter(), ""
+            sample.error, arrivals, sent, reply = _failure(error), [], time.perf_counter(), ""
         messages.append({"role": "assistant", "content": reply})
         if arrivals:
             sample.ttft_ms = 1000 * (arrivals[0] - sent)
@@ -200,8 +216,12 @@ def summarize(samples: list[TurnSample], wall_s: float) -> dict:
             errors[s.error] = errors.get(s.error, 0) + 1
         else:
             sources[s.cache_source] = sources.get(s.cache_source, 0) + 1
+    reported = [s for s in ok if s.turn >= 3 and s.prompt_tokens and s.cached_tokens is not None]
     return {
         "ttft_ms_by_turn": by_turn,
+        # of the prompt tokens of turns 3+, the percentage a cache covered (None when the server reports no usage)
+        "cached_percent_turn3_plus": (100 * sum(s.cached_tokens for s in reported)
+                                      / sum(s.prompt_tokens for s in reported) if reported else None),
         "ttft_ms_turn3_plus": {"p50": percentile(late, 50), "p95": percentile(late, 95)},
         "inter_token_ms": {"p50": percentile(gaps, 50), "p95": percentile(gaps, 95)},
         "e2e_ms": {"p50": percentile(e2e, 50), "p95": percentile(e2e, 95)},
@@ -223,7 +243,8 @@ FIGURES = [("TTFT p50, turns 3+ (ms)", ("ttft_ms_turn3_plus", "p50")),
            ("TTFT p95, turns 3+ (ms)", ("ttft_ms_turn3_plus", "p95")),
            ("inter-token p50 (ms)", ("inter_token_ms", "p50")), ("inter-token p95 (ms)", ("inter_token_ms", "p95")),
            ("end-to-end p50 (ms)", ("e2e_ms", "p50")), ("end-to-end p95 (ms)", ("e2e_ms", "p95")),
-           ("tokens/s (aggregate)", ("tokens_per_s",))]
+           ("tokens/s (aggregate)", ("tokens_per_s",)),
+           ("cached % of prompts, t3+", ("cached_percent_turn3_plus",))]
 
 
 def _figure(result: dict, path: tuple[str, ...]) -> float | None:

@@ -1,0 +1,194 @@
+"""Stateless OpenAI clients across workers: real worker processes on one real Redis (sessions, the prefix
+index and caches), behind the shipped nginx configuration, talked to by the official `openai` SDK with no
+session hints. Every turn lands wherever nginx sends it, continues its conversation from a cache, and
+answers exactly like a single server without a session cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from chatd.tools.nginx_process import NginxProcess, nginx_binary
+from chatd.tools.server_process import ServerProcess
+from tests.redis_server import RedisServer
+
+TURNS = 8
+KEYS = ("key-alpha", "key-beta")
+POLICY = (" Answer in one or two short sentences, be polite, never promise refunds you cannot grant, and ask for the "
+          "customer's account number before discussing anything specific to their account.")
+CONVERSATIONS = [  # system prompts of the length a customer-service bot has, and short questions
+    ("You are the billing desk of a phone company." + POLICY, "My bill is higher this month, question {}."),
+    ("You are a helpful travel agent for a small agency." + POLICY, "I want to fly somewhere warm, idea {}."),
+    ("You answer questions about the recipes on our cooking site." + POLICY, "How long do I boil an egg, try {}?"),
+]
+
+
+def worker(checkpoint, redis_url: str, *flags: str) -> ServerProcess:
+    return ServerProcess(["--model", str(checkpoint), "--device", "cpu", "--redis-url", redis_url, "--remote-kv",
+                          "--lease-ttl-s", "2", *[f"--api-key={key}" for key in KEYS], *flags])
+
+
+@dataclass
+class Cluster:
+    """Worker processes on one Redis, behind the shipped nginx configuration."""
+
+    redis: RedisServer
+    workers: list[ServerProcess]
+    nginx: NginxProcess
+
+
+@contextmanager
+def cluster(checkpoint, folder: Path) -> Iterator[Cluster]:
+    if nginx_binary() is None:
+        pytest.skip("nginx is not installed (make test installs Debian's nginx-light where it can)")
+    redis_server = RedisServer(folder)
+    redis_server.start()
+    with ThreadPoolExecutor(2) as pool:  # both start at once: most of a start is importing torch
+        workers = list(pool.map(lambda _: worker(checkpoint, redis_server.url), range(2)))
+    nginx = NginxProcess(workers, folder)
+    try:
+        yield Cluster(redis_server, workers, nginx)
+    finally:
+        nginx.stop()
+        for running in workers:
+            running.stop()
+        redis_server.stop()
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_checkpoint, tmp_path_factory):
+    """For the tests that leave every worker running."""
+    with cluster(tiny_checkpoint, tmp_path_factory.mktemp("cluster")) as started:
+        yield started
+
+
+@pytest.fixture
+def own(tiny_checkpoint, tmp_path):
+    """For a test that kills or restarts a worker."""
+    with cluster(tiny_checkpoint, tmp_path) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    """One server, no Redis, no session cache: every reply recomputed from the whole prompt."""
+    server = ServerProcess(["--model", str(tiny_checkpoint), "--device", "cpu", "--no-session-cache",
+                            *[f"--api-key={key}" for key in KEYS]])
+    yield server
+    server.stop()
+
+
+@dataclass
+class Client:
+    """The official SDK against one URL, as one key, naming the model as served (its path)."""
+
+    api: openai.OpenAI
+    model: str
+
+    def ask(self, messages: list[dict], **headers: str):
+        """One turn: the completion and the headers it came with."""
+        raw = self.api.chat.completions.with_raw_response.create(
+            model=self.model, messages=messages, max_tokens=8, temperature=0, extra_headers=headers or None)
+        return raw.parse(), raw.headers
+
+
+def client(base_url: str, model, key: str = KEYS[0]) -> Client:
+    return Client(openai.OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=3, timeout=60), str(model))
+
+
+@pytest.mark.parametrize("kill_after_turn", [None, 5], ids=["all-up", "one-killed"])
+def test_interleaved_conversations_through_nginx_continue_from_their_caches(request, reference, tiny_checkpoint,
+                                                                            kill_after_turn):
+    started: Cluster = request.getfixturevalue("shared" if kill_after_turn is None else "own")
+    balanced = client(started.nginx.http_url, tiny_checkpoint)
+    solo = client(f"http://127.0.0.1:{reference.port}", tiny_checkpoint)
+    histories = [[{"role": "system", "content": system}] for system, _ in CONVERSATIONS]
+    served_by: set[str] = set()
+    for turn in range(1, TURNS + 1):
+        if kill_after_turn is not None and turn == kill_after_turn + 1:
+            started.workers[0].kill()
+        for history, (_, question) in zip(histories, CONVERSATIONS, strict=True):
+            history.append({"role": "user", "content": question.format(turn)})
+            completion, headers = balanced.ask(history)
+            expected, _ = solo.ask(history)
+            reply = completion.choices[0].message.content
+            assert reply == expected.choices[0].message.content, f"turn {turn}: {history[0]['content']}"
+            usage = completion.usage
+            if turn >= 3:
+                assert usage.prompt_tokens_details.cached_tokens >= 0.8 * usage.prompt_tokens, (turn, usage)
+            served_by.add(headers["x-chatd-worker"])
+            history.append({"role": "assistant", "content": reply})
+    assert len(served_by) >= 2, "nginx balanced the requests that name no session over both workers"
+
+
+def test_a_session_header_pins_a_conversation_to_one_worker(shared, tiny_checkpoint):
+    balanced = client(shared.nginx.http_url, tiny_checkpoint)
+    history = [{"role": "system", "content": CONVERSATIONS[0][0]}, {"role": "user", "content": "Hello there."}]
+    completion, headers = balanced.ask(history)
+    session_id, workers_seen = headers["x-chatd-session-id"], set()
+    for turn in range(4):
+        history += [{"role": "assistant", "content": completion.choices[0].message.content},
+                    {"role": "user", "content": f"And question {turn}?"}]
+        completion, headers = balanced.ask(history, **{"X-Session-Id": session_id})
+        workers_seen.add(headers["x-chatd-worker"])
+        assert headers["x-chatd-session-id"] == session_id
+        assert completion.usage.prompt_tokens_details.cached_tokens >= 0.8 * completion.usage.prompt_tokens
+    assert len(workers_seen) == 1, "the session header's hash sent every request to one worker"
+
+
+def test_another_keys_requests_never_reach_a_keys_sessions(shared, reference, tiny_checkpoint):
+    url = shared.nginx.http_url
+    alpha, beta = client(url, tiny_checkpoint, KEYS[0]), client(url, tiny_checkpoint, KEYS[1])
+    history = [{"role": "system", "content": CONVERSATIONS[1][0]}]
+    for turn in range(3):
+        history.append({"role": "user", "content": CONVERSATIONS[1][1].format(turn)})
+        completion, alpha_headers = alpha.ask(history)
+        history.append({"role": "assistant", "content": completion.choices[0].message.content})
+    history.append({"role": "user", "content": "One more thing."})
+    completion, beta_headers = beta.ask(history)  # the same conversation, word for word, from another key
+    assert completion.usage.prompt_tokens_details.cached_tokens == 0, "nothing of the other key's was reused"
+    assert beta_headers["x-chatd-session-id"] != alpha_headers["x-chatd-session-id"]
+    expected, _ = client(f"http://127.0.0.1:{reference.port}", tiny_checkpoint, KEYS[1]).ask(history)
+    assert completion.choices[0].message.content == expected.choices[0].message.content
+
+
+def test_a_restarted_worker_continues_a_conversation_another_worker_started(own, tiny_checkpoint):
+    workers = own.workers
+    first = client(f"http://127.0.0.1:{workers[0].port}", tiny_checkpoint)
+    history = [{"role": "system", "content": CONVERSATIONS[2][0]}]
+    for turn in range(3):
+        history.append({"role": "user", "content": CONVERSATIONS[2][1].format(turn)})
+        completion, headers = first.ask(history)
+        history.append({"role": "assistant", "content": completion.choices[0].message.content})
+    workers[1].stop()
+    workers[1] = worker(tiny_checkpoint, own.redis.url)  # restarted: nothing in its memory
+    history.append({"role": "user", "content": "Thanks, and the last question?"})
+    completion, restarted_headers = client(f"http://127.0.0.1:{workers[1].port}", tiny_checkpoint).ask(history)
+    assert restarted_headers["x-chatd-session-id"] == headers["x-chatd-session-id"]
+    assert completion.usage.prompt_tokens_details.cached_tokens >= 0.8 * completion.usage.prompt_tokens
+
+
+def test_the_same_conversation_sent_to_two_workers_at_once_answers_both(shared, reference, tiny_checkpoint):
+    """Two stateless clients with word-for-word the same conversation, at the same moment, on two workers:
+    both match one session; the one that finds it taken (or moved on) branches, and both get the reply."""
+    direct = [client(f"http://127.0.0.1:{worker.port}", tiny_checkpoint) for worker in shared.workers]
+    solo = client(f"http://127.0.0.1:{reference.port}", tiny_checkpoint)  # follows along: it knows the reply ids
+    history = [{"role": "system", "content": CONVERSATIONS[0][0]}]
+    for turn in range(2):
+        history.append({"role": "user", "content": f"Twin question {turn}."})
+        completion, _ = direct[0].ask(history)
+        assert completion.choices[0].message.content == solo.ask(history)[0].choices[0].message.content
+        history.append({"role": "assistant", "content": completion.choices[0].message.content})
+    history.append({"role": "user", "content": "And the twin follow-up?"})
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda api: api.ask(history), direct))
+    expected, _ = solo.ask(history)
+    for completion, _ in answers:
+        assert completion.choices[0].message.content == expected.choices[0].message.content
+    assert len({headers["x-chatd-session-id"] for _, headers in answers}) == 2, "one continued, one branched"
