@@ -30,7 +30,7 @@ test-deps:
 
 test: $(INSTALLED) test-deps
 	$(BIN)/ruff check chatd cache_store sessions tests bench
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest --durations=25 $(ARGS)  # where the time goes, in every CI log
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check chatd cache_store sessions tests bench

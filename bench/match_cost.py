@@ -63,7 +63,7 @@ async def measure(sessions: list[int], history_tokens: int, repeats: int, redis_
         renderer = PromptRenderer(server.engine.loaded.tokenizer)
         history = synthetic_history(scenario, renderer, history_tokens)
         histories: list[list[Message]] = []
-        server.openai._render(scenario["system"], history, "warm-up")  # the API's tokenizer copy, made once
+        server.openai.render(scenario["system"], history, "warm-up")  # the API's tokenizer copy, made once
         for count in sessions:
             added, grown = await fill(server, scenario, history, count, renderer)
             histories += added
@@ -72,7 +72,7 @@ async def measure(sessions: list[int], history_tokens: int, repeats: int, redis_
             for repeat in range(repeats):
                 own = histories[(repeat * 7919) % len(histories)]
                 started = time.perf_counter()
-                session, _, _ = await server.openai._place(None, scenario["system"], own, "Any news?", None)
+                session, _, _ = await server.openai.place(None, scenario["system"], own, "Any news?", None)
                 samples.append(time.perf_counter() - started)
                 server.turns.release_claim(session.session_id)
                 assert session.messages == own, "the request must continue its own session"

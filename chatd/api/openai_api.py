@@ -119,17 +119,17 @@ class OpenAIApi:
         app.add_exception_handler(RequestValidationError, invalid_body)
 
     async def models(self, request: Request) -> ModelList:
-        self._authenticate(request)
+        self.authenticate(request)
         return ModelList(data=[ModelCard(id=self.settings.model, created=self.created)])
 
     async def chat_completions(self, request: Request, body: ChatCompletionRequest,
                                x_session_id: Annotated[str | None, Header()] = None) -> Response:
-        owner = self._authenticate(request)
+        owner = self.authenticate(request)
         try:
             body.refuse_unsupported()
         except RequestRefused as error:
             raise ApiError(400, str(error), param=error.param, code="bad_request") from None
-        if body.model not in self._model_names():
+        if body.model not in self.model_names():
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
                                 f"{self.settings.model!r}", param="model", code="model_not_found")
         max_new_tokens = body.max_completion_tokens or body.max_tokens or min(DEFAULT_MAX_TOKENS,
@@ -137,24 +137,22 @@ class OpenAIApi:
         if max_new_tokens > self.settings.max_new_tokens:
             raise ApiError(400, f"max_tokens {max_new_tokens} is over this server's cap of "
                                 f"{self.settings.max_new_tokens}", param="max_tokens", code="limit_exceeded")
-        self._refuse_when_unavailable()
+        self.refuse_when_unavailable()
         system, history, content = body.conversation()
         client = owner or (request.client.host if request.client else "unknown")
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
                                 seed=body.seed, stop=body.stop_list())
         turn_id = "chatcmpl-" + secrets.token_urlsafe(12)
         try:
-            session, plain_ids, matched = await self._place(owner, system, history, content,
+            session, plain_ids, matched = await self.place(owner, system, history, content,
                                                             body.session_id or body.prompt_cache_key or x_session_id)
-            started = await self._begin(session, content, params, turn_id, owner, client,
+            started = await self.begin(session, content, params, turn_id, owner, client,
                                         expected_version=session.version if matched else None)
             if isinstance(started, ErrorMessage) and started.code in ("busy", "conflict") and matched:
                 # Another worker runs or ran a turn of the matched session meanwhile (an identical conversation
                 # elsewhere): this request branches into a session of its own, with exactly its history.
-                spliced = _splice(history, session.messages)
-                session = await self._branch(owner, system, history, plain_ids,
-                                             [(session, spliced, self._render(system, spliced, content))])
-                started = await self._begin(session, content, params, turn_id, owner, client)
+                session = await self.branch_from(owner, system, history, content, session)
+                started = await self.begin(session, content, params, turn_id, owner, client)
         except StoreUnavailable as error:
             raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
         if isinstance(started, ErrorMessage):
@@ -214,13 +212,13 @@ class OpenAIApi:
             if isinstance(event, str):  # the client left mid-stream
                 started.turn.cancel()
 
-    async def _place(self, owner: str | None, system: str | None, history: list[Message], content: str,
+    async def place(self, owner: str | None, system: str | None, history: list[Message], content: str,
                      hint: str | None) -> tuple[Session, list[int], bool]:
         """The session this request runs in, claimed for it, the request's plain prompt ids, and whether the
         session is one it continues: the matched session when the request extends it exactly and it is free;
         otherwise a new one, branched from the best match's cache. The history's replies get the ids the
         model generated for them wherever a session knows them."""
-        plain_ids = self._render(system, history, content)
+        plain_ids = self.render(system, history, content)
         matches = []
         for session in await self._candidates(owner, plain_ids, hint):
             if session.system == system and _same(session.messages, history) and \
@@ -228,11 +226,11 @@ class OpenAIApi:
                 return session, plain_ids, True
             spliced = _splice(history, session.messages)
             prompt_ids = plain_ids if spliced == history and _ids_of(spliced) == _ids_of(history) else \
-                self._render(system, spliced, content)
+                self.render(system, spliced, content)
             matches.append((session, spliced, prompt_ids))
-        return await self._branch(owner, system, history, plain_ids, matches), plain_ids, False
+        return await self.branch(owner, system, history, plain_ids, matches), plain_ids, False
 
-    async def _branch(self, owner: str | None, system: str | None, history: list[Message], plain_ids: list[int],
+    async def branch(self, owner: str | None, system: str | None, history: list[Message], plain_ids: list[int],
                       matches: list[tuple[Session, list[Message], list[int]]]) -> Session:
         """A new session, claimed, for `history`: its cache starts as a copy of the part it shares with the
         match (session, spliced history, prompt ids) that shares the most, when that is a block or more."""
@@ -246,11 +244,20 @@ class OpenAIApi:
             self.engine.fork_session(best.session_id, session.session_id, best_ids)
         return session
 
-    async def _begin(self, session: Session, content: str, params: SamplingParams, turn_id: str, owner: str | None,
-                     client: str, expected_version: int | None = None) -> StartedTurn | ErrorMessage:
+    async def branch_from(self, owner: str | None, system: str | None, history: list[Message], content: str,
+                          source: Session) -> Session:
+        """A new session, claimed, for `history` (its replies spliced with `source`'s ids), its cache a copy
+        of the part it shares with `source`'s."""
+        spliced = _splice(history, source.messages)
+        prompt_ids = self.render(system, spliced, content)
+        return await self.branch(owner, system, history, prompt_ids, [(source, spliced, prompt_ids)])
+
+    async def begin(self, session: Session, content: str, params: SamplingParams, turn_id: str, owner: str | None,
+                    client: str, expected_version: int | None = None, api: str = "openai"
+                    ) -> StartedTurn | ErrorMessage:
         """`TurnRunner.begin_turn` for a claimed session; the claim is released when it does not start."""
         try:
-            started = await self.turns.begin_turn(session, content, params, turn_id, owner, client, api="openai",
+            started = await self.turns.begin_turn(session, content, params, turn_id, owner, client, api=api,
                                                   expected_version=expected_version)
         except BaseException:
             self.turns.release_claim(session.session_id)
@@ -272,7 +279,7 @@ class OpenAIApi:
         found.sort(key=lambda s: common_prefix_length(s.token_ids, prompt_ids), reverse=True)
         return found
 
-    def _authenticate(self, request: Request) -> str | None:
+    def authenticate(self, request: Request) -> str | None:
         """The key's id; 401 for a missing or unknown key when the server has keys. Without keys any
         bearer token is accepted (OpenAI's clients always send one)."""
         if not self.keys.required:
@@ -283,7 +290,7 @@ class OpenAIApi:
                            code="invalid_api_key")
         return owner
 
-    def _refuse_when_unavailable(self) -> None:
+    def refuse_when_unavailable(self) -> None:
         if self.engine.failure is not None:
             raise ApiError(503, f"the engine failed: {self.engine.failure}", code="unavailable")
         if not self.engine.ready.is_set():
@@ -295,13 +302,13 @@ class OpenAIApi:
             raise ApiError(503, f"the server is at capacity ({self.engine.waiting} turns waiting); retry shortly",
                            code="busy", retry_after_s=1.0)
 
-    def _model_names(self) -> set[str]:
+    def model_names(self) -> set[str]:
         names = {self.settings.model}
         if self.engine.loaded is not None:
             names.add(self.engine.loaded.name)
         return names
 
-    def _render(self, system: str | None, history: list[Message], content: str) -> list[int]:
+    def render(self, system: str | None, history: list[Message], content: str) -> list[int]:
         """The prompt's ids, as the engine renders the session's turn."""
         if self._renderer is None:
             self._renderer = PromptRenderer(self.engine.loaded.tokenizer)

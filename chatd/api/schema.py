@@ -10,16 +10,20 @@ from pydantic import TypeAdapter
 
 from chatd.api.openai_schema import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ErrorResponse, ModelList
 from chatd.api.protocol import json_schemas
+from chatd.api.responses_schema import ConversationCreate, ConversationObject, ItemList, ResponseObject, ResponseRequest
 
 
 def protocol_schema() -> dict:
     """Both APIs' JSON Schemas in one document."""
     openai = {name: TypeAdapter(model).json_schema() for name, model in [
         ("chat_completions_request", ChatCompletionRequest), ("chat_completion", ChatCompletion),
-        ("chat_completion_chunk", ChatCompletionChunk), ("models", ModelList), ("error", ErrorResponse)]}
+        ("chat_completion_chunk", ChatCompletionChunk), ("models", ModelList), ("error", ErrorResponse),
+        ("response_request", ResponseRequest), ("response", ResponseObject),
+        ("conversation_create", ConversationCreate), ("conversation", ConversationObject), ("items", ItemList)]}
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "chatd protocols",
-            "description": "websocket: frames on /ws (docs/protocol.md); openai: bodies of /v1/chat/completions "
-                           "and /v1/models (docs/protocol.md#the-openai-compatible-api)",
+            "description": "websocket: frames on /ws (docs/protocol.md); openai: bodies of /v1/chat/completions, "
+                           "/v1/models (docs/protocol.md#the-openai-compatible-api), /v1/responses and "
+                           "/v1/conversations (docs/protocol.md#the-responses-and-conversations-apis)",
             "websocket": json_schemas(), "openai": openai}
 
 

@@ -27,6 +27,7 @@ from chatd.api.gateway import Gateway
 from chatd.api.http_responses import json_response, static_response, text_response
 from chatd.api.openai_api import OpenAIApi
 from chatd.api.protocol import ErrorCode
+from chatd.api.responses_api import ResponsesApi
 from chatd.api.turns import TurnRunner
 from chatd.config import Settings
 from chatd.engine.scheduler import Engine
@@ -37,6 +38,7 @@ from chatd.observability.metrics import CONTENT_TYPE, LiveState, Metrics
 from chatd.observability.stats import StatsRecorder
 from sessions import InMemorySessionStore, SessionStore
 from sessions.redis_store import RedisSessionStore
+from sessions.responses import InMemoryResponseStore, RedisResponseStore
 
 log = logging.getLogger(__name__)
 SAMPLE_EVERY_S = 5.0  # how often tier occupancy and cache counters are sampled for /v1/stats
@@ -75,6 +77,10 @@ class ChatServer:
                                 on_request=self.metrics.observe_request)
         self.gateway = Gateway(self.turns, self.keys, on_error=self._error_sent)
         self.openai = OpenAIApi(self.engine, self.sessions, settings, self.turns, self.keys)
+        retention_s = settings.session_retention_s
+        responses = (RedisResponseStore(self.sessions.client, retention_s)
+                     if isinstance(self.sessions, RedisSessionStore) else InMemoryResponseStore(retention_s))
+        self.responses = ResponsesApi(self.openai, responses)
         self.app = self._build_app()
         self._uvicorn: uvicorn.Server | None = None
         self._socket = None
@@ -187,6 +193,7 @@ class ChatServer:
         app = FastAPI(title="chatd", version="1", summary="Chat with a KV cache kept alive between turns",
                       redoc_url=None)
         app.include_router(self.openai.router)
+        app.include_router(self.responses.router)
         self.openai.install_error_handlers(app)
         app.add_api_websocket_route("/ws", self._websocket)
         app.add_api_route("/healthz", self._healthz, methods=["GET"])
@@ -202,7 +209,8 @@ class ChatServer:
         app.add_api_route("/admin/sessions/{session_id}/corrupt", self._corrupt, methods=["POST"])
         app.add_api_route("/admin/engine/fault", self._arm_engine_fault, methods=["POST"])
         app.add_exception_handler(404, lambda request, error: text_response(
-            http.HTTPStatus.NOT_FOUND, "not found: chatd serves /ws, /v1/chat/completions, /v1/models, /, "
+            http.HTTPStatus.NOT_FOUND, "not found: chatd serves /ws, /v1/chat/completions, /v1/responses, "
+                                       "/v1/conversations, /v1/models, /, "
                                        "/dashboard, /metrics, /v1/stats and /healthz\n"))
         return app
 

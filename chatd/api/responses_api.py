@@ -1,0 +1,362 @@
+"""OpenAI's Responses API (`/v1/responses`) and Conversations API (`/v1/conversations`) over chatd sessions.
+
+The Responses API is stateful: a response is stored, and the next request sends only its new input with
+`previous_response_id`, or names a `conversation`. A stored response is a point in a chatd session, so
+continuing from the session's latest response is a session turn resumed from its cache (only the new
+input is prefilled, no prefix matching at all); continuing from an earlier one branches a new session from
+that point (its cache a copy of the shared part), so regenerate and edit work. A conversation is a
+session. Without either, a request is matched like a chat completion (the prefix index). Turns run
+through the same `TurnRunner`, keys, limits, leases and metrics as the other APIs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from chatd.api.gateway import WORKER
+from chatd.api.openai_api import SESSION_HEADER, WORKER_HEADER, ApiError, OpenAIApi
+from chatd.api.openai_schema import RequestRefused
+from chatd.api.protocol import ErrorMessage
+from chatd.api.responses_schema import (
+    ConversationCreate,
+    ConversationDeleted,
+    ConversationObject,
+    ConversationRef,
+    IncompleteDetails,
+    InputItem,
+    InputTokensDetails,
+    ItemList,
+    OutputMessage,
+    OutputText,
+    ResponseDeleted,
+    ResponseError,
+    ResponseObject,
+    ResponseRequest,
+    ResponseUsage,
+)
+from chatd.api.turns import StartedTurn
+from chatd.engine.sampling import SamplingParams
+from chatd.engine.turn import TurnFailed, TurnResult
+from sessions import Message, Session, StoreUnavailable
+from sessions.responses import ConversationInfo, ResponseStore, StoredResponse
+
+DEFAULT_MAX_OUTPUT_TOKENS = 256
+
+
+class ResponsesApi:
+    """The Responses and Conversations routes, sharing the OpenAI API's authentication, matching and turns."""
+
+    def __init__(self, openai: OpenAIApi, store: ResponseStore):
+        self.openai, self.store = openai, store
+        self.sessions, self.turns, self.engine = openai.sessions, openai.turns, openai.engine
+        errors = {code: {"model": dict} for code in (400, 401, 404, 409, 429, 503)}
+        self.router = APIRouter(prefix="/v1")
+        self.router.add_api_route("/responses", self.create, methods=["POST"], responses=errors)
+        self.router.add_api_route("/responses/{response_id}", self.retrieve, methods=["GET"])
+        self.router.add_api_route("/responses/{response_id}", self.delete, methods=["DELETE"])
+        self.router.add_api_route("/responses/{response_id}/input_items", self.input_items, methods=["GET"])
+        self.router.add_api_route("/conversations", self.create_conversation, methods=["POST"])
+        self.router.add_api_route("/conversations/{conversation_id}", self.retrieve_conversation, methods=["GET"])
+        self.router.add_api_route("/conversations/{conversation_id}", self.delete_conversation, methods=["DELETE"])
+        self.router.add_api_route("/conversations/{conversation_id}/items", self.conversation_items, methods=["GET"])
+
+    # ##### Responses #####
+
+    async def create(self, request: Request, body: ResponseRequest) -> Response:
+        owner = self.openai.authenticate(request)
+        try:
+            body.refuse_unsupported()
+        except RequestRefused as error:
+            raise ApiError(400, str(error), param=error.param, code="bad_request") from None
+        if body.model not in self.openai.model_names():
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
+                                f"{self.openai.settings.model!r}", param="model", code="model_not_found")
+        max_new_tokens = body.max_output_tokens or min(DEFAULT_MAX_OUTPUT_TOKENS, self.openai.settings.max_new_tokens)
+        if max_new_tokens > self.openai.settings.max_new_tokens:
+            raise ApiError(400, f"max_output_tokens {max_new_tokens} is over this server's cap of "
+                                f"{self.openai.settings.max_new_tokens}", param="max_output_tokens",
+                           code="limit_exceeded")
+        self.openai.refuse_when_unavailable()
+        client = owner or (request.client.host if request.client else "unknown")
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p)
+        created = ResponseObject(id="resp_" + secrets.token_hex(16), created_at=int(time.time()), status="in_progress",
+                                 model=body.model, instructions=body.instructions,
+                                 previous_response_id=body.previous_response_id,
+                                 conversation=ConversationRef(id=cid) if (cid := body.conversation_id()) else None,
+                                 metadata=body.metadata or {}, user=body.user, store=body.store,
+                                 temperature=body.temperature, top_p=body.top_p,
+                                 max_output_tokens=body.max_output_tokens)
+        try:
+            session, started = await self._start(owner, body, params, created.id, client)
+        except StoreUnavailable as error:
+            raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
+        if isinstance(started, ErrorMessage):
+            if not body.store:
+                await self._forget(session.session_id)
+            raise ApiError.of(started)
+        events: asyncio.Queue[str | TurnResult | TurnFailed] = asyncio.Queue()
+        self.turns.forward(started, events.put,
+                           lambda event: self._ended(owner, body, created, started, event, events))
+        event = await events.get()  # a turn that fails before its first token gets its own status code
+        if isinstance(event, TurnFailed):
+            raise ApiError.of(event)
+        headers = {SESSION_HEADER: session.session_id, WORKER_HEADER: WORKER}
+        if body.stream:
+            return StreamingResponse(self._stream(started, created, event, events), media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        while isinstance(event, str):
+            event = await events.get()
+        if isinstance(event, TurnFailed):
+            raise ApiError.of(event)
+        return JSONResponse(_finished(created, event).model_dump(), headers=headers)
+
+    async def retrieve(self, request: Request, response_id: str) -> Response:
+        stored = await self._stored(request, response_id)
+        return JSONResponse(stored.body)
+
+    async def delete(self, request: Request, response_id: str) -> Response:
+        await self._stored(request, response_id)
+        await self._call(self.store.delete(response_id))
+        return JSONResponse(ResponseDeleted(id=response_id).model_dump())
+
+    async def input_items(self, request: Request, response_id: str) -> Response:
+        stored = await self._stored(request, response_id)
+        items = [_item(f"msg_{response_id[5:]}_{index}", item["role"], item["content"], "input_text")
+                 for index, item in enumerate(stored.input)]
+        return JSONResponse(_item_list(items).model_dump())
+
+    # ##### Conversations #####
+
+    async def create_conversation(self, request: Request, body: ConversationCreate) -> Response:
+        owner = self.openai.authenticate(request)
+        messages = [item.message() for item in body.items or []]
+        system = messages[0].content if messages and messages[0].role == "system" else None
+        history = messages[1:] if system is not None else messages
+        if any(m.role == "system" for m in history):
+            raise ApiError(400, "a system or developer item may only come first", param="items", code="bad_request")
+        session = await self._call(self.sessions.create(system, owner=owner, messages=history))
+        info = ConversationInfo(session.session_id, owner, int(time.time()), body.metadata or {})
+        await self._call(self.store.put_conversation(info))
+        return JSONResponse(_conversation(info).model_dump())
+
+    async def retrieve_conversation(self, request: Request, conversation_id: str) -> Response:
+        info, _ = await self._conversation(request, conversation_id)
+        return JSONResponse(_conversation(info).model_dump())
+
+    async def delete_conversation(self, request: Request, conversation_id: str) -> Response:
+        _, session = await self._conversation(request, conversation_id)
+        if running := self.turns.turn_of(session.session_id):
+            running.cancel()
+        await self._call(self.sessions.delete(session.session_id))
+        await self._call(self.store.delete_conversation(conversation_id))
+        self.engine.close_session(session.session_id)
+        await self.openai.index.remove(session.session_id)
+        return JSONResponse(ConversationDeleted(id=conversation_id).model_dump())
+
+    async def conversation_items(self, request: Request, conversation_id: str) -> Response:
+        _, session = await self._conversation(request, conversation_id)
+        messages = ([Message("system", session.system)] if session.system is not None else []) + session.messages
+        items = [_item(f"msg_{conversation_id}_{index}", message.role, message.content,
+                       "output_text" if message.role == "assistant" else "input_text")
+                 for index, message in enumerate(messages)]
+        return JSONResponse(_item_list(items).model_dump())
+
+    # ##### Where a response runs #####
+
+    async def _start(self, owner: str | None, body: ResponseRequest, params: SamplingParams, response_id: str,
+                     client: str) -> tuple[Session, StartedTurn | ErrorMessage]:
+        """The session the response runs in, claimed, and its turn started (or why not)."""
+        messages = body.messages()
+        content, extra = messages[-1].content, messages[:-1]
+        if conversation_id := body.conversation_id():
+            if extra or not body.store:
+                raise ApiError(400, "a response in a conversation takes one user message and is stored",
+                               param="input" if extra else "store", code="bad_request")
+            _, session = await self._owned_conversation(owner, conversation_id)
+            if not self.turns.try_claim(session.session_id):
+                raise ApiError(409, f"a response of conversation {conversation_id!r} is running; wait for it",
+                               param="conversation", code="conflict")
+            return session, await self.openai.begin(session, content, params, response_id, owner, client,
+                                                    api="responses")
+        system = body.instructions
+        if body.previous_response_id:
+            session, fresh = await self._from_previous(owner, body, extra, content)
+        else:
+            if extra and extra[0].role == "system":
+                system, extra = (extra[0].content if system is None else system), extra[1:]
+            session, _, matched = await self.openai.place(owner, system, extra, content, None)
+            fresh = not matched
+        if not body.store and not fresh:
+            # Nothing may be left behind: the turn runs in a session of its own, deleted after the reply.
+            self.turns.release_claim(session.session_id)
+            session = await self.openai.branch_from(owner, session.system, session.messages, content, session)
+            fresh = True
+        started = await self.openai.begin(session, content, params, response_id, owner, client,
+                                          expected_version=None if fresh else session.version, api="responses")
+        if isinstance(started, ErrorMessage) and started.code in ("busy", "conflict") and not fresh:
+            # Another worker runs or ran a turn of that session meanwhile: this response branches from its point.
+            if body.previous_response_id:
+                session, _ = await self._from_previous(owner, body, extra, content, branch=True)
+            else:
+                session = await self.openai.branch_from(owner, system, extra, content, session)
+            started = await self.openai.begin(session, content, params, response_id, owner, client,
+                                              api="responses")
+        return session, started
+
+    async def _from_previous(self, owner: str | None, body: ResponseRequest, extra: list[Message], content: str,
+                             branch: bool = False) -> tuple[Session, bool]:
+        """The session that continues `previous_response_id`, claimed, and whether it is new: its own when
+        that response is its latest point and nothing is added before the new message (unless `branch`);
+        otherwise a branch from that point."""
+        previous = await self._call(self.store.get(body.previous_response_id))
+        if previous is None or previous.owner != owner:
+            raise ApiError(404, f"previous response {body.previous_response_id!r} not found",
+                           param="previous_response_id", code="previous_response_not_found")
+        session = await self._call(self.sessions.get(previous.session_id))
+        if session is None or session.owner != owner:
+            raise ApiError(404, f"previous response {body.previous_response_id!r} not found (its conversation "
+                                "expired)", param="previous_response_id", code="previous_response_not_found")
+        system = body.instructions if body.instructions is not None else session.system
+        if not branch and session.version == previous.version and not extra and system == session.system and \
+                self.turns.try_claim(session.session_id):
+            return session, False
+        history = session.messages[:previous.messages] + extra
+        ids = self.openai.render(system, history, content)
+        return await self.openai.branch(owner, system, history, ids, [(session, history, ids)]), True
+
+    async def _ended(self, owner: str | None, body: ResponseRequest, created: ResponseObject, started: StartedTurn,
+                     event: TurnResult | TurnFailed, events: asyncio.Queue) -> None:
+        """The turn is recorded (or failed): store the response and index the conversation (or, for
+        `store: false`, forget its session), then hand over the end."""
+        session = started.session
+        if not body.store:
+            await self._forget(session.session_id)
+        elif isinstance(event, TurnResult) and event.finish_reason != "cancelled":
+            stored = StoredResponse(created.id, owner, session.session_id, session.version + 1,
+                                    len(session.messages) + 2, _finished(created, event).model_dump(),
+                                    [{"role": m.role, "content": m.content} for m in body.messages()])
+            try:
+                await self.store.put(stored)
+                conversation_id = body.conversation_id()
+                if conversation_id and (info := await self.store.get_conversation(conversation_id)) is not None:
+                    await self.store.put_conversation(info)  # its retention renewed with its session's
+            except StoreUnavailable:
+                event = TurnFailed("unavailable", "the reply could not be stored; send the input again")
+            else:
+                await self.openai.index.add(owner, session.session_id, event.conversation_ids)
+        await events.put(event)
+
+    async def _forget(self, session_id: str) -> None:
+        """A `store: false` response's session: gone once the reply is sent."""
+        try:
+            await self.sessions.delete(session_id)
+        except StoreUnavailable:
+            pass  # it expires with the retention
+        self.engine.close_session(session_id)
+
+    async def _stream(self, started: StartedTurn, created: ResponseObject, first: str | TurnResult,
+                      events: asyncio.Queue) -> AsyncIterator[str]:
+        """The typed server-sent events the `openai` SDK parses. A client that goes away cancels the turn."""
+        sequence = 0
+        item_id = "msg_" + created.id[5:]
+
+        def sse(kind: str, **fields) -> str:
+            nonlocal sequence
+            payload = {"type": kind, "sequence_number": sequence, **fields}
+            sequence += 1
+            return f"event: {kind}\ndata: {_json(payload)}\n\n"
+
+        event = first
+        try:
+            yield sse("response.created", response=created.model_dump())
+            yield sse("response.in_progress", response=created.model_dump())
+            item = OutputMessage(id=item_id, status="in_progress", content=[])
+            yield sse("response.output_item.added", output_index=0, item=item.model_dump())
+            part = OutputText(text="").model_dump()
+            yield sse("response.content_part.added", item_id=item_id, output_index=0, content_index=0, part=part)
+            while isinstance(event, str):
+                yield sse("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
+                          delta=event, logprobs=[])
+                event = await events.get()
+            if isinstance(event, TurnFailed):
+                failed = created.model_copy(update={"status": "failed",
+                                                    "error": ResponseError(code=event.code, message=event.message)})
+                yield sse("response.failed", response=failed.model_dump())
+                return
+            finished = _finished(created, event)
+            done_text = OutputText(text=event.content).model_dump()
+            yield sse("response.output_text.done", item_id=item_id, output_index=0, content_index=0,
+                      text=event.content, logprobs=[])
+            yield sse("response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=done_text)
+            yield sse("response.output_item.done", output_index=0, item=finished.output[0].model_dump())
+            yield sse("response.completed" if finished.status == "completed" else "response.incomplete",
+                      response=finished.model_dump())
+        finally:
+            if isinstance(event, str):  # the client left mid-stream
+                started.turn.cancel()
+
+    # ##### Lookups #####
+
+    async def _stored(self, request: Request, response_id: str) -> StoredResponse:
+        owner = self.openai.authenticate(request)
+        stored = await self._call(self.store.get(response_id))
+        if stored is None or stored.owner != owner:
+            raise ApiError(404, f"response {response_id!r} not found", param="response_id", code="not_found")
+        return stored
+
+    async def _conversation(self, request: Request, conversation_id: str) -> tuple[ConversationInfo, Session]:
+        return await self._owned_conversation(self.openai.authenticate(request), conversation_id)
+
+    async def _owned_conversation(self, owner: str | None, conversation_id: str
+                                  ) -> tuple[ConversationInfo, Session]:
+        info = await self._call(self.store.get_conversation(conversation_id))
+        session = await self._call(self.sessions.get(conversation_id))
+        if session is None or session.owner != owner:
+            raise ApiError(404, f"conversation {conversation_id!r} not found", param="conversation",
+                           code="not_found")
+        # A websocket session named as a conversation is one: it gets its record when first named.
+        return info or ConversationInfo(conversation_id, owner, int(session.created_at)), session
+
+    @staticmethod
+    async def _call(awaitable):
+        try:
+            return await awaitable
+        except StoreUnavailable as error:
+            raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
+
+
+def _finished(created: ResponseObject, result: TurnResult) -> ResponseObject:
+    """The response once its turn ended: the reply as one message item, the usage, the status."""
+    complete = result.finish_reason != "length"
+    return created.model_copy(update={
+        "status": "completed" if complete else "incomplete",
+        "incomplete_details": None if complete else IncompleteDetails(),
+        "output": [OutputMessage(id="msg_" + created.id[5:], status="completed" if complete else "incomplete",
+                                 content=[OutputText(text=result.content)])],
+        "usage": ResponseUsage(input_tokens=result.prompt_tokens,
+                               input_tokens_details=InputTokensDetails(cached_tokens=result.cached_tokens),
+                               output_tokens=result.completion_tokens,
+                               total_tokens=result.prompt_tokens + result.completion_tokens)})
+
+
+def _item(item_id: str, role: str, text: str, kind: str) -> InputItem:
+    return InputItem(id=item_id, role=role, content=[{"type": kind, "text": text}])
+
+
+def _item_list(items: list[InputItem]) -> ItemList:
+    return ItemList(data=items, first_id=items[0].id if items else None, last_id=items[-1].id if items else None)
+
+
+def _conversation(info: ConversationInfo) -> ConversationObject:
+    return ConversationObject(id=info.conversation_id, created_at=info.created_at, metadata=info.metadata)
+
+
+def _json(payload: dict) -> str:
+    return json.dumps(payload, separators=(",", ":"))

@@ -1,0 +1,136 @@
+"""Stored responses and conversations of the Responses API, as points in chatd sessions.
+
+A stored response names its session and where in it the response ended (the session's version and
+message count after it), so that `previous_response_id` continues the session when that is its latest
+point and branches from it otherwise. A conversation is a session; what the Conversations API adds
+(its metadata, its creation time) is kept beside it. In memory, or in Redis (`chatd:response:{<id>}`,
+`chatd:{<session id>}:conversation`, one hash tag each) with the sessions' retention TTL, so that
+responses survive restarts and every worker sees them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import redis.asyncio as redis
+
+from sessions.encoding import UNREACHABLE, redis_key
+from sessions.store import StoreUnavailable
+
+LOCAL_RESPONSES = 100_000  # the in-memory store forgets the oldest beyond this many
+
+
+@dataclass
+class StoredResponse:
+    """A response as `GET /v1/responses/{id}` returns it, and its point in its session."""
+
+    response_id: str
+    owner: str | None
+    session_id: str
+    version: int  # the session's version once this response was recorded
+    messages: int  # the session's message count then
+    body: dict  # the response object
+    input: list[dict] = field(default_factory=list)  # the input items: {"role", "content"}
+
+
+@dataclass
+class ConversationInfo:
+    """What the Conversations API keeps of a conversation beyond its session."""
+
+    conversation_id: str
+    owner: str | None
+    created_at: int
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+class ResponseStore(Protocol):
+    """Where responses and conversations are kept: this process, or Redis."""
+
+    async def put(self, response: StoredResponse) -> None: ...
+
+    async def get(self, response_id: str) -> StoredResponse | None: ...
+
+    async def delete(self, response_id: str) -> bool: ...
+
+    async def put_conversation(self, conversation: ConversationInfo) -> None: ...
+
+    async def get_conversation(self, conversation_id: str) -> ConversationInfo | None: ...
+
+    async def delete_conversation(self, conversation_id: str) -> bool: ...
+
+
+class InMemoryResponseStore:
+    """Responses and conversations in this process, kept for the sessions' retention."""
+
+    def __init__(self, retention_s: float, clock=time.monotonic):
+        self.retention_s, self._clock = retention_s, clock
+        self._responses: OrderedDict[str, tuple[float, StoredResponse]] = OrderedDict()
+        self._conversations: dict[str, ConversationInfo] = {}
+
+    async def put(self, response: StoredResponse) -> None:
+        self._responses[response.response_id] = (self._clock(), response)
+        while len(self._responses) > LOCAL_RESPONSES:
+            self._responses.popitem(last=False)
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        kept = self._responses.get(response_id)
+        if kept is None or self._clock() - kept[0] > self.retention_s:
+            self._responses.pop(response_id, None)
+            return None
+        return kept[1]
+
+    async def delete(self, response_id: str) -> bool:
+        return self._responses.pop(response_id, None) is not None
+
+    async def put_conversation(self, conversation: ConversationInfo) -> None:
+        self._conversations[conversation.conversation_id] = conversation
+
+    async def get_conversation(self, conversation_id: str) -> ConversationInfo | None:
+        return self._conversations.get(conversation_id)
+
+    async def delete_conversation(self, conversation_id: str) -> bool:
+        return self._conversations.pop(conversation_id, None) is not None
+
+
+class RedisResponseStore:
+    """Responses and conversations in Redis, shared by every worker and kept across restarts."""
+
+    def __init__(self, client: redis.Redis, retention_s: float):
+        self._redis, self._ttl_s = client, max(1, int(retention_s))
+
+    async def put(self, response: StoredResponse) -> None:
+        await self._call(self._redis.set(_response_key(response.response_id), json.dumps(asdict(response)),
+                                         ex=self._ttl_s))
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        raw = await self._call(self._redis.get(_response_key(response_id)))
+        return StoredResponse(**json.loads(raw)) if raw is not None else None
+
+    async def delete(self, response_id: str) -> bool:
+        return bool(await self._call(self._redis.delete(_response_key(response_id))))
+
+    async def put_conversation(self, conversation: ConversationInfo) -> None:
+        await self._call(self._redis.set(redis_key(conversation.conversation_id, "conversation"),
+                                         json.dumps(asdict(conversation)), ex=self._ttl_s))
+
+    async def get_conversation(self, conversation_id: str) -> ConversationInfo | None:
+        raw = await self._call(self._redis.get(redis_key(conversation_id, "conversation")))
+        return ConversationInfo(**json.loads(raw)) if raw is not None else None
+
+    async def delete_conversation(self, conversation_id: str) -> bool:
+        return bool(await self._call(self._redis.delete(redis_key(conversation_id, "conversation"))))
+
+    @staticmethod
+    async def _call(command):
+        try:
+            return await command
+        except UNREACHABLE as error:
+            raise StoreUnavailable("the response store (Redis) is unreachable") from error
+
+
+def _response_key(response_id: str) -> str:
+    return f"chatd:response:{{{response_id}}}"

@@ -1,0 +1,213 @@
+"""The Responses and Conversations APIs with the tiny model and the official `openai` client: a conversation
+continued by `previous_response_id` resumes its session's cache and answers like the websocket path,
+branches, conversations, storage in Redis across a restart, isolation between keys, and errors."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import httpx
+import openai
+import pytest
+from websockets.asyncio.client import connect
+
+from chatd.api.server import ChatServer
+from chatd.config import Settings
+from chatd.tools.client import ChatClient
+
+MODEL = "tiny-test"
+SYSTEM = "You are the support desk of a small internet provider. Answer briefly and politely."
+QUESTIONS = ["My internet is down.", "The router light is red.", "I restarted it already.", "Still nothing.",
+             "Can a technician come?", "Tomorrow morning works.", "What will it cost?", "Thanks, goodbye."]
+
+
+def client_for(server: ChatServer, key: str = "none") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=key, max_retries=0)
+
+
+async def respond(client: openai.AsyncOpenAI, text: str, previous: str | None = None, stream: bool = False,
+                  **extra):
+    """One response (streamed or not), as the SDK returns it; a stream is read to its final response."""
+    arguments = dict(model=MODEL, input=text, max_output_tokens=8, temperature=0, **extra)
+    if previous is not None:
+        arguments["previous_response_id"] = previous
+    if not stream:
+        return await client.responses.create(**arguments)
+    kinds, deltas, final = [], [], None
+    async for event in await client.responses.create(stream=True, **arguments):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-1] == ("response.completed" if final.status == "completed" else "response.incomplete")
+    assert "".join(deltas) == final.output_text
+    return final
+
+
+@pytest.fixture
+async def servers(tiny):
+    async with ChatServer(Settings(port=0, model=MODEL, verify_sample_rate=0.0), load=lambda: tiny) as server, \
+            ChatServer(Settings(port=0, model=MODEL, session_cache=False), load=lambda: tiny) as reference:
+        await server.wait_ready()
+        await reference.wait_ready()
+        yield server, reference
+
+
+async def test_previous_response_id_resumes_the_session_and_answers_like_the_websocket_path(servers):
+    server, reference = servers
+    client = client_for(server)
+    async with ChatClient(await connect(reference.url)) as websocket:
+        session_id = (await websocket.open_session(system=SYSTEM)).session_id
+        previous, last = None, None
+        for turn, question in enumerate(QUESTIONS, start=1):
+            response = await respond(client, question, previous, stream=turn % 2 == 0,
+                                     instructions=SYSTEM if previous is None else None)
+            expected = await (await websocket.chat(session_id, question, max_new_tokens=8)).result()
+            assert response.output_text == expected.content, f"turn {turn}"
+            assert response.status in ("completed", "incomplete") and response.usage.output_tokens > 0
+            usage = response.usage
+            if previous is not None:
+                # Everything but the new input came from the session's cache (a reply cut at max_output_tokens
+                # ends with a token that was sampled, never fed: it is the first one the next turn feeds).
+                assert usage.input_tokens_details.cached_tokens >= last.input_tokens + last.output_tokens - 1
+                assert usage.input_tokens_details.cached_tokens < usage.input_tokens
+            assert response.previous_response_id == previous
+            previous, last = response.id, usage
+    metrics = (await httpx.AsyncClient().get(f"http://127.0.0.1:{server.port}/metrics")).text
+    assert f'chatd:api_requests_total{{api="responses",model_name="{MODEL}"}} {len(QUESTIONS)}.0' in metrics
+    stored = await client.responses.retrieve(previous)
+    assert stored.output_text == response.output_text and stored.usage.input_tokens == last.input_tokens
+    items = await client.responses.input_items.list(previous)
+    assert [item.content[0].text for item in items.data] == [QUESTIONS[-1]]
+
+
+async def test_two_requests_from_one_response_at_once_branch_and_neither_changes_the_other(servers):
+    server, reference = servers
+    client, solo = client_for(server), client_for(reference)
+    chain, solo_chain = [], []
+    for question in QUESTIONS[:3]:
+        chain.append(await respond(client, question, chain[-1].id if chain else None,
+                                    instructions=None if chain else SYSTEM))
+        solo_chain.append(await respond(solo, question, solo_chain[-1].id if solo_chain else None,
+                                         instructions=None if solo_chain else SYSTEM))
+    edits = ["Actually, the light is green.", "Never mind, it works now."]
+    # Both continue the latest response at once: one resumes the session, the other branches from it.
+    branched = await asyncio.gather(*(respond(client, edit, chain[-1].id) for edit in edits))
+    for edit, response in zip(edits, branched, strict=True):
+        assert response.output_text == (await respond(solo, edit, solo_chain[-1].id)).output_text
+    # Regenerate from the first response (an earlier point): a branch that sees only turn 1.
+    regenerated = await respond(client, QUESTIONS[1], chain[0].id)
+    assert regenerated.output_text == chain[1].output_text
+    assert regenerated.usage.input_tokens == chain[1].usage.input_tokens
+    # Each branch goes on with its own history only.
+    for edit, response in zip(edits, branched, strict=True):
+        after = await respond(client, "What next?", response.id)
+        solo_branch = await respond(solo, edit, solo_chain[-1].id)
+        assert after.output_text == (await respond(solo, "What next?", solo_branch.id)).output_text
+
+
+async def test_conversations_hold_the_turns_of_responses_and_of_the_websocket(servers):
+    server, _ = servers
+    client = client_for(server)
+    conversation = await client.conversations.create(
+        items=[{"type": "message", "role": "system", "content": SYSTEM},
+               {"type": "message", "role": "user", "content": "Hello."},
+               {"type": "message", "role": "assistant", "content": "Hello! How can I help?"}],
+        metadata={"ticket": "42"})
+    assert (await client.conversations.retrieve(conversation.id)).metadata == {"ticket": "42"}
+    first = await respond(client, QUESTIONS[0], conversation=conversation.id)
+    assert first.conversation.id == conversation.id and first.usage.input_tokens_details.cached_tokens == 0
+    second = await respond(client, QUESTIONS[1], conversation=conversation.id)
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens + first.usage.output_tokens - 1
+    async with ChatClient(await connect(server.url)) as websocket:  # a conversation is a session
+        ready = await websocket.open_session(session_id=conversation.id)
+        assert ready.turns == 3
+        await (await websocket.chat(conversation.id, "And by websocket?", max_new_tokens=4)).result()
+    items = await client.conversations.items.list(conversation.id)
+    texts = [item.content[0].text for item in items.data]
+    assert texts[:4] == [SYSTEM, "Hello.", "Hello! How can I help?", QUESTIONS[0]]
+    assert texts[-2] == "And by websocket?" and len(texts) == 1 + 2 * 4
+    deleted = await client.conversations.delete(conversation.id)
+    assert deleted.deleted
+    with pytest.raises(openai.NotFoundError):
+        await client.conversations.retrieve(conversation.id)
+
+
+async def test_responses_and_conversations_survive_a_restart_with_redis(tiny, redis_server):
+    settings = Settings(port=0, model=MODEL, redis_url=redis_server.url)
+    async with ChatServer(settings, load=lambda: tiny) as server:
+        client = client_for(server)
+        first = await respond(client, QUESTIONS[0], instructions=SYSTEM)
+        second = await respond(client, QUESTIONS[1], first.id)
+    async with ChatServer(settings, load=lambda: tiny) as restarted, \
+            ChatServer(Settings(port=0, model=MODEL, session_cache=False), load=lambda: tiny) as reference:
+        client, solo = client_for(restarted), client_for(reference)
+        third = await respond(client, QUESTIONS[2], second.id)
+        solo_chain = [await respond(solo, QUESTIONS[0], instructions=SYSTEM)]
+        for question in QUESTIONS[1:3]:
+            solo_chain.append(await respond(solo, question, solo_chain[-1].id))
+        assert third.output_text == solo_chain[-1].output_text
+        assert third.usage.input_tokens == solo_chain[-1].usage.input_tokens
+        assert (await client.responses.retrieve(first.id)).output_text == first.output_text
+
+
+async def test_keys_store_false_and_bad_input_get_openai_errors(tiny):
+    settings = Settings(port=0, model=MODEL, api_key=["key-a", "key-b"])
+    async with ChatServer(settings, load=lambda: tiny) as server:
+        mine, theirs = client_for(server, "key-a"), client_for(server, "key-b")
+        response = await respond(mine, QUESTIONS[0], instructions=SYSTEM)
+        for call in (theirs.responses.retrieve(response.id), theirs.responses.input_items.list(response.id),
+                     theirs.responses.delete(response.id)):
+            with pytest.raises(openai.NotFoundError):
+                await call
+        with pytest.raises(openai.NotFoundError) as other_key:
+            await respond(theirs, "hi", response.id)
+        assert other_key.value.body["code"] == "previous_response_not_found"
+        sessions_before = len(server.sessions)
+        unstored = await respond(mine, "Do not keep this.", response.id, store=False)
+        assert unstored.output_text and len(server.sessions) == sessions_before, "its session is gone"
+        with pytest.raises(openai.NotFoundError):
+            await mine.responses.retrieve(unstored.id)
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await respond(mine, "hi", "resp_unknown")
+        assert unknown.value.body["param"] == "previous_response_id"
+        for bad, param in [({"tools": [{"type": "web_search"}]}, "tools"), ({"reasoning": {"effort": "low"}},
+                                                                            "reasoning"),
+                           ({"background": True}, "background"), ({"include": ["file_search_call.results"]},
+                                                                  "include")]:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await mine.responses.create(model=MODEL, input="hi", **bad)
+            assert refused.value.body["param"] == param
+        with pytest.raises(openai.BadRequestError):
+            await mine.responses.create(model=MODEL, input=123)
+        with pytest.raises(openai.NotFoundError):
+            await mine.responses.create(model="another-model", input="hi")
+        await mine.responses.delete(response.id)
+        with pytest.raises(openai.NotFoundError):
+            await mine.responses.retrieve(response.id)
+        assert (await respond(mine, QUESTIONS[1], instructions=SYSTEM)).output_text  # still serving
+
+
+@pytest.mark.skipif(importlib.util.find_spec("agents") is None, reason="openai-agents is not installed")
+async def test_the_openai_agents_sdk_runs_a_two_turn_agent(smollm2):
+    """The Agents SDK with the real model (a random one never ends its reply, and the SDK refuses an
+    incomplete response)."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)  # no trace export: nothing leaves this machine
+    async with ChatServer(Settings(port=0), load=lambda: smollm2) as server:
+        client = client_for(server)
+        model = (await client.models.list()).data[0].id
+        agent = Agent(name="support", instructions=SYSTEM, model=OpenAIResponsesModel(model, client),
+                      model_settings=ModelSettings(temperature=0))  # greedy: a short reply, never cut off
+        first = await Runner.run(agent, "Hi, my internet is down. Say only: we will help.")
+        second = await Runner.run(agent, "Thank you. Say only: goodbye.", previous_response_id=first.last_response_id)
+        assert first.final_output and second.final_output
+        stored = await client.responses.retrieve(second.last_response_id)
+        assert stored.previous_response_id == first.last_response_id
+        assert stored.output_text == second.final_output and stored.usage.input_tokens_details.cached_tokens > 0
