@@ -31,7 +31,7 @@ async def test_stateless_conversation_equals_the_websocket_path_and_reuses_its_c
             for index, content in enumerate(TURNS):
                 messages.append({"role": "user", "content": content})
                 stream = await client.chat.completions.create(
-                    model=MODEL, messages=messages, max_tokens=40, temperature=0, stream=True,
+                    model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True,
                     stream_options={"include_usage": True})
                 pieces, usage, finish = [], None, None
                 async for chunk in stream:
@@ -42,7 +42,7 @@ async def test_stateless_conversation_equals_the_websocket_path_and_reuses_its_c
                         usage = chunk.usage
                 reply = "".join(pieces)
                 messages.append({"role": "assistant", "content": reply})
-                done = await (await websocket.chat(session_id, content, max_new_tokens=40)).result()
+                done = await (await websocket.chat(session_id, content, max_new_tokens=24)).result()
                 assert reply == done.content, f"turn {index + 1}"
                 assert usage.completion_tokens == done.usage.completion_tokens
                 assert usage.prompt_tokens == done.usage.prompt_tokens

@@ -187,9 +187,10 @@ async def test_api_key_form_and_a_reply_resumed_after_a_dropped_socket(smollm2, 
         await page.press("#api-key", "Enter")
         await expect(page.locator("#auth")).to_be_hidden()
         await expect(page.locator("#send")).to_have_text("Send")
-        await send(page, "Write a long story about a lighthouse keeper and a storm.")
+        await send(page, "Tell me, in three sentences, about a lighthouse keeper and a storm.")
         reply = page.locator(".message.assistant").nth(0)
         await expect(reply.locator(".bubble")).not_to_have_text("", timeout=60_000)
+        assert server.turns.running_turns, "the network must drop while the reply is still being written"
         for connection in list(server._uvicorn.server_state.connections):  # the network drops mid-reply
             connection.transport.abort()
         await expect(page.locator("#status")).to_have_text("connected", timeout=20_000)

@@ -318,12 +318,13 @@ def main(args) -> None:
     runs = {label: ([], 0.0) for _, label in targets}
     device_tiers: dict[str, dict | None] = {}
     try:
-        for _ in range(args.rounds):  # alternate, so that drift of the machine affects both alike
+        for round_index in range(args.rounds):  # alternate, so that drift of the machine affects both alike
             for url, label in targets:
                 samples, wall_s = asyncio.run(run_workload(url, workload, label))
                 runs[label] = (runs[label][0] + samples, runs[label][1] + wall_s)
-                time.sleep(STATS_SETTLE_S)  # past the stats' snapshot age: the last write-backs counted
-                device_tiers[label] = device_tier(url)
+                if round_index == args.rounds - 1:  # what the device tier holds after the whole run
+                    time.sleep(STATS_SETTLE_S)  # past the stats' snapshot age: the last write-backs counted
+                    device_tiers[label] = device_tier(url)
     finally:
         for server in servers:
             server.stop()
