@@ -18,31 +18,15 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
 from collections.abc import Sequence
 
 import redis.asyncio as redis
 
-from sessions.encoding import UNREACHABLE, redis_key
+from sessions.encoding import UNREACHABLE, pack_hashes, prefix_block_key, redis_key, unpack_hashes
 from sessions.prefix_index import MAX_CANDIDATES, PrefixIndex, block_hashes
 
 log = logging.getLogger(__name__)
 BACK_OFF_S = 5.0  # after Redis failed a call, how long the local index answers alone
-
-
-def block_key(chained: int) -> str:
-    """The set of sessions whose conversation reaches the block with this chained hash."""
-    return f"chatd:prefix:{{{chained:016x}}}"
-
-
-def _pack(hashes: Sequence[int]) -> bytes:
-    return array("Q", hashes).tobytes()
-
-
-def _unpack(packed: bytes | None) -> list[int]:
-    hashes = array("Q")
-    hashes.frombytes(packed or b"")
-    return hashes.tolist()
 
 
 class SharedPrefixIndex:
@@ -62,14 +46,14 @@ class SharedPrefixIndex:
             return
         hashes = block_hashes(owner, token_ids)
         try:
-            gone = set(_unpack(await self._redis.get(redis_key(session_id, "prefix")))) - set(hashes)
+            gone = set(unpack_hashes(await self._redis.get(redis_key(session_id, "prefix")))) - set(hashes)
             async with self._redis.pipeline(transaction=False) as pipe:
                 for chained in gone:  # a crop or rollback shortened the conversation
-                    pipe.srem(block_key(chained), session_id)
+                    pipe.srem(prefix_block_key(chained), session_id)
                 for chained in hashes:
-                    pipe.sadd(block_key(chained), session_id)
-                    pipe.expire(block_key(chained), self._ttl_s)
-                pipe.set(redis_key(session_id, "prefix"), _pack(hashes), ex=self._ttl_s)
+                    pipe.sadd(prefix_block_key(chained), session_id)
+                    pipe.expire(prefix_block_key(chained), self._ttl_s)
+                pipe.set(redis_key(session_id, "prefix"), pack_hashes(hashes), ex=self._ttl_s)
                 await pipe.execute()
         except UNREACHABLE as error:
             self._failed("writing to", error)
@@ -82,11 +66,11 @@ class SharedPrefixIndex:
         if not self._shared():
             return
         try:
-            hashes = {*_unpack(await self._redis.get(redis_key(session_id, "prefix"))),
+            hashes = {*unpack_hashes(await self._redis.get(redis_key(session_id, "prefix"))),
                       *block_hashes(owner, token_ids)}
             async with self._redis.pipeline(transaction=False) as pipe:
                 for chained in hashes:
-                    pipe.srem(block_key(chained), session_id)
+                    pipe.srem(prefix_block_key(chained), session_id)
                 pipe.delete(redis_key(session_id, "prefix"))
                 await pipe.execute()
         except UNREACHABLE as error:
@@ -103,13 +87,13 @@ class SharedPrefixIndex:
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for chained in hashes:
-                    pipe.exists(block_key(chained))
+                    pipe.exists(prefix_block_key(chained))
                 present = await pipe.execute()
             depth = present.index(0) if 0 in present else len(present)
             deepest = hashes[max(0, depth - MAX_CANDIDATES):depth][::-1]
             async with self._redis.pipeline(transaction=False) as pipe:
                 for chained in deepest:
-                    pipe.srandmember(block_key(chained), MAX_CANDIDATES)
+                    pipe.srandmember(prefix_block_key(chained), MAX_CANDIDATES)
                 drawn = await pipe.execute()
         except UNREACHABLE as error:
             self._failed("reading", error)

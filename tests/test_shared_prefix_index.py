@@ -4,8 +4,9 @@ Redis leaves each worker its own index."""
 
 import redis.asyncio as redis
 
+from sessions.encoding import prefix_block_key
 from sessions.prefix_index import BLOCK, MAX_CANDIDATES, block_hashes
-from sessions.shared_prefix_index import SharedPrefixIndex, block_key
+from sessions.shared_prefix_index import SharedPrefixIndex
 
 SYSTEM = list(range(1000, 1000 + 3 * BLOCK))  # a system prompt three blocks long
 RETENTION_S = 600
@@ -43,7 +44,7 @@ async def test_reindexing_drops_the_blocks_a_conversation_no_longer_has_and_remo
     await second.add("key-a", "s", SYSTEM + [5] * BLOCK)  # rolled back by a crop, on another worker
     assert await first.candidates("key-a", SYSTEM + [5] * BLOCK + [6] * BLOCK) == ["s"]
     dropped = block_hashes("key-a", SYSTEM + [5] * BLOCK + [6] * BLOCK)[-1]
-    assert not await client.exists(block_key(dropped))
+    assert not await client.exists(prefix_block_key(dropped))
     await first.remove("s")
     assert await second.candidates("key-a", SYSTEM) == [] and await client.dbsize() == 0
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from chatd.tools.server_process import ServerProcess
+from chatd.tools.server_process import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,13 +18,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def nginx_binary() -> str | None:
     """Debian installs nginx in /usr/sbin, which is not on every user's PATH."""
     return shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the operating system's choice)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class NginxProcess:

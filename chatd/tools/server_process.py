@@ -7,10 +7,18 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the operating system's choice)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 class ServerProcess:
