@@ -28,9 +28,12 @@ test-deps:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(TEST_PACKAGES) >/dev/null; }; } || \
 		echo "could not install $(TEST_PACKAGES): the tests that need them will be skipped"
 
+# Two pytest-xdist workers, each a test file at a time (module fixtures stay shared) on its own share of the
+# cores (tests/conftest.py); TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 test: $(INSTALLED) test-deps
 	$(BIN)/ruff check chatd cache_store sessions tests bench
-	$(BIN)/python -m pytest --durations=25 $(ARGS)  # where the time goes, in every CI log
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)  # where the time goes, in every CI log
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check chatd cache_store sessions tests bench

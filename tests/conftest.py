@@ -1,10 +1,26 @@
+import itertools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from chatd.model.loader import LoadedModel, converted_checkpoint, default_cache_dir, load_model
+from tests.redis_server import DATABASES, RedisDatabase, RedisServer
 from tests.support import tiny_model
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist each worker gets its own share of the cores, and so does everything it starts
+    (servers, Redis, nginx, Chromium inherit the affinity; chatd's default --threads reads it): two
+    workers on two cores then never fight over one core, which collapses torch's threads."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    cores = sorted(os.sched_getaffinity(0))
+    if worker and count and len(cores) > 1:
+        share = cores[int(worker.removeprefix("gw")) % int(count)::int(count)] or cores
+        os.sched_setaffinity(0, share)
+        torch.set_num_threads(len(share))
 
 
 @pytest.fixture(scope="session")
@@ -37,10 +53,29 @@ def smollm2(model_cache_dir) -> LoadedModel:
     return load_model("smollm2-135m", device="cpu", dtype="float32", cache_dir=model_cache_dir)
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    from tests.redis_server import RedisServer
+@pytest.fixture(scope="session")
+def shared_redis(tmp_path_factory) -> Iterator[RedisServer]:
+    """One redis-server for the run (for each xdist worker): tests that leave it running use `redis_db`."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
 
+
+_database_numbers = itertools.count(1)
+
+
+@pytest.fixture
+def redis_db(shared_redis) -> RedisDatabase:
+    """A database of the shared redis-server that no other test uses."""
+    number = next(_database_numbers)
+    assert number < DATABASES, "more tests use Redis than the shared server has databases"
+    return RedisDatabase(shared_redis, number)
+
+
+@pytest.fixture
+def redis_server(tmp_path) -> Iterator[RedisServer]:
+    """A redis-server of the test's own, for a test that stops, restarts or freezes it, or reconfigures it."""
     server = RedisServer(tmp_path)
     server.start()
     yield server

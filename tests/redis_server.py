@@ -1,5 +1,6 @@
 """A real redis-server for the tests, on a free port, that they can stop and start again.
-It persists to an append-only file in its own folder, so a restart keeps what was written."""
+It persists to an append-only file in its own folder, so a restart keeps what was written.
+Tests that leave the server running share one and each gets a database of its own."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import shutil
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from chatd.tools.server_process import free_port
+
+DATABASES = 4096  # one per test that shares the server: a test's keys are never another's
 
 
 class RedisServer:
@@ -27,7 +31,8 @@ class RedisServer:
         assert binary, "redis-server is not installed"
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
-             "--save", "", "--appendonly", "yes", "--appendfsync", "always", "--protected-mode", "no"],
+             "--save", "", "--appendonly", "yes", "--appendfsync", "always", "--protected-mode", "no",
+             "--databases", str(DATABASES)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -45,3 +50,17 @@ class RedisServer:
             self.process.terminate()
             self.process.wait(10)
             self.process = None
+
+
+@dataclass(frozen=True)
+class RedisDatabase:
+    """One numbered database of a shared redis-server: a test's own keyspace without a process of its
+    own (pub/sub and server settings are shared, so tests that change them, stop or freeze Redis start
+    their own `RedisServer`)."""
+
+    server: RedisServer
+    number: int
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.server.port}/{self.number}"

@@ -45,8 +45,8 @@ def start_worker(checkpoint: Path, redis_url: str, *flags: str) -> ServerProcess
 
 
 @pytest.fixture
-def workers(tiny_checkpoint, redis_server):
-    started = [start_worker(tiny_checkpoint, redis_server.url) for _ in range(2)]
+def workers(tiny_checkpoint, redis_db):
+    started = [start_worker(tiny_checkpoint, redis_db.url) for _ in range(2)]
     yield started
     for running in started:
         running.stop()
@@ -93,7 +93,7 @@ async def test_nginx_routes_a_session_to_one_worker_and_fails_over(nginx, worker
     assert (done.cache.source, done.cache.miss_reason) == ("miss", "cold")
 
 
-async def test_a_worker_killed_mid_turn_leaves_every_completed_turn_and_no_trace(workers, redis_server,
+async def test_a_worker_killed_mid_turn_leaves_every_completed_turn_and_no_trace(workers, redis_db,
                                                                                  tiny_checkpoint):
     first = f"ws://127.0.0.1:{workers[0].port}/ws"
     async with ChatClient(await connect(first)) as client:
@@ -106,10 +106,10 @@ async def test_a_worker_killed_mid_turn_leaves_every_completed_turn_and_no_trace
         with pytest.raises(ChatError) as lost:
             await interrupted.result()
         assert (lost.value.code, lost.value.retryable) == ("disconnected", True)
-    workers[0] = start_worker(tiny_checkpoint, redis_server.url)  # restarted
+    workers[0] = start_worker(tiny_checkpoint, redis_db.url)  # restarted
     ready, done = await one_turn(f"ws://127.0.0.1:{workers[0].port}/ws", session_id, "after the crash",
                                  max_new_tokens=4)
     assert ready.turns == 2 and done.usage.completion_tokens == 4
-    stored = await RedisSessionStore(redis_server.url, retention_s=60).get(session_id)
+    stored = await RedisSessionStore(redis_db.url, retention_s=60).get(session_id)
     assert [m.content for m in stored.messages if m.role == "user"] == ["completed 0", "completed 1",
                                                                          "after the crash"]

@@ -1,6 +1,7 @@
-"""Fault injection through a real server with the real model: every kind of corruption in every tier
-is caught by its check, the turn still gets exactly the reply of an uncorrupted run, and the next
-turn is a normal cache hit again. A healthy run with evictions reports no corruption at all."""
+"""Fault injection through a real server (the tiny model: what is checked is the caches, not the
+words): every kind of corruption in every tier is caught by its check, the turn still gets exactly the
+reply of an uncorrupted run, and the next turn is a normal cache hit again. A healthy run with evictions
+reports no corruption at all."""
 
 import asyncio
 import json
@@ -9,8 +10,10 @@ import urllib.request
 
 import pytest
 import pytest_asyncio
+import torch
 from websockets.asyncio.client import connect
 
+from cache_store.sizing import kv_bytes_per_token
 from chatd.api.server import ChatServer
 from chatd.config import Settings
 from chatd.tools.client import ChatClient
@@ -28,18 +31,18 @@ EXPECTED_CHECK = {
 }
 
 
-async def start(smollm2, **settings) -> ChatServer:
-    server = ChatServer(Settings(port=0, **settings), load=lambda: smollm2)
+async def start(tiny, **settings) -> ChatServer:
+    server = ChatServer(Settings(port=0, **settings), load=lambda: tiny)
     await server.__aenter__()
     await server.wait_ready()
     return server
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def servers(smollm2):
+async def servers(tiny):
     """A server with fault injection and otherwise default settings (the deep check sampled at its
     default rate), and a reference."""
-    started = [await start(smollm2, enable_fault_injection=True), await start(smollm2)]
+    started = [await start(tiny, enable_fault_injection=True), await start(tiny)]
     yield started
     for server in started:
         await server.__aexit__(None, None, None)
@@ -111,10 +114,11 @@ async def test_the_admin_endpoint_refuses_what_it_cannot_do(servers):
     assert status == 403 and "--enable-fault-injection" in body["error"]
 
 
-async def test_no_check_fires_on_a_healthy_run_with_evictions(smollm2):
+async def test_no_check_fires_on_a_healthy_run_with_evictions(tiny):
     """Twenty turns over four sessions, a device arena of about two conversations (so caches go to
     the host tier and back), and a deep check on every reuse: zero corruptions."""
-    server = await start(smollm2, device_cache_mb=256 * 46_080 / 2**20, verify_sample_rate=1.0)
+    two_conversations_mb = 256 * kv_bytes_per_token(tiny.model.config, torch.float64) / 2**20
+    server = await start(tiny, device_cache_mb=two_conversations_mb, verify_sample_rate=1.0)
     try:
         async with ChatClient(await connect(server.url)) as client:
             sessions = [(await client.open_session(system=SYSTEM)).session_id for _ in range(4)]

@@ -30,10 +30,10 @@ async def outcome(turn) -> tuple[str, list[str]]:
     return "done", turn.deltas
 
 
-async def test_racing_turns_on_one_session_during_a_redis_outage(smollm2, redis_server, caplog):
+async def test_racing_turns_on_one_session_during_a_redis_outage(tiny, redis_server, caplog):
     caplog.set_level(logging.WARNING)
-    async with ChatServer(Settings(port=0, redis_url=redis_server.url), load=lambda: smollm2) as server, \
-            ChatServer(Settings(port=0, session_cache=False), load=lambda: smollm2) as alone:
+    async with ChatServer(Settings(port=0, redis_url=redis_server.url), load=lambda: tiny) as server, \
+            ChatServer(Settings(port=0, session_cache=False), load=lambda: tiny) as alone:
         await server.wait_ready()
         await alone.wait_ready()
         async with ChatClient(await connect(server.url)) as tab, ChatClient(await connect(server.url)) as bot:

@@ -18,7 +18,7 @@ from websockets.asyncio.client import connect
 from chatd.api.server import ChatServer
 from chatd.config import Settings
 from chatd.tools.client import ChatClient
-from tests.redis_server import free_port
+from chatd.tools.server_process import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy/grafana/dashboards/chatd.json"

@@ -11,7 +11,6 @@ from cache_store import CacheEntry, CacheLayout, CacheStore, Offloader
 from cache_store.integrity import fingerprint
 from cache_store.quantize import dequantize, quantize, quantized_nbytes
 from cache_store.remote_tier import RemoteTier
-from tests.redis_server import RedisServer
 
 LAYERS, HEADS, HEAD_DIM, TOKENS = 4, 3, 64, 200
 LAYOUT = CacheLayout(LAYERS, HEADS, HEAD_DIM, torch.float32)
@@ -106,27 +105,22 @@ def test_a_corrupted_int8_host_entry_is_caught(damage):
                               "unmarked": ("fingerprint",)}[damage]
 
 
-def test_redis_holds_a_quarter_of_the_bytes_and_a_flipped_byte_is_caught(tmp_path):
-    redis_server = RedisServer(tmp_path)
-    redis_server.start()
-    try:
-        writer_tier = RemoteTier(redis_server.url, ttl_s=60)
-        writer = store("same", host_budget_bytes=10 * CACHE_BYTES, remote=writer_tier, remote_kv_dtype="int8")
-        writer.put("s", entry(3, "s"))
-        writer_tier.close()  # flushes the background write
-        reader_tier = RemoteTier(redis_server.url, ttl_s=60)
-        header = reader_tier.head("s")
-        assert header.fingerprint.quantized == "int8" and header.nbytes < CACHE_BYTES / 3.5
-        exact_only = store("same", host_budget_bytes=10 * CACHE_BYTES, remote=reader_tier)
-        prompt = list(range(3, 3 + TOKENS)) + [7]
-        assert exact_only.lookup("s", prompt).source == "miss"  # an int8 copy never passes for an exact one
-        reader = store("same", host_budget_bytes=10 * CACHE_BYTES, remote=reader_tier, remote_kv_dtype="int8")
-        blob_key = "chatd:{s}:kv"
-        raw = bytearray(reader_tier._redis.get(blob_key))
-        raw[-10] ^= 0x01  # a byte of the last scale
-        reader_tier._redis.set(blob_key, bytes(raw))
-        lookup = reader.lookup("s", prompt)  # nothing measured yet: the cost model fetches
-        assert lookup.source == "miss" and lookup.cleared == ("checksum",), lookup
-        reader_tier.close()
-    finally:
-        redis_server.stop()
+def test_redis_holds_a_quarter_of_the_bytes_and_a_flipped_byte_is_caught(redis_db):
+    writer_tier = RemoteTier(redis_db.url, ttl_s=60)
+    writer = store("same", host_budget_bytes=10 * CACHE_BYTES, remote=writer_tier, remote_kv_dtype="int8")
+    writer.put("s", entry(3, "s"))
+    writer_tier.close()  # flushes the background write
+    reader_tier = RemoteTier(redis_db.url, ttl_s=60)
+    header = reader_tier.head("s")
+    assert header.fingerprint.quantized == "int8" and header.nbytes < CACHE_BYTES / 3.5
+    exact_only = store("same", host_budget_bytes=10 * CACHE_BYTES, remote=reader_tier)
+    prompt = list(range(3, 3 + TOKENS)) + [7]
+    assert exact_only.lookup("s", prompt).source == "miss"  # an int8 copy never passes for an exact one
+    reader = store("same", host_budget_bytes=10 * CACHE_BYTES, remote=reader_tier, remote_kv_dtype="int8")
+    blob_key = "chatd:{s}:kv"
+    raw = bytearray(reader_tier._redis.get(blob_key))
+    raw[-10] ^= 0x01  # a byte of the last scale
+    reader_tier._redis.set(blob_key, bytes(raw))
+    lookup = reader.lookup("s", prompt)  # nothing measured yet: the cost model fetches
+    assert lookup.source == "miss" and lookup.cleared == ("checksum",), lookup
+    reader_tier.close()

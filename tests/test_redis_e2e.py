@@ -14,8 +14,8 @@ SYSTEM = "You are a support agent for Northwind Internet. Answer briefly."
 QUESTIONS = ["My internet is down.", "The router light is red.", "I restarted it.", "Now it is green, thanks!"]
 
 
-async def test_a_conversation_survives_a_restart_and_continues_exactly(smollm2, redis_server):
-    async with ChatServer(Settings(port=0), load=lambda: smollm2) as reference:
+async def test_a_conversation_survives_a_restart_and_continues_exactly(tiny, redis_db):
+    async with ChatServer(Settings(port=0), load=lambda: tiny) as reference:
         await reference.wait_ready()
         async with ChatClient(await connect(reference.url)) as client:
             session_id = (await client.open_session(system=SYSTEM)).session_id
@@ -25,15 +25,15 @@ async def test_a_conversation_survives_a_restart_and_continues_exactly(smollm2, 
                 expected.append(await client.chat(session_id, question, max_new_tokens=12))
                 await expected[-1].result()
 
-    settings = Settings(port=0, redis_url=redis_server.url)
-    async with ChatServer(settings, load=lambda: smollm2) as first:
+    settings = Settings(port=0, redis_url=redis_db.url)
+    async with ChatServer(settings, load=lambda: tiny) as first:
         await first.wait_ready()
         async with ChatClient(await connect(first.url)) as client:
             session_id = (await client.open_session(system=SYSTEM)).session_id
             for question in QUESTIONS[:3]:
                 await (await client.chat(session_id, question, max_new_tokens=12)).result()
 
-    async with ChatServer(settings, load=lambda: smollm2) as second:
+    async with ChatServer(settings, load=lambda: tiny) as second:
         await second.wait_ready()
         async with ChatClient(await connect(second.url)) as client:
             reopened = await client.open_session(session_id=session_id)
@@ -74,8 +74,8 @@ async def test_chatting_through_a_redis_outage_loses_no_turn(tiny, redis_server)
     assert stored.version == 4
 
 
-async def test_two_workers_share_sessions_and_a_stale_cache_is_dropped(tiny, redis_server):
-    settings = Settings(port=0, redis_url=redis_server.url)
+async def test_two_workers_share_sessions_and_a_stale_cache_is_dropped(tiny, redis_db):
+    settings = Settings(port=0, redis_url=redis_db.url)
     async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, _):
         session_id = (await on_a.open_session(system="Be brief.")).session_id
         reference_id = (await reference.open_session(system="Be brief.")).session_id
@@ -93,7 +93,7 @@ async def test_two_workers_share_sessions_and_a_stale_cache_is_dropped(tiny, red
         assert (await on_b.open_session(session_id=session_id)).turns == 4
 
         # Another worker holding the lease makes this one answer busy (after a short wait).
-        other_worker = RedisSessionStore(redis_server.url, retention_s=60)
+        other_worker = RedisSessionStore(redis_db.url, retention_s=60)
         lease = await other_worker.lease(session_id)
         with_lease_taken = await on_a.chat(session_id, "are you there?", max_new_tokens=2)
         try:

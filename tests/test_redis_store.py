@@ -10,13 +10,13 @@ from sessions.encoding import pack_ids, unpack_ids
 from sessions.redis_store import RedisSessionStore
 
 
-async def test_round_trip_through_a_second_store(redis_server):
-    writer = RedisSessionStore(redis_server.url, retention_s=3600)
+async def test_round_trip_through_a_second_store(redis_db):
+    writer = RedisSessionStore(redis_db.url, retention_s=3600)
     session = await writer.create("Be brief.", owner="key-0123456789abcdef")
     await writer.append_turn(session, "hi", "hello!", [1, 2, 3])
     await writer.append_turn(session, "bye", "goodbye", [1, 2, 3, 4, 5], dropped_turns=1, reply_ids=[4, 5])
     branch = await writer.create("Be brief.", owner="key-0123456789abcdef", messages=session.messages[:2])
-    reader = RedisSessionStore(redis_server.url, retention_s=3600)
+    reader = RedisSessionStore(redis_db.url, retention_s=3600)
     loaded = await reader.get(session.session_id)
     assert loaded.messages == [Message("user", "hi"), Message("assistant", "hello!"),
                                Message("user", "bye"), Message("assistant", "goodbye")]
@@ -30,11 +30,11 @@ async def test_round_trip_through_a_second_store(redis_server):
         await store.close()
 
 
-async def test_keys_share_a_hash_tag_are_compact_and_expire(redis_server):
-    store = RedisSessionStore(redis_server.url, retention_s=100)
+async def test_keys_share_a_hash_tag_are_compact_and_expire(redis_db):
+    store = RedisSessionStore(redis_db.url, retention_s=100)
     session = await store.create(None)
     await store.append_turn(session, "a", "b", list(range(1000)))
-    client = redis.Redis.from_url(redis_server.url)
+    client = redis.Redis.from_url(redis_db.url)
     keys = sorted(k.decode() for k in await client.keys("chatd:*"))
     assert keys == [f"chatd:{{{session.session_id}}}:{part}" for part in ("messages", "meta", "tokens")]
     assert await client.strlen(f"chatd:{{{session.session_id}}}:tokens") == 4000, "4 bytes a token id"
@@ -44,26 +44,26 @@ async def test_keys_share_a_hash_tag_are_compact_and_expire(redis_server):
     await store.close()
 
 
-async def test_retention_ttl_forgets_idle_sessions(redis_server):
-    store = RedisSessionStore(redis_server.url, retention_s=1)
+async def test_retention_ttl_forgets_idle_sessions(redis_db):
+    store = RedisSessionStore(redis_db.url, retention_s=1)
     session = await store.create(None)
     await store.append_turn(session, "a", "b", [1])
     await asyncio.sleep(2.2)
-    other = RedisSessionStore(redis_server.url, retention_s=1)
+    other = RedisSessionStore(redis_db.url, retention_s=1)
     assert await other.get(session.session_id) is None
     await store.close()
     await other.close()
 
 
-async def test_two_writers_of_one_version_conflict(redis_server):
-    first, second = (RedisSessionStore(redis_server.url, retention_s=3600) for _ in range(2))
+async def test_two_writers_of_one_version_conflict(redis_db):
+    first, second = (RedisSessionStore(redis_db.url, retention_s=3600) for _ in range(2))
     created = await first.create(None)
     mine, theirs = await first.get(created.session_id), await second.get(created.session_id)
     await first.append_turn(mine, "from worker 1", "ok 1", [1])
     with pytest.raises(VersionConflict):
         await second.append_turn(theirs, "from worker 2", "ok 2", [2])
     assert theirs.version == 0 and theirs.turns == 0, "a refused turn is not recorded locally either"
-    stored = await RedisSessionStore(redis_server.url, retention_s=3600).get(created.session_id)
+    stored = await RedisSessionStore(redis_db.url, retention_s=3600).get(created.session_id)
     assert (stored.version, stored.messages[0].content) == (1, "from worker 1")
     fresh = await second.get(created.session_id)
     await second.append_turn(fresh, "retry", "ok", [3])
@@ -97,14 +97,14 @@ async def test_an_outage_queues_writes_and_flushes_them_in_order(redis_server):
     await store.close()
 
 
-async def test_a_lease_excludes_other_workers_and_a_lost_lease_cannot_write(redis_server):
-    first, second = (RedisSessionStore(redis_server.url, retention_s=3600) for _ in range(2))
+async def test_a_lease_excludes_other_workers_and_a_lost_lease_cannot_write(redis_db):
+    first, second = (RedisSessionStore(redis_db.url, retention_s=3600) for _ in range(2))
     session = await first.create(None)
     held = await first.lease(session.session_id)
     with pytest.raises(SessionBusy):
         await second.lease(session.session_id)
     # The holder stalls past its lease (simulated by the key expiring); another worker takes over.
-    client = redis.Redis.from_url(redis_server.url)
+    client = redis.Redis.from_url(redis_db.url)
     await client.delete(f"chatd:{{{session.session_id}}}:lease")
     newer = await second.lease(session.session_id)
     assert newer.fence > held.fence
@@ -121,8 +121,8 @@ async def test_a_lease_excludes_other_workers_and_a_lost_lease_cannot_write(redi
         await store.close()
 
 
-async def test_a_lease_is_waited_for_briefly(redis_server):
-    first, second = (RedisSessionStore(redis_server.url, retention_s=3600) for _ in range(2))
+async def test_a_lease_is_waited_for_briefly(redis_db):
+    first, second = (RedisSessionStore(redis_db.url, retention_s=3600) for _ in range(2))
     session = await first.create(None)
     held = await first.lease(session.session_id)
     asyncio.get_running_loop().call_later(0.3, lambda: asyncio.ensure_future(held.release()))

@@ -30,9 +30,9 @@ async def wait_for_remote(url: str, session_id: str, version: int) -> None:
     await client.aclose()
 
 
-async def conversation(tiny, redis_server, damage=None):
+async def conversation(tiny, redis_db, damage=None):
     """Two turns on worker A, optional damage to the remote copy, the third turn on worker B."""
-    settings = Settings(port=0, redis_url=redis_server.url, remote_kv=True)
+    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True)
     async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
         session_id = (await on_a.open_session(system="Be brief.")).session_id
         reference_id = (await reference.open_session(system="Be brief.")).session_id
@@ -42,13 +42,13 @@ async def conversation(tiny, redis_server, damage=None):
         for question in QUESTIONS[:2]:
             await (await on_a.chat(session_id, question, max_new_tokens=6)).result()
             await (await reference.chat(reference_id, question, max_new_tokens=6)).result()
-        await wait_for_remote(redis_server.url, session_id, 2)
-        await wait_for_remote(redis_server.url, other_id, 2)
+        await wait_for_remote(redis_db.url, session_id, 2)
+        await wait_for_remote(redis_db.url, other_id, 2)
+        # What is tested is the remote copy and its checks, so worker B must fetch: the tiny model's prefill
+        # is so fast that, on a busy machine, the cost model may rightly prefer recomputing.
+        servers[1].engine.cache.cost.prefill_tokens_per_s = 1.0
         if damage:
-            # What is tested is that the checks catch the damage, so worker B must fetch: the tiny model's
-            # prefill is so fast that, on a busy machine, the cost model may rightly prefer recomputing.
-            servers[1].engine.cache.cost.prefill_tokens_per_s = 1.0
-            client = redis.Redis.from_url(redis_server.url)
+            client = redis.Redis.from_url(redis_db.url)
             await damage(client, session_id, other_id)
             await client.aclose()
         turn = await on_b.chat(session_id, QUESTIONS[2], max_new_tokens=6)
@@ -59,8 +59,8 @@ async def conversation(tiny, redis_server, damage=None):
         return done
 
 
-async def test_a_cache_written_by_one_worker_is_restored_by_another(tiny, redis_server):
-    done = await conversation(tiny, redis_server)
+async def test_a_cache_written_by_one_worker_is_restored_by_another(tiny, redis_db):
+    done = await conversation(tiny, redis_db)
     assert done.cache.source == "remote" and done.usage.cached_tokens > 0
     assert done.cache.remote.choice == "fetch"
     assert done.cache.remote.fetch_ms is not None and done.cache.remote.prefill_ms is not None
@@ -85,16 +85,16 @@ async def flip_a_byte(client, session_id, _):
 
 @pytest.mark.parametrize(("damage", "check"), [(truncate, "length"), (swap_in_other, "fingerprint"),
                                                (flip_a_byte, "checksum")])
-async def test_a_damaged_remote_cache_is_caught_and_recomputed(tiny, redis_server, damage, check):
-    done = await conversation(tiny, redis_server, damage)
+async def test_a_damaged_remote_cache_is_caught_and_recomputed(tiny, redis_db, damage, check):
+    done = await conversation(tiny, redis_db, damage)
     assert (done.cache.source, done.cache.miss_reason, done.cache.cleared) == ("miss", "corrupt", [check])
 
 
-async def test_a_header_whose_bytes_are_gone_is_a_miss_and_is_deleted(tiny, redis_server):
+async def test_a_header_whose_bytes_are_gone_is_a_miss_and_is_deleted(tiny, redis_db):
     async def lose_bytes(client, session_id, _):
         await client.delete(f"chatd:{{{session_id}}}:kv")
 
-    done = await conversation(tiny, redis_server, lose_bytes)
+    done = await conversation(tiny, redis_db, lose_bytes)
     assert (done.cache.source, done.cache.miss_reason) == ("miss", "cold")
 
 
@@ -128,7 +128,7 @@ async def test_turns_go_on_without_stalling_while_the_remote_tier_is_down(tiny, 
 
 
 def test_after_a_failure_the_remote_tier_is_skipped_instead_of_waited_on():
-    from tests.redis_server import free_port
+    from chatd.tools.server_process import free_port
 
     remote = RemoteTier(f"redis://127.0.0.1:{free_port()}/0", ttl_s=60)  # nothing listens there
     assert remote.head("s") is None and remote.errors == 1

@@ -138,8 +138,8 @@ async def test_conversations_hold_the_turns_of_responses_and_of_the_websocket(se
         await client.conversations.retrieve(conversation.id)
 
 
-async def test_responses_and_conversations_survive_a_restart_with_redis(tiny, redis_server):
-    settings = Settings(port=0, model=MODEL, redis_url=redis_server.url)
+async def test_responses_and_conversations_survive_a_restart_with_redis(tiny, redis_db):
+    settings = Settings(port=0, model=MODEL, redis_url=redis_db.url)
     async with ChatServer(settings, load=lambda: tiny) as server:
         client = client_for(server)
         first = await respond(client, QUESTIONS[0], instructions=SYSTEM)

@@ -87,8 +87,8 @@ async def test_a_resumed_turn_can_be_cancelled_from_the_new_connection(tiny):
 
 
 @pytest.mark.parametrize(("timeout_s", "recorded"), [(60, True), (0, False)])
-async def test_sigterm_drains_running_turns_and_exits_cleanly(tiny_checkpoint, redis_server, timeout_s, recorded):
-    worker = start_worker(tiny_checkpoint, redis_server.url, "--shutdown-timeout-s", str(timeout_s))
+async def test_sigterm_drains_running_turns_and_exits_cleanly(tiny_checkpoint, redis_db, timeout_s, recorded):
+    worker = start_worker(tiny_checkpoint, redis_db.url, "--shutdown-timeout-s", str(timeout_s))
     url = f"ws://127.0.0.1:{worker.port}/ws"
     async with ChatClient(await connect(url)) as client:
         session_id = (await client.open_session()).session_id
@@ -108,5 +108,5 @@ async def test_sigterm_drains_running_turns_and_exits_cleanly(tiny_checkpoint, r
         done = await running.result()
         assert (done.finish_reason != "cancelled") == recorded
     assert await asyncio.to_thread(worker.process.wait, 30) == 0
-    stored = await RedisSessionStore(redis_server.url, retention_s=60).get(session_id)
+    stored = await RedisSessionStore(redis_db.url, retention_s=60).get(session_id)
     assert stored.turns == (2 if recorded else 1)

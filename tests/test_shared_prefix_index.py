@@ -18,8 +18,8 @@ def two_workers(url: str) -> tuple[SharedPrefixIndex, SharedPrefixIndex, redis.R
             SharedPrefixIndex(redis.Redis.from_url(url), RETENTION_S), redis.Redis.from_url(url))
 
 
-async def test_what_one_worker_indexes_another_finds_deepest_first(redis_server):
-    first, second, _ = two_workers(redis_server.url)
+async def test_what_one_worker_indexes_another_finds_deepest_first(redis_db):
+    first, second, _ = two_workers(redis_db.url)
     await first.add("key-a", "short", SYSTEM + [1] * BLOCK)
     await first.add("key-a", "long", SYSTEM + [1] * BLOCK + [2] * BLOCK)
     await first.add("key-a", "other", SYSTEM + [3] * BLOCK)
@@ -30,16 +30,16 @@ async def test_what_one_worker_indexes_another_finds_deepest_first(redis_server)
     assert len(second.local) == 0, "the second worker found them in Redis, not in its memory"
 
 
-async def test_another_owner_never_matches_through_redis(redis_server):
-    first, second, _ = two_workers(redis_server.url)
+async def test_another_owner_never_matches_through_redis(redis_db):
+    first, second, _ = two_workers(redis_db.url)
     await first.add("key-a", "mine", SYSTEM + [1] * BLOCK)
     assert await second.candidates("key-b", SYSTEM + [1] * BLOCK) == []
     assert await second.candidates(None, SYSTEM + [1] * BLOCK) == []
     assert await second.candidates("key-a", SYSTEM + [1] * BLOCK) == ["mine"]
 
 
-async def test_reindexing_drops_the_blocks_a_conversation_no_longer_has_and_remove_leaves_no_trace(redis_server):
-    first, second, client = two_workers(redis_server.url)
+async def test_reindexing_drops_the_blocks_a_conversation_no_longer_has_and_remove_leaves_no_trace(redis_db):
+    first, second, client = two_workers(redis_db.url)
     await first.add("key-a", "s", SYSTEM + [5] * BLOCK + [6] * BLOCK)
     await second.add("key-a", "s", SYSTEM + [5] * BLOCK)  # rolled back by a crop, on another worker
     assert await first.candidates("key-a", SYSTEM + [5] * BLOCK + [6] * BLOCK) == ["s"]
@@ -49,8 +49,8 @@ async def test_reindexing_drops_the_blocks_a_conversation_no_longer_has_and_remo
     assert await second.candidates("key-a", SYSTEM) == [] and await client.dbsize() == 0
 
 
-async def test_a_session_gone_from_blocks_others_renew_is_removed_when_met(redis_server):
-    first, _, client = two_workers(redis_server.url)
+async def test_a_session_gone_from_blocks_others_renew_is_removed_when_met(redis_db):
+    first, _, client = two_workers(redis_db.url)
     await first.add("key-a", "gone", SYSTEM + [1] * BLOCK)
     await first.add("key-a", "kept", SYSTEM + [2] * BLOCK)
     await client.delete("chatd:{gone}:prefix")  # its own chain expired; the system prompt's blocks did not
@@ -58,8 +58,8 @@ async def test_a_session_gone_from_blocks_others_renew_is_removed_when_met(redis
     assert await first.candidates("key-a", SYSTEM + [9] * BLOCK) == ["kept"]
 
 
-async def test_keys_expire_with_the_sessions_and_carry_one_hash_tag_each(redis_server):
-    first, _, client = two_workers(redis_server.url)
+async def test_keys_expire_with_the_sessions_and_carry_one_hash_tag_each(redis_db):
+    first, _, client = two_workers(redis_db.url)
     await first.add("key-a", "s", SYSTEM + [1] * BLOCK)
     keys = sorted(key.decode() for key in await client.keys("*"))
     assert len(keys) == 4 + 1  # a set per block, and the session's chain
@@ -68,8 +68,8 @@ async def test_keys_expire_with_the_sessions_and_carry_one_hash_tag_each(redis_s
         assert 0 < await client.ttl(key) <= RETENTION_S
 
 
-async def test_a_system_prompt_shared_by_many_sessions_yields_a_bounded_list(redis_server):
-    first, second, _ = two_workers(redis_server.url)
+async def test_a_system_prompt_shared_by_many_sessions_yields_a_bounded_list(redis_db):
+    first, second, _ = two_workers(redis_db.url)
     for number in range(200):
         await first.add("key-a", f"s{number}", SYSTEM + [number + 1] * BLOCK)
     found = await second.candidates("key-a", SYSTEM + [7] * BLOCK)
