@@ -9,6 +9,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from websockets.asyncio.client import connect
 
+from cache_store import kv_bytes_per_token
 from chatd.api.server import ChatServer
 from chatd.config import Settings
 from chatd.engine.sampling import SamplingParams
@@ -33,6 +34,11 @@ def tiny_model(tokenizer_dir) -> LoadedModel:
     model = LlamaForCausalLM(config).to(torch.float64).eval()
     return LoadedModel(name="tiny", model=model, tokenizer=tokenizer, device=torch.device("cpu"),
                        stop_token_ids=stop_token_ids(tokenizer, model))
+
+
+def kv_budget_mb(loaded: LoadedModel, tokens: int) -> float:
+    """A cache budget (--device-cache-mb, --host-cache-mb) of `tokens` of this model's keys and values."""
+    return tokens * kv_bytes_per_token(loaded.model.config, loaded.model.dtype) / 2**20
 
 
 @asynccontextmanager

@@ -12,7 +12,7 @@ from cache_store.allocator import RunAllocator
 from cache_store.arena import UNIT, ArenaCache, ArenaFull, KVArena
 from cache_store.integrity import checksum
 from sessions import Session
-from tests.support import run_together, running_engine
+from tests.support import kv_budget_mb, run_together, running_engine
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4
 SYSTEM = "You are the support agent of Northwind Internet. Be brief and polite."
@@ -258,8 +258,8 @@ def test_many_sessions_of_mixed_lengths_under_a_small_budget_answer_like_an_unli
     """Ten conversations of different lengths take turns together under a budget of about a third of them:
     caches are evicted, restored, grown, shrunk and compacted, yet every reply equals an unlimited engine's,
     and after every round the device tier holds within 10% of its caches' keys and values."""
-    budget_mb = 900 * 1024 / 2**20  # 900 tokens of the tiny model's float64 keys and values
-    with running_engine(tiny, device_cache_mb=budget_mb, max_batch=4) as small, running_engine(tiny) as unlimited:
+    with running_engine(tiny, device_cache_mb=kv_budget_mb(tiny, 900), max_batch=4) as small, \
+            running_engine(tiny) as unlimited:
         limited = [Session(f"m{i}", system=SYSTEM) for i in range(10)]
         reference = [Session(f"m{i}", system=SYSTEM) for i in range(10)]
         for round_index in range(3):

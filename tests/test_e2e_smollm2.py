@@ -6,6 +6,7 @@ from websockets.asyncio.client import connect
 from chatd.api.server import ChatServer
 from chatd.config import Settings
 from chatd.tools.client import ChatClient
+from tests.support import kv_budget_mb
 
 SYSTEM = "You are a friendly customer-service agent for Northwind Internet. Answer briefly."
 TURNS = [
@@ -56,7 +57,7 @@ async def test_an_int8_host_tier_keeps_every_conversation_where_full_precision_d
     """The same four interleaved customers, with a device budget of about one conversation and a host
     budget of two full-precision caches: at full precision the host tier must drop caches (recomputed);
     in int8 it keeps all four, so every returning turn restores from the host tier, and says so."""
-    device_mb, host_mb = 256 * 46_080 / 2**20, 2 * 200 * 46_080 / 2**20
+    device_mb, host_mb = kv_budget_mb(smollm2, 256), kv_budget_mb(smollm2, 2 * 200)
     results = {}
     for kv_dtype in ("same", "int8"):
         settings = Settings(port=0, device_cache_mb=device_mb, host_cache_mb=host_mb, host_kv_dtype=kv_dtype)

@@ -10,13 +10,12 @@ import urllib.request
 
 import pytest
 import pytest_asyncio
-import torch
 from websockets.asyncio.client import connect
 
-from cache_store.sizing import kv_bytes_per_token
 from chatd.api.server import ChatServer
 from chatd.config import Settings
 from chatd.tools.client import ChatClient
+from tests.support import kv_budget_mb
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -117,8 +116,7 @@ async def test_the_admin_endpoint_refuses_what_it_cannot_do(servers):
 async def test_no_check_fires_on_a_healthy_run_with_evictions(tiny):
     """Twenty turns over four sessions, a device arena of about two conversations (so caches go to
     the host tier and back), and a deep check on every reuse: zero corruptions."""
-    two_conversations_mb = 256 * kv_bytes_per_token(tiny.model.config, torch.float64) / 2**20
-    server = await start(tiny, device_cache_mb=two_conversations_mb, verify_sample_rate=1.0)
+    server = await start(tiny, device_cache_mb=kv_budget_mb(tiny, 256), verify_sample_rate=1.0)
     try:
         async with ChatClient(await connect(server.url)) as client:
             sessions = [(await client.open_session(system=SYSTEM)).session_id for _ in range(4)]

@@ -16,15 +16,10 @@ from chatd.engine.turn import TurnFailed
 from chatd.model.loader import LoadedModel
 from chatd.tools.client import ChatClient
 from sessions import Session
-from tests.support import run_turn, running_engine
+from tests.support import kv_budget_mb, run_turn, running_engine
 from tests.test_e2e_smollm2 import CUSTOMERS, SYSTEM, TURNS
 
-MB = 1024 * 1024
 QUESTIONS = ["My parcel is late.", "It was sent on Monday.", "The tracking number is 8812.", "Thanks!"]
-
-
-def budget_mb(loaded: LoadedModel, tokens: int) -> float:
-    return tokens * kv_bytes_per_token(loaded.model.config, loaded.model.dtype) / MB
 
 
 def test_interleaved_sessions_restored_from_the_host_answer_like_an_unlimited_engine(tiny):
@@ -46,7 +41,7 @@ def test_interleaved_sessions_restored_from_the_host_answer_like_an_unlimited_en
 
 
 def test_a_cache_dropped_from_a_full_host_tier_is_recomputed_with_the_same_reply(tiny):
-    with running_engine(tiny, host_cache_mb=budget_mb(tiny, 10)) as small, running_engine(tiny) as unlimited:
+    with running_engine(tiny, host_cache_mb=kv_budget_mb(tiny, 10)) as small, running_engine(tiny) as unlimited:
         a, b, a_ref, b_ref = Session("a"), Session("b"), Session("a"), Session("b")
         for session, reference in ((a, a_ref), (b, b_ref)):
             run_turn(small, session, QUESTIONS[0], max_new_tokens=10)
@@ -167,8 +162,7 @@ def test_cache_bytes_follow_the_gqa_formula_and_match_the_tensors(tiny, smollm2_
 def test_a_turn_that_does_not_fit_beside_a_running_one_waits_for_it(tiny):
     """Two new sessions at once, a device arena that holds what one turn may reach but not two: the
     second waits for the first to finish rather than overrun the budget, and both answer correctly."""
-    bytes_per_token = kv_bytes_per_token(tiny.model.config, tiny.model.dtype)
-    with running_engine(tiny, device_cache_mb=200 * bytes_per_token / 2**20) as engine, \
+    with running_engine(tiny, device_cache_mb=kv_budget_mb(tiny, 200)) as engine, \
             running_engine(tiny) as reference:
         sessions = [Session("first"), Session("second")]
         results = [None, None]
@@ -189,7 +183,7 @@ async def test_interleaved_conversations_under_a_small_device_budget_match_an_un
     """Four customers take turns; the device's KV arena holds 256 tokens (about two conversations after
     their first turn, one after their second), so a customer returning after three others always finds
     its cache offloaded to the host tier, and it must be restored exactly."""
-    async with ChatServer(Settings(port=0, device_cache_mb=budget_mb(tiny, 256)), load=lambda: tiny) as small, \
+    async with ChatServer(Settings(port=0, device_cache_mb=kv_budget_mb(tiny, 256)), load=lambda: tiny) as small, \
             ChatServer(Settings(port=0), load=lambda: tiny) as unlimited:
         await small.wait_ready()
         await unlimited.wait_ready()
@@ -219,7 +213,7 @@ async def test_a_conversation_longer_than_the_arena_is_shown_its_whole_history(t
     (374 tokens after five turns of up to 48). The budget must never change what the model is shown: every
     turn's prompt and reply equal an unlimited server's, and the turns longer than the arena run in a cache
     outside it (counted)."""
-    async with ChatServer(Settings(port=0, device_cache_mb=budget_mb(tiny, 272)), load=lambda: tiny) as small, \
+    async with ChatServer(Settings(port=0, device_cache_mb=kv_budget_mb(tiny, 272)), load=lambda: tiny) as small, \
             ChatServer(Settings(port=0), load=lambda: tiny) as unlimited:
         await small.wait_ready()
         await unlimited.wait_ready()
