@@ -16,8 +16,10 @@ def pytest_configure(config) -> None:
     (servers, Redis, nginx, Chromium inherit the affinity; chatd's default --threads reads it): two
     workers on two cores then never fight over one core, which collapses torch's threads."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not (worker and count and hasattr(os, "sched_setaffinity")):  # one process, or not Linux
+        return
     cores = sorted(os.sched_getaffinity(0))
-    if worker and count and len(cores) > 1:
+    if len(cores) > 1:
         share = cores[int(worker.removeprefix("gw")) % int(count)::int(count)] or cores
         os.sched_setaffinity(0, share)
         torch.set_num_threads(len(share))
