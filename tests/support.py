@@ -42,6 +42,19 @@ def kv_budget_mb(loaded: LoadedModel, tokens: int) -> float:
 
 
 @asynccontextmanager
+async def beside_a_reference(loaded: LoadedModel, settings: Settings, reference: Settings):
+    """A server on `settings` and a reference server to compare it with, both ready, a websocket client
+    on each: (server, client, reference_client)."""
+    async with ChatServer(settings, load=lambda: loaded) as server, \
+            ChatServer(reference, load=lambda: loaded) as compared:
+        await server.wait_ready()
+        await compared.wait_ready()
+        async with ChatClient(await connect(server.url)) as client, \
+                ChatClient(await connect(compared.url)) as reference_client:
+            yield server, client, reference_client
+
+
+@asynccontextmanager
 async def two_workers_and_a_reference(loaded: LoadedModel, settings: Settings):
     """Two servers sharing `settings` (one Redis), a third alone in memory to compare with, and a
     client on each: (on_a, on_b, reference, servers)."""

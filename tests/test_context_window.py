@@ -6,30 +6,26 @@ from websockets.asyncio.client import connect
 from chatd.api.server import ChatServer
 from chatd.config import Settings
 from chatd.tools.client import ChatClient, ChatError
-from tests.support import TINY_CONTEXT
+from tests.support import TINY_CONTEXT, beside_a_reference
 
 SYSTEM = "You are the support desk of a bicycle shop."
 
 
 async def test_oldest_turns_are_dropped_and_the_window_is_reused(tiny):
-    async with ChatServer(Settings(port=0), load=lambda: tiny) as cached, \
-            ChatServer(Settings(port=0, session_cache=False), load=lambda: tiny) as uncached:
-        await cached.wait_ready()
-        await uncached.wait_ready()
-        async with ChatClient(await connect(cached.url)) as a, ChatClient(await connect(uncached.url)) as b:
-            on_a = (await a.open_session(system=SYSTEM)).session_id
-            on_b = (await b.open_session(system=SYSTEM)).session_id
-            done = []
-            for index in range(10):
-                question = f"Question {index}: " + "my gears slip when I pedal hard uphill " * 6
-                turn_a = await a.chat(on_a, question, max_new_tokens=16)
-                turn_b = await b.chat(on_b, question, max_new_tokens=16)
-                result_a, result_b = await turn_a.result(), await turn_b.result()
-                assert turn_a.deltas == turn_b.deltas and result_a.content == result_b.content, index
-                assert result_a.dropped_turns == result_b.dropped_turns
-                assert result_a.usage.prompt_tokens + 16 <= TINY_CONTEXT
-                done.append(result_a)
-            history = (await a.open_session(session_id=on_a)).history
+    async with beside_a_reference(tiny, Settings(port=0), Settings(port=0, session_cache=False)) as (_, a, b):
+        on_a = (await a.open_session(system=SYSTEM)).session_id
+        on_b = (await b.open_session(system=SYSTEM)).session_id
+        done = []
+        for index in range(10):
+            question = f"Question {index}: " + "my gears slip when I pedal hard uphill " * 6
+            turn_a = await a.chat(on_a, question, max_new_tokens=16)
+            turn_b = await b.chat(on_b, question, max_new_tokens=16)
+            result_a, result_b = await turn_a.result(), await turn_b.result()
+            assert turn_a.deltas == turn_b.deltas and result_a.content == result_b.content, index
+            assert result_a.dropped_turns == result_b.dropped_turns
+            assert result_a.usage.prompt_tokens + 16 <= TINY_CONTEXT
+            done.append(result_a)
+        history = (await a.open_session(session_id=on_a)).history
     dropped = [d.dropped_turns for d in done]
     assert dropped[0] == 0 and dropped[-1] > 0 and dropped == sorted(dropped), dropped
     moves = [i for i in range(1, len(done)) if dropped[i] > dropped[i - 1]]

@@ -6,7 +6,7 @@ from websockets.asyncio.client import connect
 from chatd.api.server import ChatServer
 from chatd.config import Settings
 from chatd.tools.client import ChatClient
-from tests.support import kv_budget_mb
+from tests.support import beside_a_reference, kv_budget_mb
 
 SYSTEM = "You are a friendly customer-service agent for Northwind Internet. Answer briefly."
 TURNS = [
@@ -19,30 +19,26 @@ TURNS = [
 
 
 async def test_five_turns_reuse_the_device_cache_and_match_a_cacheless_server(smollm2):
-    async with ChatServer(Settings(port=0), load=lambda: smollm2) as cached, \
-            ChatServer(Settings(port=0, session_cache=False), load=lambda: smollm2) as uncached:
-        await cached.wait_ready()
-        await uncached.wait_ready()
-        async with ChatClient(await connect(cached.url)) as with_cache, \
-                ChatClient(await connect(uncached.url)) as without_cache:
-            session_a = (await with_cache.open_session(system=SYSTEM)).session_id
-            session_b = (await without_cache.open_session(system=SYSTEM)).session_id
-            for index, content in enumerate(TURNS):
-                hit = await with_cache.chat(session_a, content, max_new_tokens=40)
-                miss = await without_cache.chat(session_b, content, max_new_tokens=40)
-                hit_done, miss_done = await hit.result(), await miss.result()
-                # Token by token: one delta per released piece, the same pieces, the same count.
-                assert hit.deltas == miss.deltas, f"turn {index + 1}"
-                assert hit_done.content == miss_done.content
-                assert hit_done.usage.completion_tokens == miss_done.usage.completion_tokens
-                assert hit_done.usage.prompt_tokens == miss_done.usage.prompt_tokens
-                assert miss_done.cache.source == "miss" and miss_done.usage.cached_tokens == 0
-                if index == 0:
-                    assert hit_done.cache.source == "miss" and hit_done.cache.miss_reason == "new"
-                else:
-                    assert hit_done.cache.source == "device", f"turn {index + 1}"
-                    assert hit_done.usage.cached_tokens > 0
-                    assert hit_done.usage.prompt_tokens - hit_done.usage.cached_tokens < 40
+    async with beside_a_reference(smollm2, Settings(port=0), Settings(port=0, session_cache=False)) as \
+            (_, with_cache, without_cache):
+        session_a = (await with_cache.open_session(system=SYSTEM)).session_id
+        session_b = (await without_cache.open_session(system=SYSTEM)).session_id
+        for index, content in enumerate(TURNS):
+            hit = await with_cache.chat(session_a, content, max_new_tokens=40)
+            miss = await without_cache.chat(session_b, content, max_new_tokens=40)
+            hit_done, miss_done = await hit.result(), await miss.result()
+            # Token by token: one delta per released piece, the same pieces, the same count.
+            assert hit.deltas == miss.deltas, f"turn {index + 1}"
+            assert hit_done.content == miss_done.content
+            assert hit_done.usage.completion_tokens == miss_done.usage.completion_tokens
+            assert hit_done.usage.prompt_tokens == miss_done.usage.prompt_tokens
+            assert miss_done.cache.source == "miss" and miss_done.usage.cached_tokens == 0
+            if index == 0:
+                assert hit_done.cache.source == "miss" and hit_done.cache.miss_reason == "new"
+            else:
+                assert hit_done.cache.source == "device", f"turn {index + 1}"
+                assert hit_done.usage.cached_tokens > 0
+                assert hit_done.usage.prompt_tokens - hit_done.usage.cached_tokens < 40
 
 
 CUSTOMERS = {

@@ -16,7 +16,7 @@ from chatd.engine.turn import TurnFailed
 from chatd.model.loader import LoadedModel
 from chatd.tools.client import ChatClient
 from sessions import Session
-from tests.support import kv_budget_mb, run_turn, running_engine
+from tests.support import beside_a_reference, kv_budget_mb, run_turn, running_engine
 from tests.test_e2e_smollm2 import CUSTOMERS, SYSTEM, TURNS
 
 QUESTIONS = ["My parcel is late.", "It was sent on Monday.", "The tracking number is 8812.", "Thanks!"]
@@ -183,52 +183,43 @@ async def test_interleaved_conversations_under_a_small_device_budget_match_an_un
     """Four customers take turns; the device's KV arena holds 256 tokens (about two conversations after
     their first turn, one after their second), so a customer returning after three others always finds
     its cache offloaded to the host tier, and it must be restored exactly."""
-    async with ChatServer(Settings(port=0, device_cache_mb=kv_budget_mb(tiny, 256)), load=lambda: tiny) as small, \
-            ChatServer(Settings(port=0), load=lambda: tiny) as unlimited:
-        await small.wait_ready()
-        await unlimited.wait_ready()
-        async with ChatClient(await connect(small.url)) as limited_client, \
-                ChatClient(await connect(unlimited.url)) as reference_client:
-            sessions = {}
-            for name in CUSTOMERS:
-                sessions[name] = ((await limited_client.open_session(system=SYSTEM)).session_id,
-                                  (await reference_client.open_session(system=SYSTEM)).session_id)
-            for round_index in range(3):
-                for name, questions in CUSTOMERS.items():
-                    limited_id, reference_id = sessions[name]
-                    got = await limited_client.chat(limited_id, questions[round_index], max_new_tokens=24)
-                    expected = await reference_client.chat(reference_id, questions[round_index], max_new_tokens=24)
-                    got_done, expected_done = await got.result(), await expected.result()
-                    assert got.deltas == expected.deltas, f"{name}, turn {round_index + 1}"
-                    if round_index > 0:  # (in the first round the small budget may have evicted the shared prefix)
-                        assert (got_done.cache.source, expected_done.cache.source) == ("host", "device")
-                        assert got_done.usage.cached_tokens == expected_done.usage.cached_tokens
+    async with beside_a_reference(tiny, Settings(port=0, device_cache_mb=kv_budget_mb(tiny, 256)), Settings(port=0)) \
+            as (small, limited_client, reference_client):
+        sessions = {}
+        for name in CUSTOMERS:
+            sessions[name] = ((await limited_client.open_session(system=SYSTEM)).session_id,
+                              (await reference_client.open_session(system=SYSTEM)).session_id)
+        for round_index in range(3):
+            for name, questions in CUSTOMERS.items():
+                limited_id, reference_id = sessions[name]
+                got = await limited_client.chat(limited_id, questions[round_index], max_new_tokens=24)
+                expected = await reference_client.chat(reference_id, questions[round_index], max_new_tokens=24)
+                got_done, expected_done = await got.result(), await expected.result()
+                assert got.deltas == expected.deltas, f"{name}, turn {round_index + 1}"
+                if round_index > 0:  # (in the first round the small budget may have evicted the shared prefix)
+                    assert (got_done.cache.source, expected_done.cache.source) == ("host", "device")
+                    assert got_done.usage.cached_tokens == expected_done.usage.cached_tokens
         stats = small.engine.cache.stats()
         assert stats["device_bytes"] <= stats["device_budget_bytes"]
         assert stats["restores"] == 8
 
 
 async def test_a_conversation_longer_than_the_arena_is_shown_its_whole_history(tiny):
-    """The KV arena holds 272 tokens; this conversation outgrows it
-    (374 tokens after five turns of up to 48). The budget must never change what the model is shown: every
-    turn's prompt and reply equal an unlimited server's, and the turns longer than the arena run in a cache
-    outside it (counted)."""
-    async with ChatServer(Settings(port=0, device_cache_mb=kv_budget_mb(tiny, 272)), load=lambda: tiny) as small, \
-            ChatServer(Settings(port=0), load=lambda: tiny) as unlimited:
-        await small.wait_ready()
-        await unlimited.wait_ready()
+    """The KV arena holds 272 tokens; this conversation outgrows it (374 tokens after five turns of up to
+    48). The budget must never change what the model is shown: every turn's prompt and reply equal an
+    unlimited server's, and the turns longer than the arena run in a cache outside it (counted)."""
+    async with beside_a_reference(tiny, Settings(port=0, device_cache_mb=kv_budget_mb(tiny, 272)), Settings(port=0)) \
+            as (small, limited_client, reference_client):
         arena_tokens = small.engine.arena.tokens
-        async with ChatClient(await connect(small.url)) as limited_client, \
-                ChatClient(await connect(unlimited.url)) as reference_client:
-            limited_id = (await limited_client.open_session(system=SYSTEM)).session_id
-            reference_id = (await reference_client.open_session(system=SYSTEM)).session_id
-            for index, content in enumerate(TURNS):
-                got = await limited_client.chat(limited_id, content, max_new_tokens=48)
-                expected = await reference_client.chat(reference_id, content, max_new_tokens=48)
-                got_done, expected_done = await got.result(), await expected.result()
-                assert got.deltas == expected.deltas, f"turn {index + 1}"
-                assert got_done.usage.prompt_tokens == expected_done.usage.prompt_tokens, f"turn {index + 1}"
-                assert got_done.cache.miss_reason != "truncated"
+        limited_id = (await limited_client.open_session(system=SYSTEM)).session_id
+        reference_id = (await reference_client.open_session(system=SYSTEM)).session_id
+        for index, content in enumerate(TURNS):
+            got = await limited_client.chat(limited_id, content, max_new_tokens=48)
+            expected = await reference_client.chat(reference_id, content, max_new_tokens=48)
+            got_done, expected_done = await got.result(), await expected.result()
+            assert got.deltas == expected.deltas, f"turn {index + 1}"
+            assert got_done.usage.prompt_tokens == expected_done.usage.prompt_tokens, f"turn {index + 1}"
+            assert got_done.cache.miss_reason != "truncated"
         total = expected_done.usage.prompt_tokens + expected_done.usage.completion_tokens
         assert total > arena_tokens, f"the conversation ({total} tokens) never outgrew the arena ({arena_tokens})"
         assert small.engine.outside_arena_turns >= 1
