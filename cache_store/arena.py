@@ -1,6 +1,9 @@
 """The KV arena: per layer one buffer `[kv_heads, tokens, head_dim]`, allocated once on the compute
 device; a session's cache is a region of it (the same positions in every layer) plus its length.
 
+A cache may start with a chain of shared, read-only segments (`cache_store/chain.py`): its own region then
+holds only the tokens after them, and its layers count positions from the chain's end (`offset`).
+
 Regions are exactly as long as they ask for, in units of `UNIT` tokens (`RunAllocator`): a turn's region
 is reserved at admission for its prompt and `max_new_tokens`, shrunk at write-back to the cache's length
 (rounded up to a unit: the only slack), grown in place when the run after it is free and moved once
@@ -113,6 +116,15 @@ class KVArena:
         self.allocator.shrink(region.start // UNIT, region.capacity // UNIT, keep)
         region.capacity = keep * UNIT
 
+    def split(self, region: _Region, units: int, owner: ArenaCache) -> _Region:
+        """Hand the first `units` of `region` to `owner` as a region of its own (a shared segment taken from the
+        start of a cache); `region` keeps the rest, which may be none. Nothing moves."""
+        head = _Region(region.start, units * UNIT, owner)
+        region.start += units * UNIT
+        region.capacity -= units * UNIT
+        self._regions.add(head)
+        return head
+
     def release(self, region: _Region) -> None:
         if region in self._regions:
             self._regions.discard(region)
@@ -214,6 +226,7 @@ class ArenaLayer(CacheLayerMixin):
         return self._view(self._cache.arena.values[self._index])
 
     def _view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Its own tokens (after the chain it starts with, if any)."""
         start = self._cache.region.start if self._cache.region else 0
         return buffer[:, start:start + self.length].unsqueeze(0)
 
@@ -223,7 +236,9 @@ class ArenaLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         new = key_states.shape[-2]
-        self._cache.reserve(self.length + new)
+        if self._cache.frozen:
+            raise RuntimeError("a shared segment of the KV arena is read-only")
+        self._cache.reserve(self._cache.offset + self.length + new)
         start = self._cache.region.start + self.length
         self._cache.arena.keys[self._index][:, start:start + new] = key_states[0]
         self._cache.arena.values[self._index][:, start:start + new] = value_states[0]
@@ -231,16 +246,18 @@ class ArenaLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        return self._cache.offset + self.length + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.length
+        """Positions it covers, the chain it starts with included."""
+        return self._cache.offset + self.length
 
     def get_max_length(self) -> int:
         return -1
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove `-tokens_to_remove` tokens (a negative count, as transformers' layers take it)."""
+        """Remove `-tokens_to_remove` of its own tokens (a negative count, as transformers' layers take it); a
+        crop into the chain is `chain.crop`'s."""
         self.length = max(0, self.length + min(0, tokens_to_remove))
 
 
@@ -250,10 +267,17 @@ class ArenaCache(Cache):
     def __init__(self, arena: KVArena):
         self.arena = arena
         self.region: _Region | None = None
+        self.prefix: ArenaCache | None = None  # the shared segment it starts with (`cache_store/chain.py`)
+        self.offset = 0  # the positions of that chain: its own region holds positions from here on
+        self.frozen = False  # a shared segment: read-only, other caches start with it
+        self.segment_key: str | None = None  # a segment's key in the device tier
+        self.users: weakref.WeakSet[ArenaCache] = weakref.WeakSet()  # the caches that start with it
         super().__init__(layers=[ArenaLayer(self, index) for index in range(len(arena.keys))])
 
     def reserve(self, tokens: int) -> None:
-        """Make the region hold at least `tokens`: in place when the run after it is free, else moved once."""
+        """Make the region hold at least `tokens` positions (the chain included: the region holds those after
+        it): in place when the run after it is free, else moved once."""
+        tokens = max(1, tokens - self.offset)
         if self.region is not None and (tokens <= self.region.capacity or self.arena.grow(self.region, tokens)):
             return
         try:
@@ -265,7 +289,7 @@ class ArenaCache(Cache):
             kept = [(layer.keys.clone(), layer.values.clone()) for layer in self.layers]
             self._free()
             try:
-                self.load(kept, tokens)
+                self.load(kept, self.offset + tokens)
             except ArenaFull:
                 self.load(kept)  # back into the units just freed, which hold it again
                 raise
@@ -281,8 +305,13 @@ class ArenaCache(Cache):
             self.arena.shrink(self.region, max(1, self.used_tokens()))
 
     def used_tokens(self) -> int:
-        """The most tokens any layer holds (they differ only mid-forward, or in a cache injected with a fault)."""
-        return max((layer.get_seq_length() for layer in self.layers), default=0)
+        """The most tokens any layer holds in its own region (they differ only mid-forward, or in a cache
+        injected with a fault)."""
+        return max((_own_length(layer) for layer in self.layers), default=0)
+
+    def total_tokens(self) -> int:
+        """The positions it covers: its chain's and its own."""
+        return self.offset + self.used_tokens()
 
     def _own(self, region: _Region) -> None:
         self.region = region
@@ -293,10 +322,11 @@ class ArenaCache(Cache):
         self.region = None
 
     def load(self, tensors: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int = 0) -> None:
-        """Copy keys and values `[1, heads, tokens, head_dim]` per layer (never views of another arena cache:
-        see `copy_from`) into a region of their own, with room for `room` tokens."""
+        """Copy its own keys and values `[1, heads, tokens, head_dim]` per layer (those after its chain; never
+        views of another arena cache: see `chain.start_from`) into a region of their own, with room for `room`
+        positions (the chain included)."""
         tokens = max((keys.shape[-2] for keys, _ in tensors), default=0)
-        self.reserve(max(tokens, room, 1))
+        self.reserve(max(self.offset + tokens, room, self.offset + 1))
         start = self.region.start
         for layer, keys_buffer, values_buffer, (keys, values) in zip(
                 self.layers, self.arena.keys, self.arena.values, tensors, strict=False):
@@ -305,17 +335,14 @@ class ArenaCache(Cache):
             values_buffer[:, start:start + length] = values[0]
             layer.length = length
 
-    def copy_from(self, source: ArenaCache, tokens: int) -> None:
-        """The first `tokens` of another cache of the same arena, copied once device to device. The region is
-        taken first and the source's position read after, since taking it may compact (move) the source."""
-        self.reserve(max(tokens, 1))
-        self.arena.copy(source.region.start, self.region.start, tokens)
-        for layer in self.layers:
-            layer.length = tokens
-
     def nbytes(self) -> int:
-        """The bytes its region holds in the arena."""
+        """The bytes its own region holds in the arena (a shared segment's are counted once, as its own)."""
         return self.region.capacity * self.arena.bytes_per_token if self.region else 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].length
+        return self.offset + _own_length(self.layers[layer_idx])
+
+
+def _own_length(layer: CacheLayerMixin) -> int:
+    """A layer's own tokens: an arena layer's length (a layer replaced by fault injection: its tensors')."""
+    return layer.length if isinstance(layer, ArenaLayer) else layer.get_seq_length()

@@ -1,11 +1,14 @@
 """Caches resident on the compute device, under a byte budget that counts every running turn's
-cache at the size it may reach, from its admission to its write-back."""
+cache at the size it may reach, from its admission to its write-back. A shared segment counts once, and is
+not evictable while a cache starts with it or while it is pinned (a warm prompt)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
+import cache_store.chain as chain
+from cache_store.arena import ArenaCache
 from cache_store.entry import CacheEntry
 from cache_store.policy import ConnectedLRUPolicy, EvictionPolicy, Residency
 
@@ -21,14 +24,21 @@ class DeviceTier:
         self._entries: dict[str, CacheEntry] = {}
         self._residency: dict[str, Residency] = {}
         self._reserved: dict[str, int] = {}  # running turns: the bytes each one's cache may grow to
+        self._pinned: set[str] = set()  # warm prompts: resident through any eviction
 
     def get(self, key: str) -> CacheEntry | None:
         if (entry := self._entries.get(key)) is not None:
             self._residency[key].last_access = self._clock()
         return entry
 
-    def put(self, key: str, entry: CacheEntry, connected: bool = False) -> None:
-        """Make `entry` resident. The caller makes room first (see `plan_room`)."""
+    def peek(self, key: str) -> CacheEntry | None:
+        """The entry, without recording an access (for stats and scans)."""
+        return self._entries.get(key)
+
+    def put(self, key: str, entry: CacheEntry, connected: bool = False, pinned: bool = False) -> None:
+        """Make `entry` resident (`pinned`: never evicted). The caller makes room first (see `plan_room`)."""
+        if pinned:
+            self._pinned.add(key)
         self._entries[key] = entry
         residency = self._residency.setdefault(key, Residency(key, self._clock()))
         residency.last_access, residency.connected = self._clock(), connected
@@ -37,6 +47,7 @@ class DeviceTier:
     def pop(self, key: str) -> CacheEntry | None:
         """Take the entry off the device; a running turn's reservation stays until `unreserve`."""
         self._residency.pop(key, None)
+        self._pinned.discard(key)
         return self._entries.pop(key, None)
 
     def reserve(self, key: str, nbytes: int) -> None:
@@ -53,6 +64,15 @@ class DeviceTier:
     def is_running(self, key: str) -> bool:
         return key in self._reserved
 
+    def is_pinned(self, key: str) -> bool:
+        return key in self._pinned
+
+    def is_evictable(self, key: str) -> bool:
+        """Not running, not pinned, and not a segment that a cache starts with."""
+        entry = self._entries.get(key)
+        return (entry is not None and key not in self._reserved and key not in self._pinned
+                and not (isinstance(entry.cache, ArenaCache) and entry.cache.frozen and chain.users(entry.cache)))
+
     def residency(self, key: str) -> Residency | None:
         return self._residency.get(key)
 
@@ -65,25 +85,41 @@ class DeviceTier:
         """How much more `key` would count for if it held `nbytes`."""
         return max(0, max(nbytes, self._reserved.get(key, 0)) - self.charge(key))
 
-    def plan_room(self, need_bytes: int, keep: str | None = None) -> tuple[list[str], bool]:
+    def plan_room(self, need_bytes: int, keep: str | Collection[str] = ()) -> tuple[list[str], bool]:
         """Keys to evict, in eviction order, so that `need_bytes` more fit under the budget, and whether
-        they suffice. Running caches and `keep` are never chosen."""
-        candidates = sorted(self._evictable(keep), key=self.policy.priority)
+        they suffice. Running caches, pinned ones and `keep` (a key or several) are never chosen; a segment is
+        chosen only once every cache that starts with it is (in a later pass over what is left)."""
+        keep = {keep} if isinstance(keep, str) else set(keep)
         over = self.used_bytes() + need_bytes - self.budget_bytes
-        chosen = []
-        for residency in candidates:
-            if over <= 0:
+        chosen: list[str] = []
+        leaving: set[int] = set()  # ids of the chosen caches
+        while over > 0:
+            candidates = sorted((r for r in self._residency.values()
+                                 if r.key not in keep and r.key not in chosen and self._evictable_with(r.key, leaving)),
+                                key=self.policy.priority)
+            if not candidates:
                 break
-            chosen.append(residency.key)
-            over -= self._entries[residency.key].nbytes()
+            for residency in candidates:
+                if over <= 0:
+                    break
+                chosen.append(residency.key)
+                leaving.add(id(self._entries[residency.key].cache))
+                over -= self._entries[residency.key].nbytes()
         return chosen, over <= 0
 
     def can_fit(self, need_bytes: int) -> bool:
-        """Whether evicting everything that may be evicted would leave room for `need_bytes`."""
-        return sum(self.charge(key) for key in self._reserved) + need_bytes <= self.budget_bytes
+        """Whether evicting everything that may be evicted would leave room for `need_bytes` (a segment in
+        use stays: what uses it may be evicted first, but it is counted as staying, which errs on the safe side)."""
+        staying = {*self._reserved, *(key for key in self._entries if not self.is_evictable(key))}
+        return sum(self.charge(key) for key in staying) + need_bytes <= self.budget_bytes
 
-    def _evictable(self, keep: str | None) -> list[Residency]:
-        return [r for r in self._residency.values() if not r.running and r.key != keep]
+    def _evictable_with(self, key: str, leaving: set[int]) -> bool:
+        """Whether `key` may be evicted once the caches `leaving` are gone."""
+        entry = self._entries[key]
+        if key in self._reserved or key in self._pinned:
+            return False
+        frozen = isinstance(entry.cache, ArenaCache) and entry.cache.frozen
+        return not frozen or all(id(user) in leaving for user in list(entry.cache.users))
 
     def used_bytes(self) -> int:
         return sum(self.charge(key) for key in {*self._entries, *self._reserved})

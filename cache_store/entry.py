@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+import cache_store.chain as chain
 from cache_store.arena import ArenaCache, TemporaryCache
 from cache_store.identity import Fingerprint
 
@@ -34,6 +35,16 @@ class CacheEntry:
         return len(self.token_ids)
 
     @property
+    def prefix_tokens(self) -> int:
+        """Positions held by the shared segments its cache starts with (`cache_store/chain.py`), not by it."""
+        return self.cache.offset if isinstance(self.cache, ArenaCache) else 0
+
+    @property
+    def own_tokens(self) -> int:
+        """Positions its own keys and values hold: those after its shared segments."""
+        return self.num_tokens - self.prefix_tokens
+
+    @property
     def quantized(self) -> str | None:
         """"int8" when its keys and values came from a quantised copy (so they are not exact)."""
         return self.fingerprint.quantized if self.fingerprint is not None else None
@@ -51,13 +62,19 @@ class CacheEntry:
 
     def crop(self, keep: int) -> None:
         """Keep the first `keep` tokens of every layer; used when a render diverged, a turn is
-        rolled back, or a forward pass failed halfway through the layers."""
+        rolled back, or a forward pass failed halfway through the layers. A crop into the shared segments
+        its cache starts with copies what it keeps of them (`chain.crop`)."""
+        if isinstance(self.cache, ArenaCache):
+            chain.crop(self.cache, keep)
+            del self.token_ids[keep:]
+            return
         for layer in self.cache.layers:
             if layer.is_initialized and layer.get_seq_length() > keep:
                 layer.crop(keep - layer.get_seq_length())
         del self.token_ids[keep:]
 
     def tensors(self) -> KVTensors:
+        """Its own keys and values (after its shared segments), per layer: what its checksum covers."""
         return [(layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized]
 
     def nbytes(self) -> int:
@@ -72,17 +89,19 @@ class CacheEntry:
 
     def clone(self, new_cache: NewCache, tokens: int | None = None) -> CacheEntry:
         """A copy in a cache of its own: whole (with its fingerprint and checksum), or its first `tokens`
-        (without them: whoever keeps such a copy stamps it). Copied once, from this one's keys and values."""
+        (without them: whoever keeps such a copy stamps it). In the arena it starts with the same shared segments
+        and copies only the positions after them, once, device to device (`chain.start_from`)."""
         whole = tokens is None or tokens == self.num_tokens
         tokens = self.num_tokens if tokens is None else tokens
         cache = new_cache(tokens)
         if isinstance(cache, ArenaCache) and isinstance(self.cache, ArenaCache):
-            cache.copy_from(self.cache, tokens)
+            chain.start_from(cache, self.cache, tokens)
             clone = CacheEntry(cache, self.token_ids[:tokens], self.fingerprint if whole else None)
         else:
-            clone = _fill(cache, [(k[..., :tokens, :], v[..., :tokens, :]) for k, v in self.tensors()],
+            tensors = chain.full_tensors(self.cache) if isinstance(self.cache, ArenaCache) else self.tensors()
+            clone = _fill(cache, [(k[..., :tokens, :], v[..., :tokens, :]) for k, v in tensors],
                           self.token_ids[:tokens], self.fingerprint if whole else None, owned=False)
-        clone.checksum = self.checksum if whole else None
+        clone.checksum = self.checksum if whole and clone.prefix_tokens == self.prefix_tokens else None
         clone.session_version = self.session_version
         return clone
 
@@ -90,15 +109,25 @@ class CacheEntry:
         """Hold its keys and values in a `TemporaryCache` rather than a region of the arena (a conversation
         about to outgrow the whole arena); the region is freed."""
         if isinstance(self.cache, ArenaCache):
-            self.cache = _fill(TemporaryCache(), self.tensors(), self.token_ids, self.fingerprint, owned=False).cache
+            self.cache = _fill(TemporaryCache(), chain.full_tensors(self.cache), self.token_ids, self.fingerprint,
+                               owned=True).cache
 
 
 def entry_from_tensors(new_cache: NewCache, tensors: KVTensors, token_ids: list[int],
-                       fingerprint: Fingerprint | None = None, owned: bool = True) -> CacheEntry:
+                       fingerprint: Fingerprint | None = None, owned: bool = True,
+                       prefix: ArenaCache | None = None) -> CacheEntry:
     """Existing key/value tensors (never views of an arena cache: see `CacheEntry.clone`) as a cache: copied
     into a region of the arena, or taken by a `DynamicCache` as they are (copied first unless they are
-    `owned`)."""
-    return _fill(new_cache(len(token_ids)), tensors, token_ids, fingerprint, owned)
+    `owned`). With a `prefix` (a segment holding the positions before them) the cache starts with it; outside
+    the arena the segment's keys and values are copied in front."""
+    cache = new_cache(len(token_ids))
+    if prefix is not None and isinstance(cache, ArenaCache):
+        chain.attach(cache, prefix)
+    elif prefix is not None:
+        tensors = [(torch.cat([k0, k], dim=2), torch.cat([v0, v], dim=2))
+                   for (k0, v0), (k, v) in zip(chain.full_tensors(prefix), tensors, strict=True)]
+        owned = True
+    return _fill(cache, tensors, token_ids, fingerprint, owned)
 
 
 def _fill(cache: DynamicCache | ArenaCache, tensors: KVTensors, token_ids: list[int],

@@ -1,6 +1,7 @@
 """Caches offloaded to host memory, under a byte budget that counts the memory really held: the pool's
 buffers, in use or free, plus any entry that owns its memory. The first offloaded are dropped first
-(they were the least recently used on the device when they left it)."""
+(they were the least recently used on the device when they left it), sessions' caches before shared
+segments (which every cache that starts with one needs)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from cache_store.host_pool import HostBufferPool, size_class
 from cache_store.offload import HostEntry
+from cache_store.segments import is_segment
 
 
 class HostTier:
@@ -38,7 +40,9 @@ class HostTier:
                 continue
             if not self._entries:  # the rest is still being copied back to the device
                 return dropped, False
-            oldest, entry = self._entries.popitem(last=False)
+            # Sessions' caches go first: dropping a shared segment would lose every cache that starts with it.
+            oldest = next((key for key in self._entries if not is_segment(key)), next(iter(self._entries)))
+            entry = self._entries.pop(oldest)
             self._put_at.pop(oldest)
             self.release(entry)
             dropped.append(oldest)
@@ -60,6 +64,11 @@ class HostTier:
 
     def get(self, key: str) -> HostEntry | None:
         return self._entries.get(key)
+
+    def touch(self, key: str) -> None:
+        """Count `key` as offloaded now (a segment's copy that a restore used and kept)."""
+        self._entries.move_to_end(key)
+        self._put_at[key] = self._clock()
 
     def pop(self, key: str) -> HostEntry | None:
         """Take an entry out; the caller hands it to `release` when done with it."""

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+import cache_store.chain as chain
+from cache_store.arena import ArenaCache
 from cache_store.entry import CacheEntry, KVTensors, NewCache, entry_from_tensors
 from cache_store.identity import Fingerprint
 from cache_store.integrity import checksum
@@ -34,6 +36,13 @@ class HostEntry:
     session_version: int = 0
     buffer: torch.Tensor | None = None
     scales: KVTensors | None = None
+    prefix_key: str | None = None  # the shared segment it starts with (its tensors hold what comes after it)
+    prefix_tokens: int = 0  # that segment's positions
+
+    @property
+    def own_tokens(self) -> int:
+        """The positions its tensors hold."""
+        return len(self.token_ids) - self.prefix_tokens
 
     @property
     def stored(self) -> KVTensors:
@@ -80,11 +89,14 @@ class Offloader:
     def pins_memory(self) -> bool:
         return self._stream is not None
 
-    def offload(self, entry: CacheEntry, buffer: torch.Tensor | None = None, kv_dtype: KVDtype = "same") -> HostEntry:
+    def offload(self, entry: CacheEntry, buffer: torch.Tensor | None = None, kv_dtype: KVDtype = "same",
+                whole: bool = False) -> HostEntry:
         """Copy the entry to host memory, in `kv_dtype` (int8: quantised on the device, so that only the
-        int8 bytes cross to the host): into views of `buffer` (from the pool), or new tensors."""
+        int8 bytes cross to the host): into views of `buffer` (from the pool), or new tensors. Its own keys and
+        values, naming the shared segment it starts with; `whole`: every position, a copy that stands alone."""
         scales = None
-        sources = entry.tensors()
+        chained = isinstance(entry.cache, ArenaCache) and entry.cache.prefix is not None
+        sources = chain.full_tensors(entry.cache) if whole and chained else entry.tensors()
         if kv_dtype == "int8":
             sources, scales = quantize(sources)
             sources = [*sources, *scales]
@@ -107,11 +119,14 @@ class Offloader:
         if scales is not None:
             targets, scales = targets[:len(targets) - len(scales)], targets[len(targets) - len(scales):]
             stamp = dataclasses.replace(stamp, quantized="int8") if stamp is not None else None
-        return HostEntry(targets, list(entry.token_ids), stamp, digest, entry.session_version, buffer, scales)
+        own = chained and not whole
+        return HostEntry(targets, list(entry.token_ids), stamp, digest, entry.session_version, buffer, scales,
+                         entry.cache.prefix.segment_key if own else None, entry.prefix_tokens if own else 0)
 
-    def restore(self, host: HostEntry, new_cache: NewCache) -> tuple[CacheEntry, torch.cuda.Event | None]:
-        """The host entry as a device cache, and the event after which its host memory may be reused
-        (None: at once)."""
+    def restore(self, host: HostEntry, new_cache: NewCache, prefix: ArenaCache | None = None
+                ) -> tuple[CacheEntry, torch.cuda.Event | None]:
+        """The host entry as a device cache (starting with the resident segment `prefix`, which holds the
+        positions before its own), and the event after which its host memory may be reused (None: at once)."""
         copied = None
         if self._stream is None:
             tensors = [(k.clone(), v.clone()) for k, v in host.tensors] if host.scales is None else host.tensors
@@ -121,7 +136,7 @@ class Offloader:
             tensors, scales = moved[:len(host.tensors)], moved[len(host.tensors):] or None
         if scales is not None:
             tensors = dequantize(tensors, scales, host.fingerprint.layout.dtype)
-        entry = entry_from_tensors(new_cache, tensors, host.token_ids, host.fingerprint)
+        entry = entry_from_tensors(new_cache, tensors, host.token_ids, host.fingerprint, prefix=prefix)
         entry.session_version = host.session_version
         return entry, copied
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
-import xxhash
 
-from cache_store.arena import ArenaCache, ArenaFull, TemporaryCache
+import cache_store.chain as chain
+from cache_store.arena import UNIT, ArenaCache, ArenaFull, TemporaryCache
 from cache_store.cost_model import CostModel, RemoteDecision, Throughput
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry, NewCache
@@ -37,15 +37,14 @@ from cache_store.offload import HostEntry, Offloader, host_nbytes
 from cache_store.policy import EvictionPolicy
 from cache_store.quantize import KVDtype
 from cache_store.remote_tier import RemoteHeader
+from cache_store.segments import SharedSegments, is_segment, segment_key
 from cache_store.sizing import layer_tokens_needed
 from cache_store.stage_faults import FaultPoints
-from sessions.encoding import pack_ids
 
 CacheSource = Literal["device", "host", "remote", "prefix", "miss"]
 CopyObserver = Callable[[Literal["offload", "restore"], Literal["host", "remote"], float], None]
 MissReason = Literal["new", "cold", "evicted", "disabled", "drift", "corrupt", "stale", "truncated"]
 log = logging.getLogger(__name__)
-_PREFIX = "prefix:"
 _REMEMBERED_LOSSES = 100_000
 
 
@@ -116,6 +115,7 @@ class CacheStore:
         self.layer_windows = tuple(layer_windows) or (None,) * layout.layers  # per layer: sliding window or None
         self.model_key = model_key
         self.device = DeviceTier(device_budget_bytes, policy, clock)
+        self.segments = SharedSegments(self.device, model_key, layout)
         self.host = HostTier(host_budget_bytes, HostBufferPool(pinned=offloader.pins_memory), clock)
         self.faults = faults or FaultPoints()
         self.ttl_s = ttl_s
@@ -142,10 +142,11 @@ class CacheStore:
         victims, fits = self.device.plan_room(self.device.extra_bytes(session_id, nbytes), keep=session_id)
         if not fits and not alone:
             return False
-        if not fits:
-            victims = [key for key in self.device if not self.device.is_running(key) and key != session_id]
         for key in victims:
             self._evict(key)
+        while not fits and (rest := [k for k in self.device if k != session_id and self.device.is_evictable(k)]):
+            for key in rest:  # alone over the budget: every idle cache goes (segments once nothing starts with them)
+                self._evict(key)
         self.device.reserve(session_id, nbytes)
         self._turns[session_id] = turn
         return True
@@ -177,7 +178,7 @@ class CacheStore:
             entry, failed = self._restore(session_id)
             if failed:
                 return self.report_corruption(session_id, failed)
-            source = "host"
+            source = "host"  # (or nothing: the segment it starts with is gone, and it was dropped)
         decision = None
         header = self.remote.head(session_id) if entry is None and self.remote is not None else None
         if header is not None and header.fingerprint.quantized and self.remote_kv_dtype == "same":
@@ -186,7 +187,8 @@ class CacheStore:
             self.remote.delete(session_id)
             return CacheLookup("miss", 0, miss_reason="stale")
         if header is not None:
-            entry, decision, failed = self._from_remote(session_id, header)
+            entry, decision, failed = self._from_remote(session_id, header, self._segment_for(prompt_ids, prefix_len,
+                                                                                             scope))
             if failed:
                 return self.report_corruption(session_id, failed)
             if entry is not None:
@@ -209,8 +211,8 @@ class CacheStore:
         reuse verifies; it becomes evictable again. `session_version` counts the completed turns the
         cache includes."""
         self._end_turn(session_id)
-        if not self.enabled or entry.num_tokens == 0:
-            self.drop(session_id)
+        if not self.enabled or entry.num_tokens == 0 or self.segments.check_chain(entry)[0] is not None:
+            self.drop(session_id)  # (a segment it starts with was dropped while it ran: it recomputes)
             return
         self.device.pop(session_id)
         self._lost.pop(session_id, None)
@@ -222,7 +224,7 @@ class CacheStore:
         self._make_room(entry.nbytes())
         self.device.put(session_id, entry, connected=session_id in self._connected)
         if self.remote is not None:
-            snapshot = self._offloader.offload(entry, kv_dtype=self.remote_kv_dtype)
+            snapshot = self._offloader.offload(entry, kv_dtype=self.remote_kv_dtype, whole=True)
             self.remote.put(session_id, snapshot)  # written in the background
         if isinstance(entry.cache, TemporaryCache) or self.device.used_bytes() > self.device.budget_bytes:
             self._offload(session_id)  # longer than the whole arena, or alone larger than the budget
@@ -237,32 +239,27 @@ class CacheStore:
         self.drop(session_id)
         self._end_turn(session_id)
 
-    def put_prefix(self, entry: CacheEntry, scope: str | None = None) -> None:
-        """Share a copy of `entry` as the start of every new session of `scope` (an owner: another
-        never sees it, not even in timing) whose prompt begins with its ids."""
+    def put_prefix(self, entry: CacheEntry, scope: str | None = None, pinned: bool = False) -> bool:
+        """Share `entry`'s tokens (a system prompt just prefilled alone) as a segment that every new session of
+        `scope` (an owner: another never sees it, not even in timing) whose prompt begins with its ids starts
+        with; `entry` starts with it from now on, and nothing is copied. `pinned` (a warm prompt): never
+        evicted, and found by every owner. Whether it is shared now."""
         if not self.enabled:
-            return
-        key = _prefix_key(entry.token_ids, scope)
-        try:
-            shared = entry.clone(self.new_cache)
-        except ArenaFull:
-            return  # no room to share it now; a later session's miss will offer it again
-        shared.fingerprint = fingerprint(shared, self.model_key, key, self.layout)
-        shared.checksum = checksum(shared.tensors())
-        self._make_room(shared.nbytes())
-        if self.device.used_bytes() + shared.nbytes() <= self.device.budget_bytes:
-            self.device.put(key, shared)
+            return False
+        return self.segments.share(entry, segment_key(entry.token_ids, None if pinned else scope), pinned) is not None
 
     def fork(self, source: str, target: str, prompt_ids: Sequence[int]) -> int:
-        """Start `target`'s cache as a copy of the part of `source`'s device-resident cache that
-        `prompt_ids` begins with (a branch of a conversation: a regenerated reply, an edited message,
-        a second tab). The source, running or not, is left as it is. Returns the tokens copied."""
+        """Start `target`'s cache from the part of `source`'s device-resident cache that `prompt_ids` begins
+        with (a branch of a conversation: a regenerated reply, an edited message, a second tab): it starts
+        with the same shared segments, and the rest of that part is copied. The source, running or not, is
+        left as it is. Returns the positions it holds."""
         entry = self.device.get(source) if self.enabled and target not in self.device else None
-        if entry is None:
-            return 0
+        if entry is None or (entry.checksum is not None and self._check_resident(source, entry)):
+            return 0  # (a running source is checked at its write-back)
         shared = min(common_prefix_length(entry.token_ids, prompt_ids), len(prompt_ids) - 1)
         if shared <= 0:
             return 0
+        self._share_history(source, entry, shared)
         try:
             copy = entry.clone(self.new_cache, shared)
         except ArenaFull:
@@ -272,6 +269,26 @@ class CacheStore:
         self._make_room(copy.nbytes(), keep=source)
         self.device.put(target, copy, connected=target in self._connected)
         return shared
+
+    def _share_history(self, source: str, entry: CacheEntry, shared: int) -> None:
+        """Make the whole units of the history a branch shares with `source` (beyond the segments `source`
+        starts with) a segment of their own, which both start with: a branch of a conversation that itself
+        started from a shared prompt, one level deeper. Nothing is copied; the source's own checksum is taken
+        again over what it keeps."""
+        if not isinstance(entry.cache, ArenaCache):
+            return
+        tokens = (shared - entry.prefix_tokens) // UNIT * UNIT
+        if tokens <= 0:
+            return
+        key = segment_key(entry.token_ids[:entry.prefix_tokens + tokens], f"branch:{source}")
+        if key in self.device:
+            return
+        segment = CacheEntry(chain.split(entry.cache, tokens), entry.token_ids[:entry.prefix_tokens + tokens])
+        segment.cache.segment_key = key
+        self.segments.stamp(key, segment)
+        self.device.put(key, segment)
+        if entry.checksum is not None:
+            entry.checksum = checksum(entry.tensors())
 
     def touch(self, session_id: str, connected: bool) -> None:
         """Record whether a client is connected to the session: connected caches are evicted last."""
@@ -295,15 +312,23 @@ class CacheStore:
         return not failed
 
     def report_corruption(self, session_id: str, failed: tuple[Check, ...]) -> CacheLookup:
-        """A check failed: clear the session's cache in every tier; its turn recomputes."""
-        log.warning("session %s: cache failed the %s check; cleared, recomputing", session_id, ", ".join(failed))
+        """A check failed: clear the session's cache (or the shared segment's, and every resident cache that
+        starts with it) in every tier; its turn recomputes."""
+        log.warning("%s: cache failed the %s check; cleared, recomputing",
+                    f"shared segment {session_id}" if is_segment(session_id) else f"session {session_id}",
+                    ", ".join(failed))
         self.drop(session_id)
         for check in failed:
             self.counters[f"corrupt_{check}"] += 1
         return CacheLookup("miss", 0, miss_reason="corrupt", cleared=failed)
 
     def drop(self, session_id: str) -> None:
-        """Drop a session's cache from every tier; its next turn recomputes."""
+        """Drop a session's cache from every tier; its next turn recomputes. Dropping a shared segment drops
+        every resident cache that starts with it (a cache that names it in a lower tier finds it again, or
+        recomputes)."""
+        if is_segment(session_id):
+            for dependent in self.segments.drop(session_id):
+                self._remember_loss(dependent)
         self.device.pop(session_id)
         self.host.discard(session_id)
         if self.remote is not None:
@@ -317,7 +342,7 @@ class CacheStore:
 
     def evict_one(self) -> bool:
         """Evict the idle cache the policy ranks lowest (to free a region of the arena); False if none is idle."""
-        victims = sorted((self.device.residency(key) for key in self.device if not self.device.is_running(key)),
+        victims = sorted((self.device.residency(key) for key in self.device if self.device.is_evictable(key)),
                          key=self.device.policy.priority)
         if not victims:
             return False
@@ -325,19 +350,21 @@ class CacheStore:
         return True
 
     def evict_idle(self) -> int:
-        """Offload every cache that is not running (used when the device runs out of memory)."""
-        victims = [key for key in self.device if not self.device.is_running(key)]
-        for key in victims:
-            self._evict(key)
-        return len(victims)
+        """Offload every cache that is not running (used when the device runs out of memory); shared segments
+        go once nothing resident starts with them."""
+        moved = 0
+        while victims := [key for key in self.device if self.device.is_evictable(key)]:
+            for key in victims:
+                self._evict(key)
+            moved += len(victims)
+        return moved
 
     def expire(self) -> list[str]:
         """Drop the caches of disconnected sessions idle for longer than the TTL."""
         if self.ttl_s is None:
             return []
         deadline = self._clock() - self.ttl_s
-        expired = [key for key in self.device
-                   if not key.startswith(_PREFIX) and self._idle_since(key) < deadline]
+        expired = [key for key in self.device if not is_segment(key) and self._idle_since(key) < deadline]
         expired += [key for key in self.host.keys()
                     if key not in self._connected and self.host.put_at(key) < deadline]
         for key in expired:
@@ -349,20 +376,29 @@ class CacheStore:
 
     def stats(self) -> dict[str, int]:
         """Occupancy and cumulative counters, for metrics and `/v1/stats`."""
-        device_sessions = [key for key in self.device if not key.startswith(_PREFIX)]
-        cached = {*device_sessions, *self.host.keys()}
-        lengths = self.device.token_counts(list(self.device))  # sessions' caches and shared prefixes
+        device_sessions = [key for key in self.device if not is_segment(key)]
+        cached = {*device_sessions, *(key for key in self.host.keys() if not is_segment(key))}
+        entries = [self.device.peek(key) for key in self.device]  # sessions' caches and shared segments
         layer_token_bytes = 2 * self.layout.kv_heads * self.layout.head_dim * self.layout.dtype.itemsize
+        token_bytes = self.layout.layers * layer_token_bytes
+        shared = self.segments.stats()
         stats = {
             "device_bytes": self.device.used_bytes(), "device_budget_bytes": self.device.budget_bytes,
-            # the keys and values resident caches hold, and the part of them their layers' windows need
-            "device_kv_bytes": sum(lengths) * self.layout.layers * layer_token_bytes,
-            "device_window_bytes": sum(layer_tokens_needed(self.layer_windows, n) for n in lengths) * layer_token_bytes,
+            # the distinct keys and values resident caches hold (a shared segment once), the part of them their
+            # layers' windows need, and what the sessions' caches would hold as private copies
+            "device_kv_bytes": sum(entry.own_tokens for entry in entries) * token_bytes,
+            "device_window_bytes": sum(layer_tokens_needed(self.layer_windows, entry.num_tokens)
+                                       - layer_tokens_needed(self.layer_windows, entry.prefix_tokens)
+                                       for entry in entries) * layer_token_bytes,
+            "device_private_kv_bytes": shared["private_tokens"] * token_bytes,
             "device_reserved_bytes": self.device.reserved_bytes(), "device_sessions": len(device_sessions),
-            "prefixes": sum(1 for key in self.device if key.startswith(_PREFIX)),
+            "prefixes": shared["segments"], "segments_pinned": shared["segments_pinned"],
+            "segment_users": shared["segment_users"], "shared_sessions": shared["shared_sessions"],
+            "segment_bytes": shared["segment_tokens"] * token_bytes,
             "host_bytes": self.host.used_bytes(), "host_budget_bytes": self.host.budget_bytes,
-            "host_free_bytes": self.host.pool.free_bytes,
-            "host_sessions": len(self.host), "idle_sessions": len(cached - self._connected), **self.counters,
+            "host_free_bytes": self.host.pool.free_bytes, "host_segments": sum(map(is_segment, self.host.keys())),
+            "host_sessions": len(self.host) - sum(map(is_segment, self.host.keys())),
+            "idle_sessions": len(cached - self._connected), **self.counters,
         }
         if self.remote is not None:
             stats["remote_bytes"], stats["remote_budget_bytes"] = self.remote.usage()
@@ -373,28 +409,41 @@ class CacheStore:
 
     def _start_from_prefix(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int,
                            scope: str | None) -> CacheLookup:
+        """A new cache that starts with the resident segment holding the prompt's system prompt: nothing is
+        copied."""
         reason: MissReason = "evicted" if session_id in self._lost else "new"
-        if 0 < prefix_len < len(prompt_ids):
-            key = _prefix_key(prompt_ids[:prefix_len], scope)
-            shared = self.device.get(key)
-            if shared is not None and self._check_resident(key, shared):
-                self.device.pop(key)
-                shared = None
-            if shared is not None and shared.token_ids == list(prompt_ids[:prefix_len]):  # verify, never trust a hash
-                try:
-                    entry = shared.clone(self.new_cache)
-                except ArenaFull:  # no room for a copy: prefill the prompt from scratch
-                    return CacheLookup("miss", 0, miss_reason=reason)
-                entry.checksum = None
-                self._make_room(self.device.extra_bytes(session_id, entry.nbytes()), keep=key)
-                self.device.put(session_id, entry, connected=session_id in self._connected)
-                return CacheLookup("prefix", prefix_len, entry)
-        return CacheLookup("miss", 0, miss_reason=reason)
+        segment = self._segment_for(prompt_ids, prefix_len, scope) if 0 < prefix_len < len(prompt_ids) else None
+        if segment is None:
+            return CacheLookup("miss", 0, miss_reason=reason)
+        entry = CacheEntry(self.new_cache(prefix_len), list(prompt_ids[:prefix_len]))
+        chain.attach(entry.cache, segment.cache)
+        self.device.put(session_id, entry, connected=session_id in self._connected)
+        return CacheLookup("prefix", prefix_len, entry)
 
-    def _from_remote(self, session_id: str, header: RemoteHeader
+    def _segment_for(self, prompt_ids: Sequence[int], prefix_len: int, scope: str | None) -> CacheEntry | None:
+        """The checked segment holding the prompt's first `prefix_len` ids: the owner's own, or a warm prompt
+        (pinned, shared by every owner)."""
+        if prefix_len <= 0 or not self.enabled:
+            return None
+        ids = list(prompt_ids[:prefix_len])
+        warm = segment_key(ids, None)
+        return self._find_segment(warm if self.device.is_pinned(warm) else segment_key(ids, scope), ids)
+
+    def _find_segment(self, key: str, token_ids: list[int]) -> CacheEntry | None:
+        """The segment `key` holding exactly `token_ids`: on the device (checked), or brought back from the host
+        tier (checked); a segment that fails a check is dropped with what starts with it."""
+        segment, failed = self.segments.find(key, token_ids)
+        if segment is None and not failed and key in self.host and self.host.get(key).token_ids == token_ids:
+            segment, failed = self._restore(key)
+        if failed:
+            self.report_corruption(key, failed)
+        return segment
+
+    def _from_remote(self, session_id: str, header: RemoteHeader, segment: CacheEntry | None
                      ) -> tuple[CacheEntry | None, RemoteDecision, tuple[Check, ...]]:
         """The session's cache from the remote tier, when fetching it is estimated to be faster than
-        recomputing it; it passes every restore check before use."""
+        recomputing it; it passes every restore check before use. Where `segment` (resident) holds its first
+        positions, the cache starts with it and only the positions after it are copied onto the device."""
         decision = self.cost.decide(header.nbytes, header.fingerprint.num_tokens)
         if decision.choice == "recompute":
             return None, decision, ()
@@ -404,7 +453,16 @@ class CacheStore:
             return None, decision, ()
         if failed := self._check_host_entry(session_id, host_entry):
             return None, decision, failed
-        entry = self._adopt(session_id, host_entry, "remote", started)
+        if segment is not None and host_entry.token_ids[:segment.num_tokens] == segment.token_ids:
+            host_entry = dataclasses.replace(
+                host_entry, tensors=[(k[..., segment.num_tokens:, :], v[..., segment.num_tokens:, :])
+                                     for k, v in host_entry.tensors],
+                scales=None if host_entry.scales is None else [(ks, vs[..., segment.num_tokens:, :])
+                                                               for ks, vs in host_entry.scales],
+                prefix_key=segment.cache.segment_key, prefix_tokens=segment.num_tokens)
+        else:
+            segment = None
+        entry = self._adopt(session_id, host_entry, "remote", started, segment)
         self.counters["remote_restores"] += 1
         return entry, decision, ()
 
@@ -413,28 +471,53 @@ class CacheStore:
         return entry is not None and entry.session_version < session_version
 
     def _check_resident(self, owner: str, entry: CacheEntry) -> tuple[Check, ...]:
-        """Every check of a device-resident cache, its checksum included: a cache is only ever reused
-        with the bytes it was written back with."""
+        """Every check of a device-resident cache, its checksum included, and of every shared segment it starts
+        with: a cache is only ever reused with the bytes it was written back with. A failed segment is dropped
+        with every cache that starts with it."""
+        key, failed_segment = self.segments.check_chain(entry)
+        if key is not None:
+            if key in self.device:
+                self.report_corruption(key, failed_segment)
+            return failed_segment
         failed = (check_identity(entry.fingerprint, self.model_key, owner, entry.token_ids, self.layout)
-                  or check_tensors(entry.tensors(), entry.num_tokens, self.layout)
+                  or check_tensors(entry.tensors(), entry.own_tokens, self.layout)
                   or (checksum(entry.tensors()) != entry.checksum and "checksum"))
         return (failed,) if failed else ()
 
-    def _restore(self, session_id: str) -> tuple[CacheEntry | None, tuple[Check, ...]]:
-        """Bring a host entry back to the device once it passes every check; else report what failed."""
+    def _restore(self, key: str) -> tuple[CacheEntry | None, tuple[Check, ...]]:
+        """Bring a host entry (a session's, or a shared segment's) back to the device once it passes every
+        check, starting with the segment it names (resident, or restored first); else report what failed. None
+        without a failure when that segment is gone: the entry is dropped and its turn recomputes."""
         started = time.perf_counter()
-        host_entry = self.host.pop(session_id)  # first: making room offloads others into the host tier
-        if failed := self._check_host_entry(session_id, host_entry):
-            self.host.release(host_entry)
+        # First: making room offloads others into the host tier. A segment never changes, so its host copy stays
+        # there: when the device lets it go again, nothing is copied.
+        host_entry = self.host.get(key) if is_segment(key) else self.host.pop(key)
+        if failed := self._check_host_entry(key, host_entry):
+            self.host.discard(key) if is_segment(key) else self.host.release(host_entry)
             return None, failed
-        entry = self._adopt(session_id, host_entry, "host", started)
-        self.counters["restores"] += 1
+        segment = None
+        if host_entry.prefix_key is not None:
+            segment = self._find_segment(host_entry.prefix_key, host_entry.token_ids[:host_entry.prefix_tokens])
+            if segment is None:
+                self.host.release(host_entry)
+                self._remember_loss(key)
+                return None, ()
+        try:
+            entry = self._adopt(key, host_entry, "host", started, segment)
+        except ArenaFull:
+            if not is_segment(key):
+                self.host.put(key, host_entry)  # kept where it was, for when there is room
+            raise
+        if is_segment(key):
+            entry.cache.frozen, entry.cache.segment_key = True, key
+            self.host.touch(key)
+        self.counters["segment_restores" if is_segment(key) else "restores"] += 1
         return entry, ()
 
     def _check_host_entry(self, owner: str, host_entry: HostEntry) -> tuple[Check, ...]:
         """Identity, shapes, the checksum of every stored byte (scales included), values finite (for a
         quantised entry: its scales, since int8 cannot be NaN)."""
-        tokens, quantized = len(host_entry.token_ids), host_entry.scales is not None
+        tokens, quantized = host_entry.own_tokens, host_entry.scales is not None
         stored_layout = dataclasses.replace(self.layout, dtype=torch.int8) if quantized else self.layout
         failed = (check_identity(host_entry.fingerprint, self.model_key, owner, host_entry.token_ids, self.layout)
                   or (quantized and host_entry.fingerprint.quantized != "int8" and "fingerprint")
@@ -445,35 +528,40 @@ class CacheStore:
         return (failed,) if failed else ()
 
     def _adopt(self, session_id: str, host_entry: HostEntry, tier: Literal["host", "remote"],
-               started: float) -> CacheEntry:
-        """Put a checked host entry back on the device. Its restore time, observed from `started`, counts
-        the fetch, the checks and the copy, not the evictions that made room for it."""
+               started: float, segment: CacheEntry | None = None) -> CacheEntry:
+        """Put a checked host entry back on the device, starting with `segment` when it names one. Its restore
+        time, observed from `started`, counts the fetch, the checks and the copy, not the evictions that made
+        room for it."""
         fetched_s = time.perf_counter() - started
         if host_entry.device_nbytes <= self.device.budget_bytes:  # else it is restored outside the arena
-            self._make_room(self.device.extra_bytes(session_id, host_entry.device_nbytes), keep=session_id)
+            # (the segments it will start with stay: nothing starts with them until it does)
+            keep = [session_id, *(s.segment_key for s in chain.segments(segment.cache) + [segment.cache])] \
+                if segment is not None else [session_id]
+            self._make_room(self.device.extra_bytes(session_id, host_entry.device_nbytes), keep=keep)
         copy_started = time.perf_counter()
-        try:
-            entry, copied = self._offloader.restore(host_entry, self.new_cache)
-        except ArenaFull:
-            if tier == "host":
-                self.host.put(session_id, host_entry)  # kept where it was, for when there is room
-            raise
-        self.host.release(host_entry, copied)
+        entry, copied = self._offloader.restore(host_entry, self.new_cache, segment.cache if segment else None)
+        if not (tier == "host" and is_segment(session_id)):  # (a segment's host copy stays: see _restore)
+            self.host.release(host_entry, copied)
         # The checksum verified on the host is the device's when both are read the same way (on a CPU, at
         # full precision); a GPU reads the device copy with its own kind, and a dequantised copy is new bytes.
         same_bytes = entry.tensors()[0][0].device.type == "cpu" and host_entry.scales is None
-        entry.checksum = host_entry.checksum if same_bytes else checksum(entry.tensors())
+        remote_sliced = tier == "remote" and segment is not None
+        entry.checksum = host_entry.checksum if same_bytes and not remote_sliced else checksum(entry.tensors())
         self.device.put(session_id, entry, connected=session_id in self._connected)
         self._on_copy("restore", tier, fetched_s + time.perf_counter() - copy_started)
         return entry
 
-    def _make_room(self, need_bytes: int, keep: str | None = None) -> None:
+    def _make_room(self, need_bytes: int, keep: str | Sequence[str] = ()) -> None:
         for key in self.device.plan_room(need_bytes, keep=keep)[0]:
-            self._evict(key)
+            if key in self.device:
+                self._evict(key)
 
     def _evict(self, key: str) -> None:
-        if key.startswith(_PREFIX):
-            self.device.pop(key)  # a shared prefix is cheap to recompute: dropped, not offloaded
+        if is_segment(key) and (key in self.host
+                                or not any(self.host.get(other).prefix_key == key for other in self.host.keys())):
+            # A shared segment already in the host tier (it never changes), or that nothing there names: dropped
+            # from the device without a copy.
+            self.device.pop(key)
             self.counters["prefix_evictions"] += 1
             return
         self._offload(key)
@@ -482,12 +570,13 @@ class CacheStore:
         """Move a device cache to the host tier, whose oldest entries make room; a cache that does not
         fit there, or whose offload fails, is lost (its next turn recomputes) and nothing else fails."""
         entry = self.device.pop(session_id)
-        self.counters["device_evictions"] += 1
+        self.counters["segment_offloads" if is_segment(session_id) else "device_evictions"] += 1
+        kv_dtype = "same" if is_segment(session_id) else self.host_kv_dtype  # a segment is held once: exact
         started = time.perf_counter()
         buffer = None
         try:
             self.faults.check("offload", session_id)
-            need = host_nbytes(entry, self.host_kv_dtype)
+            need = host_nbytes(entry, kv_dtype)
             dropped, fits = self.host.make_room(need)
             for key in dropped:
                 self._remember_loss(key)
@@ -497,7 +586,7 @@ class CacheStore:
                 self.counters["host_evictions"] += 1
                 return
             buffer = self.host.pool.take(need)
-            host_entry = self._offloader.offload(entry, buffer, self.host_kv_dtype)
+            host_entry = self._offloader.offload(entry, buffer, kv_dtype)
         except Exception:
             log.exception("offloading session %s's cache failed; it is dropped and its next turn recomputes",
                           session_id)
@@ -536,8 +625,3 @@ def _left_intact(entry: CacheEntry, host_entry: HostEntry) -> bool:
     if host_entry.scales is None and entry.checksum.split(":")[0] == host_entry.checksum.split(":")[0]:
         return host_entry.checksum == entry.checksum  # read the same way: the copy's checksum says it
     return checksum(entry.tensors()) == entry.checksum
-
-
-def _prefix_key(token_ids: Sequence[int], scope: str | None) -> str:
-    seed = xxhash.xxh3_64_intdigest((scope or "").encode())
-    return _PREFIX + xxhash.xxh3_64_hexdigest(pack_ids(token_ids), seed=seed)

@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     remote_kv_dtype: KVDtype = Field("same", description="how caches are kept in Redis: same (exact) or int8 "
                                                          "(a quarter of the bytes in float32; with same, int8 "
                                                          "copies written by other workers are not used)")
+    warm_prompt: TextList = Field(default_factory=list, description="a file holding a system prompt (its text, "
+                                  "without a final newline) to prefill at start and keep on the device through any "
+                                  "eviction, shared by every session and key that uses it (repeatable)")
     lease_ttl_s: float = Field(15.0, gt=0, description="how long a worker that died mid-turn keeps a session locked")
     web_dir: Path = Field(DEFAULT_WEB_DIR, description="folder of the chat UI and dashboard pages")
     api_key: TextList = Field(default_factory=list, description="an API key clients must present (repeatable); "
@@ -125,6 +128,17 @@ class Settings(BaseSettings):
                 if (key := line.split("#", 1)[0].strip()):
                     keys.append(key)
         return keys
+
+    def warm_prompts(self) -> list[str]:
+        """The text of each --warm-prompt file, without its final newline."""
+        return [Path(path).read_text().removesuffix("\n") for path in self.warm_prompt]
+
+    @model_validator(mode="after")
+    def _warm_prompts_readable(self) -> Settings:
+        for path in self.warm_prompt:
+            if not Path(path).is_file() or not os.access(path, os.R_OK):
+                raise ValueError(f"--warm-prompt {path}: no such readable file")
+        return self
 
     @model_validator(mode="after")
     def _remote_kv_needs_redis(self) -> Settings:

@@ -116,11 +116,17 @@ class Int8Reference:
         self.loaded = loaded
         self.cache: DynamicCache | None = None  # every layer keeps every token, as the arena does
 
-    def reply(self, prompt_ids: Sequence[int], cached_tokens: int, max_new_tokens: int) -> list[int]:
+    def reply(self, prompt_ids: Sequence[int], cached_tokens: int, max_new_tokens: int, exact: int = 0) -> list[int]:
+        """`exact`: the leading positions held by a shared segment, which the host tier keeps exact (it is held
+        once); the session's own positions after them are quantised on their own."""
         cache = DynamicCache()
         if self.cache is not None and cached_tokens:
-            quantized, scales = quantize([(layer.keys, layer.values) for layer in self.cache.layers])
+            layers = [(layer.keys[:, :, exact:], layer.values[:, :, exact:]) for layer in self.cache.layers]
+            quantized, scales = quantize(layers)
             for index, (keys, values) in enumerate(dequantize(quantized, scales, self.loaded.model.dtype)):
+                layer = self.cache.layers[index]
+                keys = torch.cat([layer.keys[:, :, :exact], keys], dim=2)
+                values = torch.cat([layer.values[:, :, :exact], values], dim=2)
                 cache.update(keys[:, :, :cached_tokens], values[:, :, :cached_tokens], index)
         reply = reference_reply(self.loaded, prompt_ids, max_new_tokens, cache)
         self.cache = cache

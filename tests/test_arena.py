@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from cache_store import chain
 from cache_store.allocator import RunAllocator
 from cache_store.arena import UNIT, ArenaCache, ArenaFull, KVArena
 from cache_store.integrity import checksum
@@ -178,7 +179,7 @@ def test_a_copy_of_a_cache_survives_the_compaction_its_own_region_triggers():
     expected = [t.clone() for pair in tensors(source) for t in pair]
     first = rest[0] = None  # one free unit before the source, one after: no run of 2
     copy = ArenaCache(kv_arena)
-    copy.copy_from(source, 2 * UNIT)  # compaction slides `second` and the source down (overlapping the source)
+    chain.start_from(copy, source, 2 * UNIT)  # compaction slides `second` and the source down (overlapping the source)
     assert kv_arena.compactions == 1 and source.region.start == UNIT and copy.region.start == 3 * UNIT
     for cache in (source, copy):
         for got, want in zip([t for pair in tensors(cache) for t in pair], expected, strict=True):
@@ -227,7 +228,7 @@ class Resident:
             tokens = rng.randint(1, cache.get_seq_length())
             copy = ArenaCache(self.arena)
             try:
-                copy.copy_from(cache, tokens)
+                chain.start_from(copy, cache, tokens)
             except ArenaFull:
                 return
             self.live[-key] = (copy, [t[..., :tokens, :].clone() for t in expected])
@@ -257,7 +258,8 @@ def test_randomized_caches_keep_their_bytes_and_never_overlap():
 def test_many_sessions_of_mixed_lengths_under_a_small_budget_answer_like_an_unlimited_engine(tiny):
     """Ten conversations of different lengths take turns together under a budget of about a third of them:
     caches are evicted, restored, grown, shrunk and compacted, yet every reply equals an unlimited engine's,
-    and after every round the device tier holds within 10% of its caches' keys and values."""
+    and after every round the device tier holds its caches' distinct keys and values (the shared system prompt
+    once) and the rounding of each region to a unit, nothing more: within 12% of them."""
     with running_engine(tiny, device_cache_mb=kv_budget_mb(tiny, 900), max_batch=4) as small, \
             running_engine(tiny) as unlimited:
         limited = [Session(f"m{i}", system=SYSTEM) for i in range(10)]
@@ -271,7 +273,10 @@ def test_many_sessions_of_mixed_lengths_under_a_small_budget_answer_like_an_unli
             for index, (result, wanted) in enumerate(zip(got, expected, strict=True)):
                 assert result.token_ids == wanted.token_ids, f"session {index}, round {round_index + 1}"
             stats = small.cache.stats()
+            regions = stats["device_sessions"] + stats["prefixes"]
+            unit_bytes = UNIT * kv_budget_mb(tiny, 1) * 2**20
             assert stats["device_bytes"] <= stats["device_budget_bytes"]
-            assert stats["device_kv_bytes"] <= stats["device_bytes"] <= 1.10 * stats["device_kv_bytes"], stats
+            assert stats["device_kv_bytes"] <= stats["device_bytes"] < stats["device_kv_bytes"] + regions * unit_bytes
+            assert stats["device_bytes"] <= 1.12 * stats["device_kv_bytes"], stats
         stats = small.cache.stats()
         assert stats.get("device_evictions", 0) > 0 and stats.get("restores", 0) > 0

@@ -14,8 +14,10 @@ from cache_store import (
     LRUPolicy,
     Offloader,
     SessionRunning,
+    chain,
     common_prefix_length,
 )
+from cache_store.arena import ArenaCache, KVArena
 from cache_store.host_pool import HostBufferPool, size_class
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 4
@@ -163,19 +165,43 @@ def test_a_cache_larger_than_the_device_budget_goes_to_the_host_tier():
     assert "big" in store.host and store.device.used_bytes() == 0
 
 
-def test_a_shared_prefix_starts_new_sessions_and_is_never_mutated():
-    store = make_store()
-    system = make_entry(ids(5), seed=9)
+def arena_store(tokens: int = 1000, **kwargs) -> tuple[CacheStore, KVArena]:
+    """A store whose caches are regions of a KV arena (shared segments live only there)."""
+    arena = KVArena(LAYERS, HEADS, HEAD_DIM, torch.float32, torch.device("cpu"), tokens=tokens)
+    store = CacheStore(new_cache=lambda n: ArenaCache(arena), offloader=Offloader(torch.device("cpu")), layout=LAYOUT,
+                       model_key="test-model", device_budget_bytes=tokens * BYTES_PER_TOKEN,
+                       host_budget_bytes=tokens * BYTES_PER_TOKEN, clock=Clock(), **kwargs)
+    return store, arena
+
+
+def arena_entry(arena: KVArena, token_ids: list[int], seed: int = 0) -> CacheEntry:
+    cache = ArenaCache(arena)
+    cache.load(make_entry(token_ids, seed).tensors())
+    return CacheEntry(cache, list(token_ids))
+
+
+def test_a_shared_prefix_starts_new_sessions_without_a_copy_and_is_never_mutated():
+    store, arena = arena_store()
+    system = arena_entry(arena, ids(5), seed=9)
     original = [k.clone() for k, _ in system.tensors()]
-    store.put_prefix(system)
+    assert store.put_prefix(system)
+    assert (system.prefix_tokens, system.own_tokens) == (5, 0), "the prefilled cache now starts with the segment"
+    segment = system.cache.prefix
     lookup = store.lookup("new", ids(8), prefix_len=5)
     assert (lookup.source, lookup.cached_tokens) == ("prefix", 5)
+    assert lookup.entry.cache.prefix is segment and lookup.entry.own_tokens == 0, "nothing copied"
+    assert chain.users(segment) == 2
+    with pytest.raises(RuntimeError, match="read-only"):
+        segment.layers[0].update(original[0], original[0])
+    lookup.entry.crop(2)  # a crop into the segment copies what it keeps, and leaves the segment alone
+    assert (lookup.entry.prefix_tokens, lookup.entry.own_tokens) == (0, 2) and chain.users(segment) == 1
+    assert lookup.entry.tensors()[0][0].equal(original[0][:, :, :2])
     lookup.entry.cache.layers[0].keys.zero_()
-    lookup.entry.crop(2)
     again = store.lookup("other", ids(9), prefix_len=5)
-    assert [k for k, _ in again.entry.tensors()][0].equal(original[0])
+    assert again.entry.cache.prefix is segment and segment.layers[0].keys.equal(original[0])
     assert store.lookup("third", ids(5, start=1) + [0, 0], prefix_len=5).source == "miss", "ids are verified"
-    assert store.stats()["prefixes"] == 1
+    assert store.lookup("fourth", ids(8), prefix_len=5, scope="another key").source == "miss", "owners apart"
+    assert store.stats()["prefixes"] == 1 and store.stats()["segment_users"] == 2
 
 
 def test_ttl_drops_idle_disconnected_caches_only():

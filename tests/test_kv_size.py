@@ -31,3 +31,11 @@ def test_kv_size_says_what_sliding_windows_need(tmp_path):
     # 4 full layers x 8192 tokens + 22 sliding layers x 511 tokens: 43.0 MB.
     assert lines[2].split() == ["bfloat16", "26,624", "13.0", "MB", "208.0", "MB", "78", "4"]
     assert lines[3].split() == ["windows", "13.0", "MB", "43.0", "MB", "78", "23"]
+
+
+def test_kv_size_shows_sessions_per_gb_with_a_shared_prompt_held_once(smollm2_dir):
+    lines = kv_size_table(str(smollm2_dir), [300], ["float32", "int8"], None, shared_prompt=2000).splitlines()
+    shared = lines.index(next(line for line in lines if "2000-token shared prompt" in line))
+    row = next(line for line in lines[shared:] if line.startswith("float32"))
+    # 46,080 bytes per token: 2,300 tokens each is 10 sessions per GB; the prompt once (88 MB), then 300 each: 71.
+    assert row.split() == ["float32", "10", "->", "71"]

@@ -180,10 +180,10 @@ def test_a_turn_that_does_not_fit_beside_a_running_one_waits_for_it(tiny):
 
 
 async def test_interleaved_conversations_under_a_small_device_budget_match_an_unlimited_server(tiny):
-    """Four customers take turns; the device's KV arena holds 256 tokens (about two conversations after
-    their first turn, one after their second), so a customer returning after three others always finds
-    its cache offloaded to the host tier, and it must be restored exactly."""
-    async with beside_a_reference(tiny, Settings(port=0, device_cache_mb=kv_budget_mb(tiny, 256)), Settings(port=0)) \
+    """Four customers take turns; the device's KV arena holds 176 tokens (the shared system prompt and about
+    two conversations after their first turn, one after their second), so a customer returning after three
+    others always finds its cache offloaded to the host tier, and it must be restored exactly."""
+    async with beside_a_reference(tiny, Settings(port=0, device_cache_mb=kv_budget_mb(tiny, 176)), Settings(port=0)) \
             as (small, limited_client, reference_client):
         sessions = {}
         for name in CUSTOMERS:

@@ -33,6 +33,9 @@ function tiles(stats) {
   const arena = now.arena || {};
   byId("tile-arena").textContent = arena.used_tokens === undefined ? "–"
     : `${arena.used_tokens} / ${arena.reserved_tokens} / ${arena.free_tokens}`;
+  const device = now.tiers.device, shared = device.shared || {};
+  byId("tile-shared").textContent = shared.segments === undefined ? "–"
+    : `${shared.segments} / ${shared.sessions} · ${mb(device.bytes)} vs ${mb(device.private_kv_bytes)}`;
   byId("model").textContent = `${stats.model} · up ${Math.round(stats.uptime_s)} s`;
 
   const rows = [
@@ -47,6 +50,8 @@ function tiles(stats) {
     ["Host tier", `${mb(now.tiers.host.bytes)} of ${mb(now.tiers.host.budget_bytes)}, ${now.tiers.host.sessions ?? 0} sessions`],
     ["KV arena: longest free run", `${arena.largest_free_tokens ?? "–"} tokens`],
     ["KV arena: compactions", `${arena.compactions ?? 0} (${mb(arena.compaction_bytes ?? 0)} moved)`],
+    ["Shared segments: device (warm) / host", `${shared.segments ?? 0} (${shared.pinned ?? 0}) / ${shared.host_segments ?? 0}`],
+    ["Device: held / distinct KV / as private copies", `${mb(device.bytes)} / ${mb(device.kv_bytes ?? 0)} / ${mb(device.private_kv_bytes ?? 0)}`],
   ];
   const body = byId("summary");
   body.replaceChildren(...rows.map(([name, value]) => {

@@ -12,6 +12,10 @@ built for the layer (sliding or full, as the model's config says), so a single s
 in transformers. A batched step instead gives each row a view of its own region: a full layer sees the
 whole region, a sliding-window layer its last `window` positions (the current token included), which is
 transformers' rule (`kv_idx > q_idx - sliding_window`) for a query at the end of the region.
+
+A cache that starts with shared segments (`cache_store/chain.py`), alone or in a batch, attends through
+`chatd.engine.chain_attention` instead: each piece apart, merged by log-sum-exp, a shared segment once for
+every row that starts with it.
 """
 
 from __future__ import annotations
@@ -27,22 +31,31 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
+from chatd.engine.chain_attention import ChainPlan
+
 # What transformers chose for the model -> chatd's wrapper of it
 ARENA_ATTENTION = {"sdpa": "chatd_arena", "eager": "chatd_arena_eager"}
 
 
 class ArenaRows:
-    """The rows of a batched decode step: for each row, the arena positions it attends to in each layer
-    (its region's start and length, the new token included, cut to the layer's sliding window)."""
+    """The rows of a batched decode step. For each row whose cache has no shared segments, the arena positions
+    it attends to in each layer (its region's start and length, the new token included, cut to the layer's
+    sliding window); the rows whose caches start with shared segments (`chained`, in order) attend through
+    `chain`."""
 
-    def __init__(self, rows: Sequence[tuple[int, int]], windows: Sequence[int | None]):
-        self._windows = windows
+    def __init__(self, rows: Sequence[tuple[int, int] | None], windows: Sequence[int | None],
+                 chain: ChainPlan | None = None):
+        self.windows = windows
+        self.plain = [index for index, row in enumerate(rows) if row is not None]
+        self.chained = [index for index, row in enumerate(rows) if row is None]
+        self.chain = chain
         self._spans = {window: [slice(start + (max(0, length - window) if window else 0), start + length)
-                                for start, length in rows] for window in set(windows)}
+                                for start, length in (rows[index] for index in self.plain)]
+                       for window in set(windows)}
 
     def spans(self, layer: int) -> list[slice]:
-        """Per row, the positions it attends to in `layer`."""
-        return self._spans[self._windows[layer]]
+        """Per plain row, the positions it attends to in `layer`."""
+        return self._spans[self.windows[layer]]
 
 
 @functools.cache
@@ -54,14 +67,32 @@ def _family_eager(module_type: type[nn.Module]) -> Callable:
     return function
 
 
+def _chained(module: nn.Module, plan: ChainPlan, query: torch.Tensor, windows: Sequence[int | None],
+             kwargs: dict) -> torch.Tensor:
+    """Attention of caches that start with shared segments, with what the family does to the scores."""
+    scaling = kwargs.get("scaling")
+    return plan.attend(module.layer_idx, windows[module.layer_idx], query,
+                       query.shape[-1] ** -0.5 if scaling is None else scaling, kwargs.get("softcap"),
+                       kwargs.get("s_aux"))
+
+
 def _rows_attention(inner: Callable[[nn.Module], Callable]) -> Callable:
     def attention(module, query, key, value, attention_mask, **kwargs):
         step: ArenaRows | None = kwargs.pop("arena_rows", None)
+        chain: tuple[ChainPlan, Sequence[int | None]] | None = kwargs.pop("arena_chain", None)
         forward = inner(module)
+        if chain is not None:  # one sequence whose cache starts with shared segments
+            return _chained(module, chain[0], query, chain[1], kwargs), None
         if step is None:
             return forward(module, query, key, value, attention_mask, **kwargs)
-        outputs = [forward(module, query[row:row + 1], key[:, span].unsqueeze(0), value[:, span].unsqueeze(0), None,
-                           **kwargs)[0] for row, span in enumerate(step.spans(module.layer_idx))]
+        outputs: list[torch.Tensor | None] = [None] * query.shape[0]
+        for row, span in zip(step.plain, step.spans(module.layer_idx), strict=True):
+            outputs[row] = forward(module, query[row:row + 1], key[:, span].unsqueeze(0), value[:, span].unsqueeze(0),
+                                   None, **kwargs)[0]
+        if step.chained:
+            chained = _chained(module, step.chain, query[step.chained], step.windows, kwargs)
+            for number, row in enumerate(step.chained):
+                outputs[row] = chained[number:number + 1]
         return torch.cat(outputs), None
     return attention
 

@@ -5,8 +5,10 @@ The step's cache (`_ArenaStep`) writes each row's new key and value at that row'
 arena, one indexed store per layer, and hands attention the arena's buffers; chatd's arena attention
 (`chatd.engine.attention`) then runs each row over a view of its own region, exactly as a single
 sequence's decode attends: the layer's own window, through the attention transformers chose for the
-model. Nothing proportional to the cached tokens is copied or allocated, rows of any lengths share the
-step, and a session joins or leaves the batch between two steps without touching the others.
+model. Rows whose caches start with shared segments attend through one `ChainPlan`, which reads each
+segment once for all the rows that start with it. Nothing proportional to the cached tokens is copied or
+allocated, rows of any lengths share the step, and a session joins or leaves the batch between two steps
+without touching the others.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from cache_store import CacheEntry
 from cache_store.arena import ArenaCache, KVArena
 from chatd.engine.attention import ArenaRows
+from chatd.engine.chain_attention import ChainPlan
 
 
 class _StepLayer(CacheLayerMixin):
@@ -54,7 +57,7 @@ class _StepLayer(CacheLayerMixin):
 
 class _ArenaStep(Cache):
     def __init__(self, arena: KVArena, caches: Sequence[ArenaCache], device: torch.device):
-        positions = torch.tensor([cache.region.start + cache.get_seq_length() for cache in caches], device=device)
+        positions = torch.tensor([cache.region.start + cache.used_tokens() for cache in caches], device=device)
         super().__init__(layers=[_StepLayer(arena, index, caches, positions) for index in range(len(arena.keys))])
 
 
@@ -65,11 +68,14 @@ def decode_step(model: PreTrainedModel, entries: Sequence[CacheEntry], tokens: S
     for cache in caches:
         cache.reserve(cache.get_seq_length() + 1)
     lengths = [cache.get_seq_length() for cache in caches]
-    rows = ArenaRows([(cache.region.start, length + 1) for cache, length in zip(caches, lengths, strict=True)],
-                     caches[0].arena.windows)
+    arena = caches[0].arena
+    chained = [cache for cache in caches if cache.prefix is not None]
+    rows = ArenaRows([None if cache.prefix is not None else (cache.region.start, cache.used_tokens() + 1)
+                      for cache in caches], arena.windows,
+                     ChainPlan(arena, chained, 1, device) if chained else None)
     output = model(input_ids=torch.tensor([[t] for t in tokens], dtype=torch.long, device=device),
                    position_ids=torch.tensor([[n] for n in lengths], device=device),
-                   cache=_ArenaStep(caches[0].arena, caches, device), use_cache=True, logits_to_keep=1,
+                   cache=_ArenaStep(arena, caches, device), use_cache=True, logits_to_keep=1,
                    arena_rows=rows)
     for entry, token in zip(entries, tokens, strict=True):
         entry.extend([token])

@@ -18,6 +18,7 @@ from cache_store import CacheEntry
 from cache_store.arena import ArenaCache, KVArena, TemporaryCache
 from chatd.engine.attention import use_arena_attention
 from chatd.engine.batch import decode_step
+from chatd.engine.chain_attention import ChainPlan
 from chatd.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,14 @@ class ModelRunner:
 
     def _step(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)
-        output = self.loaded.model(input_ids=input_ids, cache=entry.cache, use_cache=True, logits_to_keep=1)
+        cache, chain = entry.cache, {}
+        if isinstance(cache, ArenaCache) and cache.prefix is not None:
+            # Its shared segments and its own region are attended apart and merged (chain_attention). The region
+            # is reserved first, so that nothing moves in the arena during the pass.
+            cache.reserve(cache.get_seq_length() + len(token_ids))
+            chain = {"arena_chain": (ChainPlan(self.arena, [cache], len(token_ids), self.loaded.device),
+                                     self.arena.windows)}
+        output = self.loaded.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1, **chain)
         entry.extend(token_ids)
         return output.logits[0, -1]
 

@@ -447,7 +447,10 @@ class Engine:
         logits = self.runner.timed_prefill(running.entry, chunk)
         running.pending = running.pending[len(chunk):]
         if running.share_prefix:
-            self.cache.put_prefix(running.entry, running.turn.owner)
+            # The system prompt's tokens become a shared segment that the turn's cache starts with; its region
+            # gave them up, so it is made whole again before the next chunk.
+            if self.cache.put_prefix(running.entry, running.turn.owner):
+                running.has_room = False
             running.share_prefix, running.rollback_to = False, running.prefix_len
         self.prefill_chunks += 1
         return (None if running.pending else logits), len(chunk)
@@ -527,6 +530,19 @@ class Engine:
         self.arena, self.runner, self.cache = wire(loaded, self.settings, self.faults, self._on_cache_copy)
         self._preparer = TurnPreparer(loaded, self.arena, self.settings)
         self._finder = CacheFinder(self.cache, self.runner, self.settings, loaded.model.dtype)
+        for text in self.settings.warm_prompts():
+            self._warm(text)
+
+    def _warm(self, text: str) -> None:
+        """Prefill a system prompt (--warm-prompt) into a pinned shared segment: resident through any eviction,
+        so that the first session that uses it pays no prefill for it."""
+        ids = self._preparer.system_ids(text)
+        entry = CacheEntry(self.runner.new_cache(len(ids)))
+        with torch.inference_mode():
+            self.runner.forward(entry, ids)
+        if not self.cache.put_prefix(entry, pinned=True):
+            raise ValueError(f"a warm prompt of {len(ids)} tokens cannot be held on the device (--device-cache-mb)")
+        log.info("warm prompt of %d tokens resident on the device", len(ids))
 
     @property
     def deep_check_distances(self) -> deque[float]:

@@ -35,7 +35,7 @@ class TurnPreparer:
     def __init__(self, loaded: LoadedModel, arena: KVArena, settings: Settings):
         self._loaded, self._arena, self._settings = loaded, arena, settings
         self._renderer = PromptRenderer(loaded.tokenizer)
-        self._system_ids = functools.lru_cache(maxsize=1024)(
+        self.system_ids = functools.lru_cache(maxsize=1024)(
             lambda text: self._renderer.render([Message("system", text)], add_generation_prompt=False))
         self._bytes_per_token = kv_bytes_per_token(loaded.model.config, loaded.model.dtype)
         self.max_context = loaded.max_context  # the model's: the device budget never shortens a conversation
@@ -69,7 +69,7 @@ class TurnPreparer:
         """Length of the system prompt's tokens at the start of the prompt, which sessions share."""
         if not messages or messages[0].role != "system":
             return 0
-        system_ids = self._system_ids(messages[0].content)
+        system_ids = self.system_ids(messages[0].content)
         return len(system_ids) if prompt_ids[:len(system_ids)] == system_ids else 0
 
 

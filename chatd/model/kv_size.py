@@ -21,8 +21,9 @@ def _bytes_per_token(config, shape: KVGeometry, name: str) -> int:
 
 
 def kv_size_table(model: str, tokens: list[int], dtypes: list[str], budget_mb: float | None,
-                  cache_dir: Path | None = None) -> str:
-    """The `chatd kv-size` table: bytes per token and per session, and sessions per budget."""
+                  cache_dir: Path | None = None, shared_prompt: int = 0) -> str:
+    """The `chatd kv-size` table: bytes per token and per session, and sessions per budget; with a shared
+    prompt, sessions per GB when each holds its own copy of it and when it is held once."""
     source = converted_checkpoint(model, cache_dir or default_cache_dir()) if model in BUNDLED_MODELS else model
     config = AutoConfig.from_pretrained(source)
     shape = KVGeometry.of(config)
@@ -46,6 +47,8 @@ def kv_size_table(model: str, tokens: list[int], dtypes: list[str], budget_mb: f
             lines.append(row)
     if budget_mb:
         lines.append(f"n@T: sessions of T tokens that a {budget_mb:g} MB budget holds")
+    if shared_prompt:
+        lines += shared_prompt_rows(config, shape, tokens, dtypes, shared_prompt)
     if shape.sliding_layers:
         lines.append("windows: what the layers' sliding windows need of those bytes (a sliding layer only its last "
                      "window - 1 tokens); the KV arena keeps every token of every layer")
@@ -53,6 +56,22 @@ def kv_size_table(model: str, tokens: list[int], dtypes: list[str], budget_mb: f
         lines.append(f"{INT8}: an offloaded copy with --host-kv-dtype/--remote-kv-dtype int8 (plus "
                      f"{_human(4 * shape.layers * shape.kv_heads * shape.head_dim)} of key scales per session)")
     return "\n".join(lines)
+
+
+def shared_prompt_rows(config, shape: KVGeometry, tokens: list[int], dtypes: list[str], prompt: int) -> list[str]:
+    """Sessions per GB of device budget whose conversations of T tokens follow a shared prompt of `prompt`
+    tokens: each with a private copy of the prompt, and with the prompt held once (a shared segment)."""
+    lines = [f"sessions per GB after a {prompt}-token shared prompt (T: each session's own tokens): "
+             "private copies -> held once",
+             f"{'dtype':<9} " + " ".join(f"{f'T={n}':>18}" for n in tokens)]
+    for name in dtypes:
+        if name == INT8:
+            continue  # the device holds the model's dtype; int8 is a host and Redis copy
+        per_token = _bytes_per_token(config, shape, name)
+        cells = [f"{int(2**30 // (per_token * (prompt + n))):,} -> "
+                 f"{max(0, int((2**30 - per_token * prompt) // (per_token * n))):,}" for n in tokens]
+        lines.append(f"{name:<9} " + " ".join(f"{cell:>18}" for cell in cells))
+    return lines
 
 
 def _windows_note(shape: KVGeometry) -> str:

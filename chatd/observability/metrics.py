@@ -211,6 +211,7 @@ class _LiveCollector(Collector):
             if f"{tier}_sessions" in live.cache:
                 tier_sessions.add_metric([*name, tier], live.cache[f"{tier}_sessions"])
         yield from _arena_families(live, name, label)
+        yield from _segment_families(live, name, label)
         yield from (running, waiting, usage, sessions, evictions, corruptions, engine_up, failures, remote_errors,
                     offload_failures, steps, tier_info, tier_sessions)
 
@@ -243,3 +244,24 @@ def _arena_families(live: LiveState, name: list[str], label: list[str]):
         counter.add_metric(name, live.cache.get(key, 0))
         counters.append(counter)
     return tokens, largest, *counters
+
+
+def _segment_families(live: LiveState, name: list[str], label: list[str]):
+    """Shared segments: how many, the sessions on them, and the device's bytes held against its distinct keys and
+    values and against what private copies would take."""
+    segments = GaugeMetricFamily("chatd:kv_shared_segments", "Shared segments (system prompts, branch histories) "
+                                 "held once: on the device, pinned there (warm prompts), and in the host tier.",
+                                 labels=[*label, "state"])
+    for state, key in (("device", "prefixes"), ("pinned", "segments_pinned"), ("host", "host_segments")):
+        segments.add_metric([*name, state], live.cache.get(key, 0))
+    sessions = GaugeMetricFamily("chatd:kv_shared_segment_sessions", "Resident sessions whose cache starts with a "
+                                 "shared segment.", labels=label)
+    sessions.add_metric(name, live.cache.get("shared_sessions", 0))
+    device = GaugeMetricFamily("chatd:kv_device_bytes", "The device tier's bytes: held by its regions (held), the "
+                               "distinct keys and values in them (distinct: a shared segment once), and what the "
+                               "resident sessions' caches would take as private copies (private).",
+                               labels=[*label, "kind"])
+    kinds = (("held", "device_bytes"), ("distinct", "device_kv_bytes"), ("private", "device_private_kv_bytes"))
+    for kind, key in kinds:
+        device.add_metric([*name, kind], live.cache.get(key, 0))
+    return segments, sessions, device

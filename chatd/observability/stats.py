@@ -107,6 +107,10 @@ class StatsRecorder:
                            "sessions": live.cache.get(f"{tier}_sessions"), "kv_dtype": live.kv_dtypes.get(tier)}
         tiers["device"]["kv_bytes"] = live.cache.get("device_kv_bytes", 0)  # keys and values of resident caches
         tiers["device"]["window_bytes"] = live.cache.get("device_window_bytes", 0)  # what their windows need
+        tiers["device"]["private_kv_bytes"] = live.cache.get("device_private_kv_bytes", 0)  # without sharing
+        tiers["device"]["shared"] = {key: live.cache.get(stat, 0) for key, stat in (
+            ("segments", "prefixes"), ("pinned", "segments_pinned"), ("sessions", "shared_sessions"),
+            ("users", "segment_users"), ("bytes", "segment_bytes"), ("host_segments", "host_segments"))}
         arena = {key.removeprefix("arena_"): value for key, value in live.cache.items() if key.startswith("arena_")}
         if arena:
             arena["outside_arena_turns"] = live.cache.get("outside_arena_turns", 0)

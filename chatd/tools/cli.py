@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     kv_size.add_argument("--dtype", nargs="+", default=["float32", "float16", "int8"],
                          choices=["float32", "float16", "bfloat16", "int8"])
     kv_size.add_argument("--budget-mb", type=float, default=None, help="also show how many sessions fit this budget")
+    kv_size.add_argument("--shared-prompt", type=int, default=0, metavar="TOKENS",
+                         help="also show sessions per GB after a shared prompt of this length, held once or copied")
     bench = commands.add_parser("bench", help="simulated customers against one or two servers")
     target = bench.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="bench a running server: ws://…/ws for chatd, or http://…/v1 for an "
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "kv-size":
         from chatd.model.kv_size import kv_size_table
 
-        print(kv_size_table(args.model, args.tokens, args.dtype, args.budget_mb))
+        print(kv_size_table(args.model, args.tokens, args.dtype, args.budget_mb, shared_prompt=args.shared_prompt))
     else:
         from websockets.exceptions import InvalidHandshake
 

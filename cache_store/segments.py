@@ -1,0 +1,128 @@
+"""Shared segments on the device: the system prompts (and branch histories) that caches start with, each held
+once in the arena under a key, with its own fingerprint and checksum.
+
+A segment's key is a hash of its token ids seeded with its scope (the owner: another key never finds it,
+not even by timing); a warm prompt (`--warm-prompt`) is pinned, never evicted, and found by every owner, since
+the operator made it public. A segment lives in the device tier like any cache (counted once in its budget);
+it is not evictable while any cache starts with it (`chain.users`) or while it is pinned. Every reuse of a
+cache checks each segment of its chain as a cache is checked: the fingerprint (model, owner = its key, the
+digest of its ids), its shapes and lengths, the checksum of its bytes; a segment that fails is dropped
+together with every resident cache that starts with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+
+import xxhash
+
+import cache_store.chain as chain
+from cache_store.arena import ArenaCache
+from cache_store.device_tier import DeviceTier
+from cache_store.entry import CacheEntry
+from cache_store.identity import CacheLayout
+from cache_store.integrity import Check, check_identity, check_tensors, checksum, fingerprint
+from sessions.encoding import pack_ids
+
+PREFIX = "prefix:"
+log = logging.getLogger(__name__)
+
+
+def segment_key(token_ids: Sequence[int], scope: str | None) -> str:
+    """The key of a segment holding `token_ids`, shared within `scope` (an owner; None: every owner)."""
+    seed = xxhash.xxh3_64_intdigest((scope or "").encode())
+    return PREFIX + xxhash.xxh3_64_hexdigest(pack_ids(token_ids), seed=seed)
+
+
+def is_segment(key: str) -> bool:
+    """Whether a tier's key names a shared segment rather than a session."""
+    return key.startswith(PREFIX)
+
+
+class SharedSegments:
+    """The shared segments resident in a device tier: made, found, checked and dropped."""
+
+    def __init__(self, device: DeviceTier, model_key: str, layout: CacheLayout):
+        self.device, self.model_key, self.layout = device, model_key, layout
+
+    def share(self, entry: CacheEntry, key: str, pinned: bool = False) -> CacheEntry | None:
+        """Make all of `entry`'s own tokens (a system prompt just prefilled alone) a segment under `key`, which
+        `entry` then starts with; nothing is copied. None when `key` is already held or `entry` is not in the
+        arena (it then keeps its tokens as its own)."""
+        if key in self.device or not isinstance(entry.cache, ArenaCache) or entry.own_tokens <= 0:
+            return None
+        segment = CacheEntry(chain.split(entry.cache, entry.own_tokens), list(entry.token_ids))
+        segment.cache.segment_key = key
+        self.stamp(key, segment)
+        self.device.put(key, segment, pinned=pinned)
+        return segment
+
+    def stamp(self, key: str, segment: CacheEntry) -> None:
+        """The fingerprint and checksum a segment is checked against on every reuse."""
+        segment.fingerprint = fingerprint(segment, self.model_key, key, self.layout)
+        segment.checksum = checksum(segment.tensors())
+
+    def find(self, key: str, token_ids: Sequence[int]) -> tuple[CacheEntry | None, tuple[Check, ...]]:
+        """The resident segment `key` if it holds exactly `token_ids` (verified, never trusted by its hash) and
+        passes its checks; else None, with the checks it failed (it is then dropped)."""
+        segment = self.device.get(key)
+        if segment is None or segment.token_ids != list(token_ids):
+            return None, ()
+        if failed := self.check(key, segment):
+            self.drop(key)
+            return None, failed
+        return segment, ()
+
+    def check(self, key: str, segment: CacheEntry) -> tuple[Check, ...]:
+        """Every check of a resident segment, its checksum included."""
+        failed = (check_identity(segment.fingerprint, self.model_key, key, segment.token_ids, self.layout)
+                  or check_tensors(segment.tensors(), segment.own_tokens, self.layout)
+                  or (checksum(segment.tensors()) != segment.checksum and "checksum"))
+        return (failed,) if failed else ()
+
+    def check_chain(self, entry: CacheEntry) -> tuple[str | None, tuple[Check, ...]]:
+        """Check every segment `entry` starts with, the root first: (the key of the first that fails, its
+        failed checks). A segment that is no longer resident under its key fails `fingerprint`."""
+        if not isinstance(entry.cache, ArenaCache):
+            return None, ()
+        for segment in chain.segments(entry.cache):
+            held = self.device.get(segment.segment_key) if segment.segment_key else None
+            if held is None or held.cache is not segment:
+                return segment.segment_key, ("fingerprint",)
+            if held.token_ids != entry.token_ids[:held.num_tokens]:
+                return segment.segment_key, ("fingerprint",)
+            if failed := self.check(segment.segment_key, held):
+                return segment.segment_key, failed
+        return None, ()
+
+    def drop(self, key: str) -> list[str]:
+        """Drop the segment `key` and every resident cache that starts with it (their turns recompute, or
+        find it again); return the keys of those caches."""
+        segment = self.device.pop(key)
+        if segment is None:
+            return []
+        dependents = [other for other in self.device
+                      if (entry := self.device.peek(other)) is not None and _starts_with(entry, segment.cache)]
+        for other in dependents:
+            self.device.pop(other)
+        return dependents
+
+    def keys(self) -> Iterator[str]:
+        return (key for key in self.device if is_segment(key))
+
+    def stats(self) -> dict[str, int]:
+        """Segments held, the sessions that start with them, their tokens, and the tokens the sessions'
+        caches would hold as private copies."""
+        held = [self.device.peek(key) for key in self.keys()]
+        sessions = [self.device.peek(key) for key in self.device if not is_segment(key)]
+        return {"segments": len(held), "segments_pinned": sum(self.device.is_pinned(key) for key in self.keys()),
+                "segment_users": sum(chain.users(entry.cache) for entry in held if isinstance(entry.cache, ArenaCache)),
+                "segment_tokens": sum(entry.own_tokens for entry in held),
+                "shared_sessions": sum(1 for entry in sessions if entry.prefix_tokens),
+                "private_tokens": sum(entry.num_tokens for entry in sessions),
+                "own_tokens": sum(entry.own_tokens for entry in sessions)}
+
+
+def _starts_with(entry: CacheEntry, segment: ArenaCache) -> bool:
+    return isinstance(entry.cache, ArenaCache) and segment in chain.segments(entry.cache)

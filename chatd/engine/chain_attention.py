@@ -1,0 +1,160 @@
+"""Attention over caches that start with shared segments of the KV arena, read once per forward pass.
+
+A cache's keys and values are a chain of pieces: the shared segments it starts with and its own region
+(`cache_store/chain.py`). Each piece is attended separately, giving an output and the log-sum-exp of its
+scores per query, and the parts are merged exactly by their log-sum-exps (Hydragen's `combine_lse`,
+FlashInfer's `merge_state`, vLLM's `merge_attn_states`):
+
+    m = max_i lse_i,    out = sum_i e^(lse_i - m) out_i / sum_i e^(lse_i - m)
+
+In a batched step the rows that start with the same segment attend to it in one call with their queries
+stacked (Hydragen; vLLM's cascade attention), so a shared segment is read once per step whatever the batch;
+each row's own piece is attended over a view of its region, as before. What each family does to the scores
+is done here too: the module's scaling, attention-logit soft-capping (Gemma 2), and attention sinks (gpt-oss),
+which join the merge once, as one more part whose value is zero. A sliding-window layer sees in each piece
+only the positions within the window of each query (`kv > q - window`, transformers' rule), so a window may
+end inside a segment or beyond it. Scores are computed in float32 (float64 for a float64 model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cache_store.arena import ArenaCache, KVArena
+from cache_store.chain import segments
+
+
+def partial_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                      visible: torch.Tensor | None = None, softcap: float | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of `query` [R, Hq, Lq, D] over one piece, `keys`/`values` [Hkv, Lk, D] shared by every row
+    (grouped-query heads read their key head without a copy: the rows and groups are stacked as one matrix
+    product per key head). `visible` [R, Lq, Lk] says which keys each query may see (None: all).
+    Returns the output [R, Hq, Lq, D] and the log-sum-exp of the scores [R, Hq, Lq] (-inf where a query
+    sees nothing; its output is then 0)."""
+    rows, heads, length, dim = query.shape
+    kv_heads = keys.shape[0]
+    groups = heads // kv_heads
+    work = torch.promote_types(query.dtype, torch.float32)
+    stacked = query.to(work).reshape(rows, kv_heads, groups * length, dim).transpose(0, 1)
+    stacked = stacked.reshape(kv_heads, rows * groups * length, dim)
+    scores = torch.matmul(stacked, keys.to(work).transpose(1, 2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if visible is not None:
+        scores = scores.view(kv_heads, rows, groups, length, -1).masked_fill(
+            ~visible[None, :, None], float("-inf")).view(kv_heads, rows * groups * length, -1)
+    lse = torch.logsumexp(scores, dim=-1)
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # a query that sees nothing: 0, not NaN
+    output = torch.matmul(torch.exp(scores - finite.unsqueeze(-1)), values.to(work))
+    output = output.view(kv_heads, rows, groups * length, dim).transpose(0, 1).reshape(rows, heads, length, dim)
+    lse = lse.view(kv_heads, rows, groups * length).transpose(0, 1).reshape(rows, heads, length)
+    return output, lse
+
+
+def merge_partials(outputs: torch.Tensor, lses: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Merge P partial attentions `outputs` [P, R, H, L, D] with their log-sum-exps `lses` [P, R, H, L] into
+    the attention over all their keys together; `sinks` [H] (gpt-oss) are one more key per head whose
+    value is zero: they weigh in the denominator once."""
+    top = lses.max(dim=0).values
+    if sinks is not None:
+        sinks = sinks.to(lses.dtype).view(1, -1, 1).expand_as(top)
+        top = torch.maximum(top, sinks)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(lses - top)
+    total = weights.sum(dim=0)
+    if sinks is not None:
+        total = total + torch.exp(sinks - top)
+    merged = (weights.unsqueeze(-1) * outputs).sum(dim=0)
+    return merged / total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1)
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One row of a pass: the segments its cache starts with, its own cache, and its queries' positions."""
+
+    segments: tuple[ArenaCache, ...]
+    own: ArenaCache
+    own_length: int  # its own positions once this pass has written its new keys
+    positions: tuple[int, ...]  # the positions of its queries (the last `len(positions)` of the sequence)
+
+
+class ChainPlan:
+    """The pieces every row of one forward pass attends to, and which keys each query sees in each layer's
+    window; built once per pass (the arena's regions cannot move during it: every region is reserved
+    before the pass starts)."""
+
+    def __init__(self, arena: KVArena, caches: Sequence[ArenaCache], new_tokens: int, device: torch.device):
+        self.arena = arena
+        self.device = device
+        self.rows = [_Row(tuple(segments(cache)), cache, cache.used_tokens() + new_tokens,
+                          tuple(range(cache.get_seq_length(), cache.get_seq_length() + new_tokens)))
+                     for cache in caches]
+        shared: dict[int, list[int]] = {}  # segment -> the rows that start with it
+        by_id: dict[int, ArenaCache] = {}
+        for index, row in enumerate(self.rows):
+            for segment in row.segments:
+                shared.setdefault(id(segment), []).append(index)
+                by_id[id(segment)] = segment
+        self.groups = [(by_id[key], rows) for key, rows in shared.items()]
+        self._masks: dict[int | None, tuple] = {}
+
+    def attend(self, layer: int, window: int | None, query: torch.Tensor, scaling: float,
+               softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+        """Every row's attention in `layer`: `query` [R, Hq, Lq, D] -> [R, Lq, Hq, D]."""
+        keys, values = self.arena.keys[layer], self.arena.values[layer]
+        segment_masks, own_spans = self._visibility(window)
+        rows, heads, length, dim = query.shape
+        parts = len(self.groups) + 1
+        work = torch.promote_types(query.dtype, torch.float32)
+        outputs = torch.zeros(parts, rows, heads, length, dim, dtype=work, device=query.device)
+        lses = torch.full((parts, rows, heads, length), float("-inf"), dtype=work, device=query.device)
+        for part, ((segment, members), (visible, lo, hi)) in enumerate(zip(self.groups, segment_masks, strict=True)):
+            if hi <= lo:
+                continue  # outside every member's window
+            start = segment.region.start
+            index = torch.tensor(members, device=query.device) if len(members) < rows else None
+            output, lse = partial_attention(query if index is None else query[index], keys[:, start + lo:start + hi],
+                                            values[:, start + lo:start + hi], scaling, visible, softcap)
+            if index is None:
+                outputs[part], lses[part] = output, lse
+            else:
+                outputs[part, index], lses[part, index] = output, lse
+        for number, (row, (visible, lo, hi)) in enumerate(zip(self.rows, own_spans, strict=True)):
+            start = row.own.region.start
+            outputs[-1, number], lses[-1, number] = (
+                t[0] for t in partial_attention(query[number:number + 1], keys[:, start + lo:start + hi],
+                                                values[:, start + lo:start + hi], scaling, visible, softcap))
+        merged = merge_partials(outputs, lses, sinks)
+        return merged.transpose(1, 2).to(query.dtype)
+
+    def _visibility(self, window: int | None) -> tuple[list, list]:
+        """Per shared segment and per row's own piece, for `window`: (visible mask or None, lo, hi), the keys
+        [lo, hi) of the piece that any of its queries may see and which of them each query sees."""
+        if window not in self._masks:
+            segment_masks = []
+            for segment, members in self.groups:
+                first = segment.offset
+                positions = [self.rows[m].positions for m in members]
+                segment_masks.append(self._piece(positions, first, segment.used_tokens(), window))
+            own = [self._piece([row.positions], row.own.offset, row.own_length, window) for row in self.rows]
+            self._masks[window] = (segment_masks, own)
+        return self._masks[window]
+
+    def _piece(self, positions: list[tuple[int, ...]], first: int, length: int, window: int | None) -> tuple:
+        """(visible [R, Lq, hi - lo] or None when every query sees every key of [lo, hi), lo, hi) for a piece
+        holding positions [first, first + length) and rows of queries at `positions`."""
+        queries = torch.tensor(positions, device=self.device)  # [R, Lq]
+        keys = torch.arange(first, first + length, device=self.device)
+        visible = keys[None, None, :] <= queries[:, :, None]
+        if window is not None:
+            visible &= keys[None, None, :] > queries[:, :, None] - window
+        seen = visible.any(dim=0).any(dim=0).nonzero()
+        if seen.numel() == 0:
+            return None, 0, 0
+        lo, hi = int(seen[0]), int(seen[-1]) + 1
+        visible = visible[:, :, lo:hi]
+        return (None if bool(visible.all()) else visible), lo, hi
