@@ -11,7 +11,7 @@ import torch
 from cache_store import CacheEntry, DeviceTier, chain
 from cache_store.arena import UNIT, ArenaCache, KVArena
 from cache_store.policy import LRUPolicy
-from chatd.engine.chain_attention import merge_partials, partial_attention
+from chatd.engine.chain_attention import matmul_attention, merge_partials, partial_attention
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4
 
@@ -141,7 +141,8 @@ def attention_over_all(query, keys, values, scaling, visible=None, softcap=None,
 
 @pytest.mark.parametrize("softcap", [None, 20.0])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_merging_partial_attentions_equals_attention_over_the_concatenation(softcap, with_sinks):
+@pytest.mark.parametrize("kernel", [partial_attention, matmul_attention])  # (CPU: torch's fused flash kernel first)
+def test_merging_partial_attentions_equals_attention_over_the_concatenation(softcap, with_sinks, kernel):
     torch.manual_seed(0)
     rows, heads, kv_heads, length, dim = 3, 4, 2, 5, 8
     query = torch.randn(rows, heads, length, dim, dtype=torch.float64)
@@ -150,15 +151,16 @@ def test_merging_partial_attentions_equals_attention_over_the_concatenation(soft
     visible = [torch.rand(rows, length, n) > 0.3 for n in (7, 1, 11)]
     visible[1][:] = False  # a piece some queries cannot see at all (outside their window)
     sinks = torch.randn(heads, dtype=torch.float64) if with_sinks else None
-    parts = [partial_attention(query, k, v, 0.3, mask, softcap) for (k, v), mask in zip(pieces, visible, strict=True)]
+    parts = [kernel(query, k, v, 0.3, mask, softcap) for (k, v), mask in zip(pieces, visible, strict=True)]
     merged = merge_partials(torch.stack([o for o, _ in parts]), torch.stack([s for _, s in parts]), sinks)
     expected = attention_over_all(query, torch.cat([k for k, _ in pieces], 1), torch.cat([v for _, v in pieces], 1),
                                   0.3, torch.cat(visible, -1), softcap, sinks)
     assert torch.allclose(merged, expected, atol=1e-12, rtol=1e-12)
 
 
-def test_a_query_that_sees_nothing_in_a_piece_contributes_nothing_from_it():
+@pytest.mark.parametrize("kernel", [partial_attention, matmul_attention])
+def test_a_query_that_sees_nothing_in_a_piece_contributes_nothing_from_it(kernel):
     query = torch.randn(1, 2, 1, 4, dtype=torch.float64)
     keys = torch.randn(1, 3, 4, dtype=torch.float64)
-    output, lse = partial_attention(query, keys, keys, 1.0, torch.zeros(1, 1, 3, dtype=torch.bool))
+    output, lse = kernel(query, keys, keys, 1.0, torch.zeros(1, 1, 3, dtype=torch.bool))
     assert torch.isneginf(lse).all() and torch.equal(output, torch.zeros_like(output))

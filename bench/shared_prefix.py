@@ -1,0 +1,164 @@
+"""The support desk: many sessions that start with the same long system prompt (issue 31).
+
+Three measurements, each run for this checkout and, with --a-checkout DIR, for another (the commit before,
+in a `git worktree`) in the same run, one after the other, alone on the machine:
+
+- memory: 16 idle sessions sharing a ~1,000-token policy, one short turn each, under --device-cache-mb 256:
+  how many stay resident, and the device tier's bytes against the distinct keys and values (the policy once
+  plus each session's own tokens); then eight sessions with eight different short prompts.
+- decode: 16 sessions decoding together: the batch-16 step (ms) and the crowd's tokens/s for shared prompts
+  of 25, 500, 1,000, 2,000 and 4,000 tokens (timed in the engine thread on the sessions' real caches).
+- capacity: sessions per GB of device budget with a 2,000-token shared prompt and 300-token conversations,
+  simulated in the arena's allocator (10,000 sessions do not fit this machine).
+
+    .venv/bin/python bench/shared_prefix.py --a-checkout /tmp/base
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+POLICY_LINE = ("Refunds are issued within 14 days to the original payment method once the returned item has been "
+               "inspected; shipping costs are refunded only for faulty items. ")
+QUESTIONS = ["Where is my parcel?", "My invoice is wrong.", "I need a new password.", "Cancel my order 12.",
+             "Do you ship to Norway?", "Is the shop open on Sunday?", "My router is blinking red.",
+             "Can I change my plan?"]
+
+
+def policy(tokens: int, renderer) -> str:
+    """A system prompt of about `tokens` tokens (a policy, repeated with numbered sections)."""
+    from sessions import Message
+    text, section = "You are the support agent of Northwind Internet. Follow this policy exactly.\n", 1
+    while len(renderer.render([Message("system", text)], add_generation_prompt=False)) < tokens:
+        text += f"Section {section}. {POLICY_LINE}"
+        section += 1
+    return text
+
+
+def worker(measure: str) -> dict:
+    """Run one measurement in this process (the checkout on PYTHONPATH) and return its numbers."""
+    import torch
+
+    from cache_store import kv_bytes_per_token
+    from chatd.model.loader import load_model
+    from chatd.model.prompt import PromptRenderer
+    from sessions import Message, Session
+    from tests.support import run_together, run_turn, running_engine
+
+    torch.manual_seed(0)
+    loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
+    renderer = PromptRenderer(loaded.tokenizer)
+    per_token = kv_bytes_per_token(loaded.model.config, loaded.model.dtype)
+    if measure == "memory":
+        result = {}
+        for name, prompts in (("one 1,000-token policy, 16 sessions", [policy(1000, renderer)] * 16),
+                              ("eight short prompts, 8 sessions", [f"You are agent {i} of Northwind. Be brief and "
+                                                                   f"kind to customer group {i}." for i in range(8)])):
+            with running_engine(loaded, device_cache_mb=256, verify_sample_rate=0.0) as engine:
+                conversations, prompt_tokens = [], {}
+                for index, system in enumerate(prompts):
+                    session = Session(f"s{index}", system=system)
+                    done, _ = run_turn(engine, session, QUESTIONS[index % len(QUESTIONS)], max_new_tokens=8)
+                    conversations.append(len(done.conversation_ids))
+                    prompt_tokens[system] = len(renderer.render([Message("system", system)],
+                                                                add_generation_prompt=False))
+                stats = engine.call(lambda store: store.stats()).result()
+            distinct = sum(prompt_tokens.values()) + sum(conversations) - sum(prompt_tokens[p] for p in prompts)
+            result[name] = {"resident": stats["device_sessions"], "sessions": len(prompts),
+                            "device_bytes": stats["device_bytes"], "distinct_kv_bytes": distinct * per_token,
+                            "held_over_distinct": round(stats["device_bytes"] / (distinct * per_token), 3)}
+        return result
+    if measure == "decode":
+        result = {}
+        for tokens in (25, 500, 1000, 2000, 4000):
+            system = policy(tokens, renderer)
+            with running_engine(loaded, device_cache_mb=4096, max_batch=16, verify_sample_rate=0.0) as engine:
+                sessions = [Session(f"s{i}", system=system) for i in range(16)]
+                run_together(engine, sessions, [QUESTIONS[i % 8] + f" (customer {i})" for i in range(16)], [1] * 16)
+                ids = [session.session_id for session in sessions]
+                step_ms = engine.call(lambda store, ids=ids, engine=engine: _time_steps(engine, store, ids)).result()
+            result[str(tokens)] = {"prompt_tokens": len(renderer.render([Message("system", system)],
+                                                                          add_generation_prompt=False)),
+                                   "step_ms": round(step_ms, 1), "tokens_per_s": round(16 / step_ms * 1000, 1)}
+        return result
+    raise ValueError(measure)
+
+
+def _time_steps(engine, store, session_ids: list[str], steps: int = 12) -> float:
+    """The median batch-16 decode step over the sessions' real caches (in the engine thread); the caches are
+    cropped back after."""
+    import statistics
+
+    import torch
+    entries = [store.device.get(session_id) for session_id in session_ids]
+    lengths = [entry.num_tokens for entry in entries]
+    samples = []
+    with torch.inference_mode():
+        for step in range(steps + 2):
+            started = time.perf_counter()
+            engine.runner.decode(entries, [200 + step] * len(entries))
+            if step >= 2:  # two warm-up steps
+                samples.append(time.perf_counter() - started)
+    for entry, length in zip(entries, lengths, strict=True):
+        entry.crop(length)
+    return 1000 * statistics.median(samples)
+
+
+def capacity(gb: float = 1.0, prompt: int = 2000, own: int = 300, sessions: int = 10_000) -> dict:
+    """Sessions per GB with a shared prompt, in the arena's allocator: private copies against one shared copy."""
+    from cache_store.allocator import RunAllocator
+    from cache_store.arena import UNIT, units_for
+    per_token = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M, float32
+    units = int(gb * 2**30 // per_token) // UNIT
+    counts = {}
+    for layout, first, each in (("private copies", 0, units_for(prompt + own)),
+                                ("shared once", units_for(prompt), units_for(own))):
+        allocator, placed = RunAllocator(units), 0
+        if first and allocator.allocate(first) is None:
+            counts[layout] = 0
+            continue
+        while placed < sessions and allocator.allocate(each) is not None:
+            placed += 1
+        counts[layout] = placed
+    return {"prompt_tokens": prompt, "own_tokens": own, "gb": gb, "sessions_per_gb": counts}
+
+
+def run(checkout: Path, measure: str) -> dict:
+    """One measurement in a fresh process for `checkout` (this script's code, that checkout's chatd)."""
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    output = subprocess.run([sys.executable, str(HERE), "--worker", measure], cwd=checkout, env=env, check=True,
+                            capture_output=True, text=True).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--a-checkout", type=Path, help="also measure this checkout (the commit before)")
+    parser.add_argument("--measure", nargs="+", default=["memory", "decode", "capacity"])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker)))
+        return
+    checkouts = {"after": HERE.parent.parent, **({"before": args.a_checkout} if args.a_checkout else {})}
+    report = {}
+    for measure in args.measure:
+        if measure == "capacity":
+            report[measure] = capacity()
+            continue
+        report[measure] = {label: run(checkout, measure) for label, checkout in checkouts.items()}
+    print(json.dumps(report, indent=2))
+    results = HERE.parent / "results"
+    results.mkdir(exist_ok=True)
+    (results / "shared_prefix.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
