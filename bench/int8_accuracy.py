@@ -22,8 +22,8 @@ import torch
 from common import write_result
 from transformers import DynamicCache
 
+from cache_store.lookup import common_prefix_length
 from cache_store.quantize import dequantize, quantize
-from cache_store.store import common_prefix_length
 from chatd.model.loader import load_model
 from chatd.model.prompt import PromptRenderer
 from sessions import Message

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 import xxhash
 
 import cache_store.chain as chain
-from cache_store.arena import ArenaCache
+from cache_store.arena import UNIT, ArenaCache
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry
 from cache_store.identity import CacheLayout
@@ -47,12 +47,16 @@ class SharedSegments:
         self.device, self.model_key, self.layout = device, model_key, layout
 
     def share(self, entry: CacheEntry, key: str, pinned: bool = False) -> CacheEntry | None:
-        """Make all of `entry`'s own tokens (a system prompt just prefilled alone) a segment under `key`, which
-        `entry` then starts with; nothing is copied. None when `key` is already held or `entry` is not in the
-        arena (it then keeps its tokens as its own)."""
-        if key in self.device or not isinstance(entry.cache, ArenaCache) or entry.own_tokens <= 0:
+        """Make the whole units of `entry`'s own tokens (a system prompt just prefilled alone) a segment under
+        `key`, which `entry` then starts with; nothing is copied. The last tokens that do not fill a unit stay
+        in `entry`'s own region (a session that starts from the segment prefills them again: at most 15 tokens),
+        so that a segment's region holds no rounding. None when `key` is already held, `entry` is not in the
+        arena, or it holds less than a unit (it then keeps its tokens as its own)."""
+        tokens = entry.own_tokens // UNIT * UNIT
+        if key in self.device or not isinstance(entry.cache, ArenaCache) or tokens <= 0:
             return None
-        segment = CacheEntry(chain.split(entry.cache, entry.own_tokens), list(entry.token_ids))
+        token_ids = entry.token_ids[:entry.prefix_tokens + tokens]
+        segment = CacheEntry(chain.split(entry.cache, tokens), token_ids)
         segment.cache.segment_key = key
         self.stamp(key, segment)
         self.device.put(key, segment, pinned=pinned)
@@ -64,10 +68,10 @@ class SharedSegments:
         segment.checksum = checksum(segment.tensors())
 
     def find(self, key: str, token_ids: Sequence[int]) -> tuple[CacheEntry | None, tuple[Check, ...]]:
-        """The resident segment `key` if it holds exactly `token_ids` (verified, never trusted by its hash) and
-        passes its checks; else None, with the checks it failed (it is then dropped)."""
+        """The resident segment `key` if it holds the first of `token_ids` (verified, never trusted by its hash)
+        and passes its checks; else None, with the checks it failed (it is then dropped)."""
         segment = self.device.get(key)
-        if segment is None or segment.token_ids != list(token_ids):
+        if segment is None or segment.token_ids != list(token_ids[:segment.num_tokens]):
             return None, ()
         if failed := self.check(key, segment):
             self.drop(key)

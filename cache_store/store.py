@@ -11,90 +11,35 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol
-
-import torch
 
 import cache_store.chain as chain
 from cache_store.arena import UNIT, ArenaCache, ArenaFull, TemporaryCache
-from cache_store.cost_model import CostModel, RemoteDecision, Throughput
+from cache_store.cost_model import CostModel, Throughput
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry, NewCache
 from cache_store.host_pool import HostBufferPool
 from cache_store.host_tier import HostTier
 from cache_store.identity import CacheLayout
-from cache_store.integrity import (
-    Check,
-    check_finite,
-    check_identity,
-    check_scales,
-    check_tensors,
-    checksum,
-    fingerprint,
+from cache_store.integrity import Check, check_identity, check_tensors, checksum, fingerprint
+from cache_store.lookup import (
+    CacheLookup,
+    CacheSource,
+    CopyObserver,
+    MissReason,
+    RemoteCaches,
+    SessionRunning,
+    common_prefix_length,
 )
-from cache_store.offload import HostEntry, Offloader, host_nbytes
+from cache_store.offload import Offloader
 from cache_store.policy import EvictionPolicy
 from cache_store.quantize import KVDtype
-from cache_store.remote_tier import RemoteHeader
 from cache_store.segments import SharedSegments, is_segment, segment_key
 from cache_store.sizing import layer_tokens_needed
 from cache_store.stage_faults import FaultPoints
+from cache_store.tier_moves import TierMoves
 
-CacheSource = Literal["device", "host", "remote", "prefix", "miss"]
-CopyObserver = Callable[[Literal["offload", "restore"], Literal["host", "remote"], float], None]
-MissReason = Literal["new", "cold", "evicted", "disabled", "drift", "corrupt", "stale", "truncated"]
 log = logging.getLogger(__name__)
 _REMEMBERED_LOSSES = 100_000
-
-
-class SessionRunning(RuntimeError):
-    """A turn of the session is running: its cache is that turn's until write-back. Retry later."""
-
-
-@dataclass(frozen=True)
-class CacheLookup:
-    """What a turn may reuse: `entry` holds its first `cached_tokens` tokens and stays the turn's
-    until `put` (or `drop`)."""
-
-    source: CacheSource
-    cached_tokens: int
-    entry: CacheEntry | None = None
-    miss_reason: MissReason | None = None
-    cleared: tuple[Check, ...] = ()  # the checks that failed, when miss_reason is "corrupt"
-    remote: RemoteDecision | None = None  # when a remote cache existed: fetched or recomputed, and why
-
-    @property
-    def quantized(self) -> str | None:
-        """"int8" when the reused cache came (now or at an earlier turn) from a quantised copy."""
-        return self.entry.quantized if self.entry is not None and self.cached_tokens else None
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids two sequences share."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-class RemoteCaches(Protocol):
-    """Where caches are shared beyond this process (`RemoteTier`: Redis): what the store asks of it."""
-
-    throughput: Throughput
-    errors: int
-    write_errors: int
-
-    def put(self, session_id: str, entry: HostEntry) -> None: ...
-
-    def head(self, session_id: str) -> RemoteHeader | None: ...
-
-    def fetch(self, header: RemoteHeader) -> HostEntry | None: ...
-
-    def delete(self, session_id: str) -> None: ...
-
-    def usage(self) -> tuple[int, int]: ...
 
 
 class CacheStore:
@@ -121,10 +66,11 @@ class CacheStore:
         self.ttl_s = ttl_s
         self.counters: Counter[str] = Counter()
         self.new_cache = new_cache
-        self._offloader = offloader
+        self.offloader = offloader
         self._clock = clock
-        self._on_copy = on_copy or (lambda direction, tier, seconds: None)  # for latency metrics
-        self._connected: set[str] = set()
+        self.on_copy = on_copy or (lambda direction, tier, seconds: None)  # for latency metrics
+        self.connected: set[str] = set()  # sessions with a client: evicted last
+        self._moves = TierMoves(self)
         self._lost: OrderedDict[str, None] = OrderedDict()  # sessions whose cache was dropped
         self._turns: dict[str, object] = {}  # session id -> its running turn, from admit to put or abandon
 
@@ -175,7 +121,7 @@ class CacheStore:
         if entry is not None and (failed := self._check_resident(session_id, entry)):
             return self.report_corruption(session_id, failed)
         if entry is None and session_id in self.host:
-            entry, failed = self._restore(session_id)
+            entry, failed = self._moves.restore(session_id)
             if failed:
                 return self.report_corruption(session_id, failed)
             source = "host"  # (or nothing: the segment it starts with is gone, and it was dropped)
@@ -187,8 +133,8 @@ class CacheStore:
             self.remote.delete(session_id)
             return CacheLookup("miss", 0, miss_reason="stale")
         if header is not None:
-            entry, decision, failed = self._from_remote(session_id, header, self._segment_for(prompt_ids, prefix_len,
-                                                                                             scope))
+            segment = self._segment_for(prompt_ids, prefix_len, scope)
+            entry, decision, failed = self._moves.from_remote(session_id, header, segment)
             if failed:
                 return self.report_corruption(session_id, failed)
             if entry is not None:
@@ -221,13 +167,13 @@ class CacheStore:
         entry.fingerprint = fingerprint(entry, self.model_key, session_id, self.layout)
         entry.checksum = checksum(entry.tensors())
         entry.session_version = session_version
-        self._make_room(entry.nbytes())
-        self.device.put(session_id, entry, connected=session_id in self._connected)
+        self.make_room(entry.nbytes())
+        self.device.put(session_id, entry, connected=session_id in self.connected)
         if self.remote is not None:
-            snapshot = self._offloader.offload(entry, kv_dtype=self.remote_kv_dtype, whole=True)
+            snapshot = self.offloader.offload(entry, kv_dtype=self.remote_kv_dtype, whole=True)
             self.remote.put(session_id, snapshot)  # written in the background
         if isinstance(entry.cache, TemporaryCache) or self.device.used_bytes() > self.device.budget_bytes:
-            self._offload(session_id)  # longer than the whole arena, or alone larger than the budget
+            self._moves.offload(session_id)  # longer than the whole arena, or alone larger than the budget
 
     def release(self, session_id: str) -> None:
         """The session's turn ended without touching its cache (cancelled before its lookup)."""
@@ -266,8 +212,8 @@ class CacheStore:
             return 0  # no room for a copy now: the branch prefills from scratch
         copy.fingerprint = fingerprint(copy, self.model_key, target, self.layout)
         copy.checksum = checksum(copy.tensors())
-        self._make_room(copy.nbytes(), keep=source)
-        self.device.put(target, copy, connected=target in self._connected)
+        self.make_room(copy.nbytes(), keep=source)
+        self.device.put(target, copy, connected=target in self.connected)
         return shared
 
     def _share_history(self, source: str, entry: CacheEntry, shared: int) -> None:
@@ -280,10 +226,11 @@ class CacheStore:
         tokens = (shared - entry.prefix_tokens) // UNIT * UNIT
         if tokens <= 0:
             return
-        key = segment_key(entry.token_ids[:entry.prefix_tokens + tokens], f"branch:{source}")
+        token_ids = entry.token_ids[:entry.prefix_tokens + tokens]
+        key = segment_key(token_ids, f"branch:{source}")
         if key in self.device:
             return
-        segment = CacheEntry(chain.split(entry.cache, tokens), entry.token_ids[:entry.prefix_tokens + tokens])
+        segment = CacheEntry(chain.split(entry.cache, tokens), token_ids)
         segment.cache.segment_key = key
         self.segments.stamp(key, segment)
         self.device.put(key, segment)
@@ -292,7 +239,7 @@ class CacheStore:
 
     def touch(self, session_id: str, connected: bool) -> None:
         """Record whether a client is connected to the session: connected caches are evicted last."""
-        (self._connected.add if connected else self._connected.discard)(session_id)
+        (self.connected.add if connected else self.connected.discard)(session_id)
         if (residency := self.device.residency(session_id)) is not None:
             residency.connected = connected
 
@@ -304,7 +251,7 @@ class CacheStore:
         if not self.device.can_fit(self.host.nbytes(session_id)):
             return False
         try:
-            _, failed = self._restore(session_id)
+            _, failed = self._moves.restore(session_id)
         except ArenaFull:
             return False  # no room on the device after all; it stays in the host tier
         if failed:
@@ -328,7 +275,7 @@ class CacheStore:
         recomputes)."""
         if is_segment(session_id):
             for dependent in self.segments.drop(session_id):
-                self._remember_loss(dependent)
+                self.remember_loss(dependent)
         self.device.pop(session_id)
         self.host.discard(session_id)
         if self.remote is not None:
@@ -338,7 +285,7 @@ class CacheStore:
         """The session is closed: drop its cache and everything known about it."""
         self.drop(session_id)
         self._lost.pop(session_id, None)
-        self._connected.discard(session_id)
+        self.connected.discard(session_id)
 
     def evict_one(self) -> bool:
         """Evict the idle cache the policy ranks lowest (to free a region of the arena); False if none is idle."""
@@ -366,11 +313,11 @@ class CacheStore:
         deadline = self._clock() - self.ttl_s
         expired = [key for key in self.device if not is_segment(key) and self._idle_since(key) < deadline]
         expired += [key for key in self.host.keys()
-                    if key not in self._connected and self.host.put_at(key) < deadline]
+                    if key not in self.connected and self.host.put_at(key) < deadline]
         for key in expired:
             self.device.pop(key)
             self.host.discard(key)
-            self._remember_loss(key)
+            self.remember_loss(key)
             self.counters["expired"] += 1
         return expired
 
@@ -398,7 +345,7 @@ class CacheStore:
             "host_bytes": self.host.used_bytes(), "host_budget_bytes": self.host.budget_bytes,
             "host_free_bytes": self.host.pool.free_bytes, "host_segments": sum(map(is_segment, self.host.keys())),
             "host_sessions": len(self.host) - sum(map(is_segment, self.host.keys())),
-            "idle_sessions": len(cached - self._connected), **self.counters,
+            "idle_sessions": len(cached - self.connected), **self.counters,
         }
         if self.remote is not None:
             stats["remote_bytes"], stats["remote_budget_bytes"] = self.remote.usage()
@@ -415,10 +362,10 @@ class CacheStore:
         segment = self._segment_for(prompt_ids, prefix_len, scope) if 0 < prefix_len < len(prompt_ids) else None
         if segment is None:
             return CacheLookup("miss", 0, miss_reason=reason)
-        entry = CacheEntry(self.new_cache(prefix_len), list(prompt_ids[:prefix_len]))
+        entry = CacheEntry(self.new_cache(prefix_len), list(segment.token_ids))
         chain.attach(entry.cache, segment.cache)
-        self.device.put(session_id, entry, connected=session_id in self._connected)
-        return CacheLookup("prefix", prefix_len, entry)
+        self.device.put(session_id, entry, connected=session_id in self.connected)
+        return CacheLookup("prefix", segment.num_tokens, entry)
 
     def _segment_for(self, prompt_ids: Sequence[int], prefix_len: int, scope: str | None) -> CacheEntry | None:
         """The checked segment holding the prompt's first `prefix_len` ids: the owner's own, or a warm prompt
@@ -427,44 +374,7 @@ class CacheStore:
             return None
         ids = list(prompt_ids[:prefix_len])
         warm = segment_key(ids, None)
-        return self._find_segment(warm if self.device.is_pinned(warm) else segment_key(ids, scope), ids)
-
-    def _find_segment(self, key: str, token_ids: list[int]) -> CacheEntry | None:
-        """The segment `key` holding exactly `token_ids`: on the device (checked), or brought back from the host
-        tier (checked); a segment that fails a check is dropped with what starts with it."""
-        segment, failed = self.segments.find(key, token_ids)
-        if segment is None and not failed and key in self.host and self.host.get(key).token_ids == token_ids:
-            segment, failed = self._restore(key)
-        if failed:
-            self.report_corruption(key, failed)
-        return segment
-
-    def _from_remote(self, session_id: str, header: RemoteHeader, segment: CacheEntry | None
-                     ) -> tuple[CacheEntry | None, RemoteDecision, tuple[Check, ...]]:
-        """The session's cache from the remote tier, when fetching it is estimated to be faster than
-        recomputing it; it passes every restore check before use. Where `segment` (resident) holds its first
-        positions, the cache starts with it and only the positions after it are copied onto the device."""
-        decision = self.cost.decide(header.nbytes, header.fingerprint.num_tokens)
-        if decision.choice == "recompute":
-            return None, decision, ()
-        started = time.perf_counter()
-        host_entry = self.remote.fetch(header)
-        if host_entry is None:
-            return None, decision, ()
-        if failed := self._check_host_entry(session_id, host_entry):
-            return None, decision, failed
-        if segment is not None and host_entry.token_ids[:segment.num_tokens] == segment.token_ids:
-            host_entry = dataclasses.replace(
-                host_entry, tensors=[(k[..., segment.num_tokens:, :], v[..., segment.num_tokens:, :])
-                                     for k, v in host_entry.tensors],
-                scales=None if host_entry.scales is None else [(ks, vs[..., segment.num_tokens:, :])
-                                                               for ks, vs in host_entry.scales],
-                prefix_key=segment.cache.segment_key, prefix_tokens=segment.num_tokens)
-        else:
-            segment = None
-        entry = self._adopt(session_id, host_entry, "remote", started, segment)
-        self.counters["remote_restores"] += 1
-        return entry, decision, ()
+        return self._moves.find_segment(warm if self.device.is_pinned(warm) else segment_key(ids, scope), ids)
 
     def _older_than(self, session_id: str, session_version: int) -> bool:
         entry = self.device.get(session_id) or self.host.get(session_id)
@@ -476,82 +386,17 @@ class CacheStore:
         with every cache that starts with it."""
         key, failed_segment = self.segments.check_chain(entry)
         if key is not None:
-            if key in self.device:
-                self.report_corruption(key, failed_segment)
+            if key in self.device:  # (counted once, as the session's corruption, by the caller)
+                log.warning("shared segment %s failed the %s check; dropped", key, ", ".join(failed_segment))
+                self.drop(key)
             return failed_segment
         failed = (check_identity(entry.fingerprint, self.model_key, owner, entry.token_ids, self.layout)
                   or check_tensors(entry.tensors(), entry.own_tokens, self.layout)
                   or (checksum(entry.tensors()) != entry.checksum and "checksum"))
         return (failed,) if failed else ()
 
-    def _restore(self, key: str) -> tuple[CacheEntry | None, tuple[Check, ...]]:
-        """Bring a host entry (a session's, or a shared segment's) back to the device once it passes every
-        check, starting with the segment it names (resident, or restored first); else report what failed. None
-        without a failure when that segment is gone: the entry is dropped and its turn recomputes."""
-        started = time.perf_counter()
-        # First: making room offloads others into the host tier. A segment never changes, so its host copy stays
-        # there: when the device lets it go again, nothing is copied.
-        host_entry = self.host.get(key) if is_segment(key) else self.host.pop(key)
-        if failed := self._check_host_entry(key, host_entry):
-            self.host.discard(key) if is_segment(key) else self.host.release(host_entry)
-            return None, failed
-        segment = None
-        if host_entry.prefix_key is not None:
-            segment = self._find_segment(host_entry.prefix_key, host_entry.token_ids[:host_entry.prefix_tokens])
-            if segment is None:
-                self.host.release(host_entry)
-                self._remember_loss(key)
-                return None, ()
-        try:
-            entry = self._adopt(key, host_entry, "host", started, segment)
-        except ArenaFull:
-            if not is_segment(key):
-                self.host.put(key, host_entry)  # kept where it was, for when there is room
-            raise
-        if is_segment(key):
-            entry.cache.frozen, entry.cache.segment_key = True, key
-            self.host.touch(key)
-        self.counters["segment_restores" if is_segment(key) else "restores"] += 1
-        return entry, ()
-
-    def _check_host_entry(self, owner: str, host_entry: HostEntry) -> tuple[Check, ...]:
-        """Identity, shapes, the checksum of every stored byte (scales included), values finite (for a
-        quantised entry: its scales, since int8 cannot be NaN)."""
-        tokens, quantized = host_entry.own_tokens, host_entry.scales is not None
-        stored_layout = dataclasses.replace(self.layout, dtype=torch.int8) if quantized else self.layout
-        failed = (check_identity(host_entry.fingerprint, self.model_key, owner, host_entry.token_ids, self.layout)
-                  or (quantized and host_entry.fingerprint.quantized != "int8" and "fingerprint")
-                  or check_tensors(host_entry.tensors, tokens, stored_layout)
-                  or (quantized and check_scales(host_entry.scales, tokens, self.layout))
-                  or (checksum(host_entry.stored) != host_entry.checksum and "checksum")
-                  or check_finite(host_entry.scales if quantized else host_entry.tensors))
-        return (failed,) if failed else ()
-
-    def _adopt(self, session_id: str, host_entry: HostEntry, tier: Literal["host", "remote"],
-               started: float, segment: CacheEntry | None = None) -> CacheEntry:
-        """Put a checked host entry back on the device, starting with `segment` when it names one. Its restore
-        time, observed from `started`, counts the fetch, the checks and the copy, not the evictions that made
-        room for it."""
-        fetched_s = time.perf_counter() - started
-        if host_entry.device_nbytes <= self.device.budget_bytes:  # else it is restored outside the arena
-            # (the segments it will start with stay: nothing starts with them until it does)
-            keep = [session_id, *(s.segment_key for s in chain.segments(segment.cache) + [segment.cache])] \
-                if segment is not None else [session_id]
-            self._make_room(self.device.extra_bytes(session_id, host_entry.device_nbytes), keep=keep)
-        copy_started = time.perf_counter()
-        entry, copied = self._offloader.restore(host_entry, self.new_cache, segment.cache if segment else None)
-        if not (tier == "host" and is_segment(session_id)):  # (a segment's host copy stays: see _restore)
-            self.host.release(host_entry, copied)
-        # The checksum verified on the host is the device's when both are read the same way (on a CPU, at
-        # full precision); a GPU reads the device copy with its own kind, and a dequantised copy is new bytes.
-        same_bytes = entry.tensors()[0][0].device.type == "cpu" and host_entry.scales is None
-        remote_sliced = tier == "remote" and segment is not None
-        entry.checksum = host_entry.checksum if same_bytes and not remote_sliced else checksum(entry.tensors())
-        self.device.put(session_id, entry, connected=session_id in self._connected)
-        self._on_copy("restore", tier, fetched_s + time.perf_counter() - copy_started)
-        return entry
-
-    def _make_room(self, need_bytes: int, keep: str | Sequence[str] = ()) -> None:
+    def make_room(self, need_bytes: int, keep: str | Sequence[str] = ()) -> None:
+        """Evict, in the policy's order, what `need_bytes` more on the device need (never `keep`)."""
         for key in self.device.plan_room(need_bytes, keep=keep)[0]:
             if key in self.device:
                 self._evict(key)
@@ -564,47 +409,10 @@ class CacheStore:
             self.device.pop(key)
             self.counters["prefix_evictions"] += 1
             return
-        self._offload(key)
+        self._moves.offload(key)
 
-    def _offload(self, session_id: str) -> None:
-        """Move a device cache to the host tier, whose oldest entries make room; a cache that does not
-        fit there, or whose offload fails, is lost (its next turn recomputes) and nothing else fails."""
-        entry = self.device.pop(session_id)
-        self.counters["segment_offloads" if is_segment(session_id) else "device_evictions"] += 1
-        kv_dtype = "same" if is_segment(session_id) else self.host_kv_dtype  # a segment is held once: exact
-        started = time.perf_counter()
-        buffer = None
-        try:
-            self.faults.check("offload", session_id)
-            need = host_nbytes(entry, kv_dtype)
-            dropped, fits = self.host.make_room(need)
-            for key in dropped:
-                self._remember_loss(key)
-                self.counters["host_evictions"] += 1
-            if not fits:
-                self._remember_loss(session_id)
-                self.counters["host_evictions"] += 1
-                return
-            buffer = self.host.pool.take(need)
-            host_entry = self._offloader.offload(entry, buffer, kv_dtype)
-        except Exception:
-            log.exception("offloading session %s's cache failed; it is dropped and its next turn recomputes",
-                          session_id)
-            if buffer is not None:
-                self.host.pool.give(buffer)
-            self.faults.disarm(session_id)
-            self.counters["offload_failures"] += 1
-            self.drop(session_id)
-            self._remember_loss(session_id)
-            return
-        self._on_copy("offload", "host", time.perf_counter() - started)
-        if not _left_intact(entry, host_entry):  # changed while resident: never launder it into the host tier
-            self.host.release(host_entry)
-            self.report_corruption(session_id, ("checksum",))
-            return
-        self.host.put(session_id, host_entry)
-
-    def _remember_loss(self, session_id: str) -> None:
+    def remember_loss(self, session_id: str) -> None:
+        """The session's cache is gone from every tier: its next turn is an `evicted` miss."""
         self._lost[session_id] = None
         while len(self._lost) > _REMEMBERED_LOSSES:
             self._lost.popitem(last=False)
@@ -618,10 +426,3 @@ class CacheStore:
         return float("inf") if residency.running or residency.connected else residency.last_access
 
 
-def _left_intact(entry: CacheEntry, host_entry: HostEntry) -> bool:
-    """Whether the cache reached the host with the bytes it was written back with."""
-    if entry.checksum is None:
-        return True
-    if host_entry.scales is None and entry.checksum.split(":")[0] == host_entry.checksum.split(":")[0]:
-        return host_entry.checksum == entry.checksum  # read the same way: the copy's checksum says it
-    return checksum(entry.tensors()) == entry.checksum

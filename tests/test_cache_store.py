@@ -182,13 +182,13 @@ def arena_entry(arena: KVArena, token_ids: list[int], seed: int = 0) -> CacheEnt
 
 def test_a_shared_prefix_starts_new_sessions_without_a_copy_and_is_never_mutated():
     store, arena = arena_store()
-    system = arena_entry(arena, ids(5), seed=9)
+    system = arena_entry(arena, ids(20), seed=9)
     original = [k.clone() for k, _ in system.tensors()]
     assert store.put_prefix(system)
-    assert (system.prefix_tokens, system.own_tokens) == (5, 0), "the prefilled cache now starts with the segment"
+    assert (system.prefix_tokens, system.own_tokens) == (16, 4), "whole units shared, the rest kept"
     segment = system.cache.prefix
-    lookup = store.lookup("new", ids(8), prefix_len=5)
-    assert (lookup.source, lookup.cached_tokens) == ("prefix", 5)
+    lookup = store.lookup("new", ids(24), prefix_len=20)
+    assert (lookup.source, lookup.cached_tokens) == ("prefix", 16)
     assert lookup.entry.cache.prefix is segment and lookup.entry.own_tokens == 0, "nothing copied"
     assert chain.users(segment) == 2
     with pytest.raises(RuntimeError, match="read-only"):
@@ -197,10 +197,10 @@ def test_a_shared_prefix_starts_new_sessions_without_a_copy_and_is_never_mutated
     assert (lookup.entry.prefix_tokens, lookup.entry.own_tokens) == (0, 2) and chain.users(segment) == 1
     assert lookup.entry.tensors()[0][0].equal(original[0][:, :, :2])
     lookup.entry.cache.layers[0].keys.zero_()
-    again = store.lookup("other", ids(9), prefix_len=5)
-    assert again.entry.cache.prefix is segment and segment.layers[0].keys.equal(original[0])
-    assert store.lookup("third", ids(5, start=1) + [0, 0], prefix_len=5).source == "miss", "ids are verified"
-    assert store.lookup("fourth", ids(8), prefix_len=5, scope="another key").source == "miss", "owners apart"
+    again = store.lookup("other", ids(25), prefix_len=20)
+    assert again.entry.cache.prefix is segment and segment.layers[0].keys.equal(original[0][:, :, :16])
+    assert store.lookup("third", ids(20, start=1) + [0, 0], prefix_len=20).source == "miss", "ids are verified"
+    assert store.lookup("fourth", ids(24), prefix_len=20, scope="another key").source == "miss", "owners apart"
     assert store.stats()["prefixes"] == 1 and store.stats()["segment_users"] == 2
 
 

@@ -23,7 +23,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from cache_store.store import common_prefix_length
+from cache_store.lookup import common_prefix_length
 from chatd.api.auth import KeyRing
 from chatd.api.gateway import WORKER
 from chatd.api.openai_schema import (

@@ -52,7 +52,17 @@ class ModelRunner:
 
     def decode(self, entries: Sequence[CacheEntry], tokens: Sequence[int]) -> torch.Tensor:
         """Feed `tokens[i]` after `entries[i]`; return the logits [B, V]. The caches in the arena step together
-        in one pass; a lone one, and one in a temporary cache outside the arena, step alone."""
+        in one pass; a lone one, and one in a temporary cache outside the arena, step alone. A pass that fails
+        leaves every cache as it was (some layers may already hold the new token: cropped back)."""
+        lengths = [entry.num_tokens for entry in entries]
+        try:
+            return self._decode(entries, tokens)
+        except BaseException:
+            for entry, length in zip(entries, lengths, strict=True):
+                entry.crop(length)
+            raise
+
+    def _decode(self, entries: Sequence[CacheEntry], tokens: Sequence[int]) -> torch.Tensor:
         together = [i for i, entry in enumerate(entries) if isinstance(entry.cache, ArenaCache)]
         if len(together) < 2:
             together = []

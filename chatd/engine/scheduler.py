@@ -19,9 +19,6 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
@@ -32,31 +29,22 @@ from cache_store import (
     SessionRunning,
 )
 from cache_store.arena import ArenaCache, ArenaFull
+from cache_store.lookup import CopyObserver
 from cache_store.stage_faults import FaultPoints, Stage
-from cache_store.store import CopyObserver
 from chatd.config import Settings
+from chatd.engine.commands import CacheCommand, CacheCommands
 from chatd.engine.model_runner import ModelRunner
 from chatd.engine.running_turn import RunningTurn
 from chatd.engine.supervision import EngineUnavailable, is_fatal
 from chatd.engine.turn import FinishReason, Turn, TurnFailed, TurnResult
 from chatd.engine.turn_setup import CacheFinder, TurnPreparer
-from chatd.engine.wiring import wire
+from chatd.engine.wiring import warm_prompt, wire
 from chatd.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
 EXPIRE_EVERY_S = 1.0
 PUBLISH_EVERY_S = 0.1  # while busy, how often the counters are published for /metrics and /v1/stats
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class _CacheCommand:
-    """Cache housekeeping, run in the engine thread in order with the turns."""
-
-    action: Callable[[CacheStore], object]
-    result: Future | None = None
-    session_id: str | None = None  # waits while this session's turn runs
 
 
 _STOP = object()
@@ -66,7 +54,7 @@ def _queue_ms(turn: Turn) -> float:
     return (time.perf_counter() - turn.received_at) * 1000.0
 
 
-class Engine:
+class Engine(CacheCommands):
     """Owns the model and the session caches. Talk to it only through `submit`, `cancel` (on the
     turn), `drop_cache`, `close_session`, `session_connected`, `prefetch` and `call`; all are safe from any thread."""
 
@@ -97,7 +85,7 @@ class Engine:
         self.cache_stats: dict[str, int | float] = {}  # published between steps: `_publish`
         self._published_at = 0.0
         self.batch_sizes: Counter[int] = Counter()  # decode steps by batch size
-        self._deferred: list[_CacheCommand] = []
+        self._deferred: list[CacheCommand] = []
         self._waiting = 0
         self._active = 0
         self._lock = threading.Lock()  # the waiting count, and submissions against a failure
@@ -128,49 +116,6 @@ class Engine:
                 self._commands.put(turn)
                 return
         turn.emit(TurnFailed("unavailable", self._unavailable()))
-
-    def drop_cache(self, session_id: str) -> None:
-        """Drop a session's cache from every tier (its next turn recomputes), once the turns queued
-        before this call have finished."""
-        self._commands.put(_CacheCommand(lambda store: store.drop(session_id), session_id=session_id))
-
-    def close_session(self, session_id: str) -> None:
-        """The session is closed: drop its cache and everything the cache store knows about it, once the
-        turns queued before this call have finished."""
-        self._commands.put(_CacheCommand(lambda store: store.forget(session_id), session_id=session_id))
-
-    def wait_shared(self, session_id: str, timeout_s: float) -> bool:
-        """With `--remote-kv`, wait (off the engine thread) until the session's cache is written to Redis, so that
-        the next turn can continue from it on any worker; whether it was within `timeout_s`."""
-        remote = self.cache.remote if self.cache is not None else None
-        return remote is None or remote.wait_written(session_id, timeout_s)
-
-    def fork_session(self, source: str, target: str, prompt_ids: list[int]) -> None:
-        """Start `target`'s cache as a copy of the part of `source`'s that `prompt_ids` begins with
-        (a branch of a conversation); runs before any turn submitted after it."""
-        self._commands.put(_CacheCommand(lambda store: store.fork(source, target, prompt_ids)))
-
-    def session_connected(self, session_id: str, connected: bool) -> None:
-        self._commands.put(_CacheCommand(lambda store: store.touch(session_id, connected)))
-
-    def prefetch(self, session_id: str) -> None:
-        """Hint that a turn of this session is coming: restore its cache to the device now."""
-        self._commands.put(_CacheCommand(lambda store: store.prefetch(session_id), session_id=session_id))
-
-    def offload_idle(self) -> None:
-        """Move every cache that is not running to the host tier (to free the device, or to measure)."""
-        self._commands.put(_CacheCommand(CacheStore.evict_idle))
-
-    def call(self, action: Callable[[CacheStore], T], session_id: str | None = None) -> Future[T]:
-        """Run `action` on the cache store in the engine thread, between decode steps (and, with a
-        `session_id`, once no turn of that session is running)."""
-        result: Future[T] = Future()
-        with self._lock:
-            if self._closed is None:
-                self._commands.put(_CacheCommand(action, result, session_id))
-                return result
-        result.set_exception(EngineUnavailable(self._unavailable()))
-        return result
 
     def _run(self) -> None:
         try:
@@ -228,7 +173,7 @@ class Engine:
                 break
             (turns if isinstance(command, Turn) else commands).append(command)
         for command in commands:
-            if isinstance(command, _CacheCommand) and command.result is not None:
+            if isinstance(command, CacheCommand) and command.result is not None:
                 command.result.set_exception(EngineUnavailable(self._unavailable()))
         for turn in turns:
             self._end(turn, TurnFailed("unavailable", self._unavailable()))
@@ -479,17 +424,11 @@ class Engine:
             self._sample(running, logits)
 
     def _forward_decode(self, batch: list[RunningTurn]) -> torch.Tensor:
-        """One decode pass over `batch`: the logits [B, V]. A pass that fails leaves every cache as it was."""
-        lengths = [running.entry.num_tokens for running in batch]
-        try:
-            for running in batch:
-                self.faults.check("decode", running.turn.session_id)
-            with torch.inference_mode():
-                return self.runner.decode([r.entry for r in batch], [r.next_input for r in batch])
-        except BaseException:
-            for running, length in zip(batch, lengths, strict=True):
-                running.entry.crop(length)  # some layers may already hold the new token
-            raise
+        """One decode pass over `batch`: the logits [B, V] (a pass that fails leaves every cache as it was)."""
+        for running in batch:
+            self.faults.check("decode", running.turn.session_id)
+        with torch.inference_mode():
+            return self.runner.decode([r.entry for r in batch], [r.next_input for r in batch])
 
     def _fail(self, failed: RunningTurn | Turn, error: Exception, stage: str) -> None:
         """One turn failed at `stage`: it gets `internal`, and its cache, which the failure may have left
@@ -505,25 +444,6 @@ class Engine:
             self.cache.abandon(turn.session_id)  # never another turn's running cache
         self._end(turn, TurnFailed("internal", f"the turn failed at the {stage} stage: {type(error).__name__}"))
 
-    def _housekeep(self, action: Callable[[CacheStore], object], result: Future | None = None) -> None:
-        """Cache housekeeping is best effort: a failure is logged (and handed to a caller that waits
-        for the result), and the engine keeps serving. A caller that stopped waiting cancels it."""
-        if result is not None and not result.set_running_or_notify_cancel():
-            return
-        try:
-            with torch.inference_mode():
-                value = action(self.cache)
-        except Exception as error:
-            if is_fatal(error):
-                raise
-            log.exception("cache housekeeping failed")
-            if result is not None:
-                result.set_exception(error)
-            return
-        if result is not None:
-            self._publish()
-            result.set_result(value)
-
     def _prepare(self, loaded: LoadedModel) -> None:
         torch.set_num_threads(self.settings.torch_threads())
         self.loaded = loaded
@@ -531,18 +451,7 @@ class Engine:
         self._preparer = TurnPreparer(loaded, self.arena, self.settings)
         self._finder = CacheFinder(self.cache, self.runner, self.settings, loaded.model.dtype)
         for text in self.settings.warm_prompts():
-            self._warm(text)
-
-    def _warm(self, text: str) -> None:
-        """Prefill a system prompt (--warm-prompt) into a pinned shared segment: resident through any eviction,
-        so that the first session that uses it pays no prefill for it."""
-        ids = self._preparer.system_ids(text)
-        entry = CacheEntry(self.runner.new_cache(len(ids)))
-        with torch.inference_mode():
-            self.runner.forward(entry, ids)
-        if not self.cache.put_prefix(entry, pinned=True):
-            raise ValueError(f"a warm prompt of {len(ids)} tokens cannot be held on the device (--device-cache-mb)")
-        log.info("warm prompt of %d tokens resident on the device", len(ids))
+            warm_prompt(self.runner, self.cache, self._preparer.system_ids(text))
 
     @property
     def deep_check_distances(self) -> deque[float]:

@@ -1,20 +1,23 @@
 """What the engine works with once its model is loaded, built in one place: the KV arena within the
-device budget, the model runner over it, and the cache store with its tiers."""
+device budget, the model runner over it, the cache store with its tiers, and the warm prompts in it."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from cache_store import CacheEntry, CacheLayout, CacheStore, KVGeometry, Offloader, kv_bytes_per_token
 from cache_store.arena import KVArena
+from cache_store.lookup import CopyObserver
 from cache_store.remote_tier import RemoteTier
 from cache_store.stage_faults import FaultPoints
-from cache_store.store import CopyObserver
 from chatd.config import Settings
 from chatd.engine.model_runner import ModelRunner
 from chatd.model.loader import LoadedModel
 
 MB = 1024 * 1024
+log = logging.getLogger(__name__)
 
 
 def wire(loaded: LoadedModel, settings: Settings, faults: FaultPoints,
@@ -50,3 +53,14 @@ def _measure_prefill(loaded: LoadedModel, runner: ModelRunner, max_context: int,
     ids = torch.randint(100, vocab, (min(tokens, max_context - 1),))
     with torch.inference_mode():
         runner.timed_prefill(CacheEntry(runner.scratch_cache()), ids.tolist())
+
+
+def warm_prompt(runner: ModelRunner, store: CacheStore, token_ids: list[int]) -> None:
+    """Prefill a system prompt (--warm-prompt) into a pinned shared segment: resident through any eviction, so
+    that the first session that uses it pays no prefill for it, and counted in the device budget."""
+    entry = CacheEntry(runner.new_cache(len(token_ids)))
+    with torch.inference_mode():
+        runner.forward(entry, token_ids)
+    if not store.put_prefix(entry, pinned=True):
+        raise ValueError(f"a warm prompt of {len(token_ids)} tokens cannot be held on the device (--device-cache-mb)")
+    log.info("warm prompt of %d tokens resident on the device", len(token_ids))

@@ -12,8 +12,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cache_store.integrity import CHECKS
+from cache_store.lookup import CacheSource, MissReason
 from cache_store.stage_faults import STAGES
-from cache_store.store import CacheSource, MissReason
 from chatd.engine.turn import TurnResult
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

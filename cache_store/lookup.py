@@ -1,0 +1,66 @@
+"""What crosses the cache boundary: the lookup a turn gets back, why a session's cache is busy, and what the
+store asks of a remote tier."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from cache_store.cost_model import RemoteDecision, Throughput
+from cache_store.entry import CacheEntry
+from cache_store.integrity import Check
+from cache_store.offload import HostEntry
+from cache_store.remote_tier import RemoteHeader
+
+CacheSource = Literal["device", "host", "remote", "prefix", "miss"]
+CopyObserver = Callable[[Literal["offload", "restore"], Literal["host", "remote"], float], None]
+MissReason = Literal["new", "cold", "evicted", "disabled", "drift", "corrupt", "stale", "truncated"]
+
+class SessionRunning(RuntimeError):
+    """A turn of the session is running: its cache is that turn's until write-back. Retry later."""
+
+
+@dataclass(frozen=True)
+class CacheLookup:
+    """What a turn may reuse: `entry` holds its first `cached_tokens` tokens and stays the turn's
+    until `put` (or `drop`)."""
+
+    source: CacheSource
+    cached_tokens: int
+    entry: CacheEntry | None = None
+    miss_reason: MissReason | None = None
+    cleared: tuple[Check, ...] = ()  # the checks that failed, when miss_reason is "corrupt"
+    remote: RemoteDecision | None = None  # when a remote cache existed: fetched or recomputed, and why
+
+    @property
+    def quantized(self) -> str | None:
+        """"int8" when the reused cache came (now or at an earlier turn) from a quantised copy."""
+        return self.entry.quantized if self.entry is not None and self.cached_tokens else None
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids two sequences share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class RemoteCaches(Protocol):
+    """Where caches are shared beyond this process (`RemoteTier`: Redis): what the store asks of it."""
+
+    throughput: Throughput
+    errors: int
+    write_errors: int
+
+    def put(self, session_id: str, entry: HostEntry) -> None: ...
+
+    def head(self, session_id: str) -> RemoteHeader | None: ...
+
+    def fetch(self, header: RemoteHeader) -> HostEntry | None: ...
+
+    def delete(self, session_id: str) -> None: ...
+
+    def usage(self) -> tuple[int, int]: ...

@@ -1,0 +1,226 @@
+"""Moving caches between tiers, checked both ways: an evicted cache offloaded to the host tier (exact or
+int8; a shared segment once, exact), a host or Redis copy checked and restored onto the device, starting with
+the shared segment it names (resident, or restored first), so that a segment is never copied twice.
+
+Part of the cache store (`CacheStore` decides what moves; this does the moving), in the engine thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+import torch
+
+import cache_store.chain as chain
+from cache_store.arena import ArenaFull
+from cache_store.cost_model import CostModel, RemoteDecision
+from cache_store.device_tier import DeviceTier
+from cache_store.entry import CacheEntry, NewCache
+from cache_store.host_tier import HostTier
+from cache_store.identity import CacheLayout
+from cache_store.integrity import Check, check_finite, check_identity, check_scales, check_tensors, checksum
+from cache_store.lookup import CopyObserver, RemoteCaches
+from cache_store.offload import HostEntry, Offloader, host_nbytes
+from cache_store.quantize import KVDtype
+from cache_store.remote_tier import RemoteHeader
+from cache_store.segments import SharedSegments, is_segment
+from cache_store.stage_faults import FaultPoints
+
+log = logging.getLogger(__name__)
+
+
+class TierOwner(Protocol):
+    """What the moves need of the cache store they work for (`CacheStore`)."""
+
+    device: DeviceTier
+    host: HostTier
+    segments: SharedSegments
+    offloader: Offloader
+    new_cache: NewCache
+    layout: CacheLayout
+    model_key: str
+    host_kv_dtype: KVDtype
+    faults: FaultPoints
+    counters: Counter[str]
+    connected: set[str]
+    cost: CostModel
+    remote: RemoteCaches | None
+    on_copy: CopyObserver
+
+    def make_room(self, need_bytes: int, keep: str | Sequence[str] = ()) -> None: ...
+
+    def remember_loss(self, session_id: str) -> None: ...
+
+    def report_corruption(self, session_id: str, failed: tuple[Check, ...]) -> object: ...
+
+    def drop(self, session_id: str) -> None: ...
+
+
+class TierMoves:
+    """Offload, restore and remote fetches for one cache store."""
+
+    def __init__(self, store: TierOwner):
+        self.store = store
+
+    def find_segment(self, key: str, token_ids: list[int]) -> CacheEntry | None:
+        """The segment `key` holding exactly `token_ids`: on the device (checked), or brought back from the host
+        tier (checked); a segment that fails a check is dropped with what starts with it."""
+        store = self.store
+        segment, failed = store.segments.find(key, token_ids)
+        held = store.host.get(key)
+        if segment is None and not failed and held is not None and held.token_ids == token_ids[:len(held.token_ids)]:
+            segment, failed = self.restore(key)
+        if failed:
+            store.report_corruption(key, failed)
+        return segment
+
+    def from_remote(self, session_id: str, header: RemoteHeader, segment: CacheEntry | None
+                     ) -> tuple[CacheEntry | None, RemoteDecision, tuple[Check, ...]]:
+        """The session's cache from the remote tier, when fetching it is estimated to be faster than
+        recomputing it; it passes every restore check before use. Where `segment` (resident) holds its first
+        positions, the cache starts with it and only the positions after it are copied onto the device."""
+        store = self.store
+        decision = store.cost.decide(header.nbytes, header.fingerprint.num_tokens)
+        if decision.choice == "recompute":
+            return None, decision, ()
+        started = time.perf_counter()
+        host_entry = store.remote.fetch(header)
+        if host_entry is None:
+            return None, decision, ()
+        if failed := self.check_host_entry(session_id, host_entry):
+            return None, decision, failed
+        if segment is not None and host_entry.token_ids[:segment.num_tokens] == segment.token_ids:
+            host_entry = dataclasses.replace(
+                host_entry, tensors=[(k[..., segment.num_tokens:, :], v[..., segment.num_tokens:, :])
+                                     for k, v in host_entry.tensors],
+                scales=None if host_entry.scales is None else [(ks, vs[..., segment.num_tokens:, :])
+                                                               for ks, vs in host_entry.scales],
+                prefix_key=segment.cache.segment_key, prefix_tokens=segment.num_tokens)
+        else:
+            segment = None
+        entry = self.adopt(session_id, host_entry, "remote", started, segment)
+        store.counters["remote_restores"] += 1
+        return entry, decision, ()
+
+    def restore(self, key: str) -> tuple[CacheEntry | None, tuple[Check, ...]]:
+        """Bring a host entry (a session's, or a shared segment's) back to the device once it passes every
+        check, starting with the segment it names (resident, or restored first); else report what failed. None
+        without a failure when that segment is gone: the entry is dropped and its turn recomputes."""
+        store = self.store
+        started = time.perf_counter()
+        # First: making room offloads others into the host tier. A segment never changes, so its host copy stays
+        # there: when the device lets it go again, nothing is copied.
+        host_entry = store.host.get(key) if is_segment(key) else store.host.pop(key)
+        if failed := self.check_host_entry(key, host_entry):
+            store.host.discard(key) if is_segment(key) else store.host.release(host_entry)
+            return None, failed
+        segment = None
+        if host_entry.prefix_key is not None:
+            segment = self.find_segment(host_entry.prefix_key, host_entry.token_ids[:host_entry.prefix_tokens])
+            if segment is None or segment.num_tokens != host_entry.prefix_tokens:
+                store.host.release(host_entry)
+                store.remember_loss(key)
+                return None, ()
+        try:
+            entry = self.adopt(key, host_entry, "host", started, segment)
+        except ArenaFull:
+            if not is_segment(key):
+                store.host.put(key, host_entry)  # kept where it was, for when there is room
+            raise
+        if is_segment(key):
+            entry.cache.frozen, entry.cache.segment_key = True, key
+            store.host.touch(key)
+        store.counters["segment_restores" if is_segment(key) else "restores"] += 1
+        return entry, ()
+
+    def check_host_entry(self, owner: str, host_entry: HostEntry) -> tuple[Check, ...]:
+        """Identity, shapes, the checksum of every stored byte (scales included), values finite (for a
+        quantised entry: its scales, since int8 cannot be NaN)."""
+        store = self.store
+        tokens, quantized = host_entry.own_tokens, host_entry.scales is not None
+        stored_layout = dataclasses.replace(store.layout, dtype=torch.int8) if quantized else store.layout
+        failed = (check_identity(host_entry.fingerprint, store.model_key, owner, host_entry.token_ids, store.layout)
+                  or (quantized and host_entry.fingerprint.quantized != "int8" and "fingerprint")
+                  or check_tensors(host_entry.tensors, tokens, stored_layout)
+                  or (quantized and check_scales(host_entry.scales, tokens, store.layout))
+                  or (checksum(host_entry.stored) != host_entry.checksum and "checksum")
+                  or check_finite(host_entry.scales if quantized else host_entry.tensors))
+        return (failed,) if failed else ()
+
+    def adopt(self, session_id: str, host_entry: HostEntry, tier: Literal["host", "remote"],
+               started: float, segment: CacheEntry | None = None) -> CacheEntry:
+        """Put a checked host entry back on the device, starting with `segment` when it names one. Its restore
+        time, observed from `started`, counts the fetch, the checks and the copy, not the evictions that made
+        room for it."""
+        store = self.store
+        fetched_s = time.perf_counter() - started
+        if host_entry.device_nbytes <= store.device.budget_bytes:  # else it is restored outside the arena
+            # (the segments it will start with stay: nothing starts with them until it does)
+            keep = [session_id, *(s.segment_key for s in chain.segments(segment.cache) + [segment.cache])] \
+                if segment is not None else [session_id]
+            store.make_room(store.device.extra_bytes(session_id, host_entry.device_nbytes), keep=keep)
+        copy_started = time.perf_counter()
+        entry, copied = store.offloader.restore(host_entry, store.new_cache, segment.cache if segment else None)
+        if not (tier == "host" and is_segment(session_id)):  # (a segment's host copy stays: see _restore)
+            store.host.release(host_entry, copied)
+        # The checksum verified on the host is the device's when both are read the same way (on a CPU, at
+        # full precision); a GPU reads the device copy with its own kind, and a dequantised copy is new bytes.
+        same_bytes = entry.tensors()[0][0].device.type == "cpu" and host_entry.scales is None
+        remote_sliced = tier == "remote" and segment is not None
+        entry.checksum = host_entry.checksum if same_bytes and not remote_sliced else checksum(entry.tensors())
+        store.device.put(session_id, entry, connected=session_id in store.connected)
+        store.on_copy("restore", tier, fetched_s + time.perf_counter() - copy_started)
+        return entry
+
+    def offload(self, session_id: str) -> None:
+        """Move a device cache to the host tier, whose oldest entries make room; a cache that does not
+        fit there, or whose offload fails, is lost (its next turn recomputes) and nothing else fails."""
+        store = self.store
+        entry = store.device.pop(session_id)
+        store.counters["segment_offloads" if is_segment(session_id) else "device_evictions"] += 1
+        kv_dtype = "same" if is_segment(session_id) else store.host_kv_dtype  # a segment is held once: exact
+        started = time.perf_counter()
+        buffer = None
+        try:
+            store.faults.check("offload", session_id)
+            need = host_nbytes(entry, kv_dtype)
+            dropped, fits = store.host.make_room(need)
+            for key in dropped:
+                store.remember_loss(key)
+                store.counters["host_evictions"] += 1
+            if not fits:
+                store.remember_loss(session_id)
+                store.counters["host_evictions"] += 1
+                return
+            buffer = store.host.pool.take(need)
+            host_entry = store.offloader.offload(entry, buffer, kv_dtype)
+        except Exception:
+            log.exception("offloading session %s's cache failed; it is dropped and its next turn recomputes",
+                          session_id)
+            if buffer is not None:
+                store.host.pool.give(buffer)
+            store.faults.disarm(session_id)
+            store.counters["offload_failures"] += 1
+            store.drop(session_id)
+            store.remember_loss(session_id)
+            return
+        store.on_copy("offload", "host", time.perf_counter() - started)
+        if not _left_intact(entry, host_entry):  # changed while resident: never launder it into the host tier
+            store.host.release(host_entry)
+            store.report_corruption(session_id, ("checksum",))
+            return
+        store.host.put(session_id, host_entry)
+
+
+def _left_intact(entry: CacheEntry, host_entry: HostEntry) -> bool:
+    """Whether the cache reached the host with the bytes it was written back with."""
+    if entry.checksum is None:
+        return True
+    if host_entry.scales is None and entry.checksum.split(":")[0] == host_entry.checksum.split(":")[0]:
+        return host_entry.checksum == entry.checksum  # read the same way: the copy's checksum says it
+    return checksum(entry.tensors()) == entry.checksum
