@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from cache_store.quantize import KVDtype
@@ -133,12 +133,13 @@ class Settings(BaseSettings):
         """The text of each --warm-prompt file, without its final newline."""
         return [Path(path).read_text().removesuffix("\n") for path in self.warm_prompt]
 
-    @model_validator(mode="after")
-    def _warm_prompts_readable(self) -> Settings:
-        for path in self.warm_prompt:
+    @field_validator("warm_prompt")
+    @classmethod
+    def _warm_prompts_readable(cls, paths: list[str]) -> list[str]:
+        for path in paths:
             if not Path(path).is_file() or not os.access(path, os.R_OK):
-                raise ValueError(f"--warm-prompt {path}: no such readable file")
-        return self
+                raise ValueError(f"{path}: no such readable file")
+        return paths
 
     @model_validator(mode="after")
     def _remote_kv_needs_redis(self) -> Settings:

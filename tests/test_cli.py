@@ -71,13 +71,26 @@ def test_bad_flags_are_named():
 
 
 LIST_SETTINGS = [name for name, field in Settings.model_fields.items() if field.annotation == list[str]]
+FILE_LISTS = {"warm_prompt"}  # lists of files, which must exist
 
 
 def test_every_list_setting_is_found():
-    assert set(LIST_SETTINGS) == {"api_key", "allowed_origins"}
+    assert set(LIST_SETTINGS) == {"api_key", "allowed_origins", *FILE_LISTS}
 
 
-@pytest.mark.parametrize("name", LIST_SETTINGS)
+def test_warm_prompts_are_files_read_without_their_final_newline(tmp_path, monkeypatch):
+    first, second = tmp_path / "policy.txt", tmp_path / "faq.txt"
+    first.write_text("You are Northwind's agent.\n")
+    second.write_text("Answer from the FAQ.")
+    monkeypatch.setenv("CHATD_WARM_PROMPT", f"{first},{second}")
+    assert Settings().warm_prompts() == ["You are Northwind's agent.", "Answer from the FAQ."]
+    process = subprocess.run([sys.executable, "-m", "chatd", "serve", "--port", "0", "--warm-prompt",
+                              str(tmp_path / "missing.txt")], capture_output=True, text=True, timeout=60)
+    lines = process.stderr.strip().splitlines()
+    assert process.returncode == 2 and len(lines) == 1 and "--warm-prompt" in lines[0] and "missing.txt" in lines[0]
+
+
+@pytest.mark.parametrize("name", sorted(set(LIST_SETTINGS) - FILE_LISTS))
 @pytest.mark.parametrize(("text", "expected"), [
     ("https://one.example", ["https://one.example"]),
     (" https://one.example, https://two.example ,", ["https://one.example", "https://two.example"]),

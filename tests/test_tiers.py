@@ -60,7 +60,8 @@ def test_sessions_with_the_same_system_prompt_share_its_prefill(tiny):
         first, _ = run_turn(engine, Session("a", system=system), "Hello", max_new_tokens=8)
         second, _ = run_turn(engine, Session("b", system=system), "Where is gate 12?", max_new_tokens=8)
         expected, _ = run_turn(reference, Session("c", system=system), "Where is gate 12?", max_new_tokens=8)
-        other, _ = run_turn(engine, Session("d", system="Another prompt."), "Hi", max_new_tokens=8)
+        other, _ = run_turn(engine, Session("d", system="Another prompt, for the lost luggage desk of Example Air."),
+                            "Hi", max_new_tokens=8)
         assert (first.cache_source, first.miss_reason) == ("miss", "new")
         assert second.cache_source == "prefix" and 10 < second.cached_tokens < second.prompt_tokens
         assert second.token_ids == expected.token_ids
