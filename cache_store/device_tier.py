@@ -128,10 +128,6 @@ class DeviceTier:
         """What running turns count for beyond the caches they hold now."""
         return self.used_bytes() - sum(entry.nbytes() for entry in self._entries.values())
 
-    def token_counts(self, keys: Iterator[str] | list[str]) -> list[int]:
-        """The tokens each resident cache of `keys` holds (no access recorded: for stats)."""
-        return [self._entries[key].num_tokens for key in keys if key in self._entries]
-
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 

@@ -69,12 +69,11 @@ class SharedSegments:
 
     def find(self, key: str, token_ids: Sequence[int]) -> tuple[CacheEntry | None, tuple[Check, ...]]:
         """The resident segment `key` if it holds the first of `token_ids` (verified, never trusted by its hash)
-        and passes its checks; else None, with the checks it failed (it is then dropped)."""
+        and passes its checks; else None, with the checks it failed (the caller reports and drops it)."""
         segment = self.device.get(key)
         if segment is None or segment.token_ids != list(token_ids[:segment.num_tokens]):
             return None, ()
         if failed := self.check(key, segment):
-            self.drop(key)
             return None, failed
         return segment, ()
 

@@ -178,3 +178,66 @@ async def test_the_remote_writer_goes_on_after_redis_refuses_a_write(redis_serve
     finally:
         tier.close()
         await admin.aclose()
+
+
+POLICY = ("You are the support agent of Northwind Internet. Refunds take 14 days. Never promise a date. Ask for "
+          "the order number first.")
+
+
+async def policy_conversation(tiny, redis_db, damage=None):
+    """Two turns of a session on worker A, another session with the same policy on worker B (which then holds
+    the policy's segment), optional damage, and the session's third turn on worker B."""
+    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True)
+    async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
+        session_id = (await on_a.open_session(system=POLICY)).session_id
+        reference_id = (await reference.open_session(system=POLICY)).session_id
+        neighbour = (await on_b.open_session(system=POLICY)).session_id
+        await (await on_b.chat(neighbour, "Hello there", max_new_tokens=5)).result()
+        for question in QUESTIONS[:2]:
+            await (await on_a.chat(session_id, question, max_new_tokens=6)).result()
+            await (await reference.chat(reference_id, question, max_new_tokens=6)).result()
+        await wait_for_remote(redis_db.url, session_id, 2)
+        worker_b = servers[1].engine
+        worker_b.cache.cost.prefill_tokens_per_s = 1.0  # make worker B fetch (see `conversation`)
+        if damage:
+            await damage(redis_db.url, session_id, worker_b)
+        turn = await on_b.chat(session_id, QUESTIONS[2], max_new_tokens=6)
+        done = await turn.result()
+        expected = await reference.chat(reference_id, QUESTIONS[2], max_new_tokens=6)
+        await expected.result()
+        assert turn.deltas == expected.deltas
+        chained = await asyncio.wrap_future(worker_b.call(
+            lambda store: (entry := store.device.get(session_id)) is not None and entry.prefix_tokens > 0))
+        return done, chained, worker_b.cache.counters
+
+
+async def test_a_remote_cache_restored_where_its_policy_is_resident_starts_with_it(tiny, redis_db):
+    done, chained, counters = await policy_conversation(tiny, redis_db)
+    assert done.cache.source == "remote" and chained, "only the positions after worker B's own policy copied"
+    assert not [name for name in counters if name.startswith("corrupt_")]
+
+
+async def flip_a_policy_byte(url, session_id, _):
+    """A byte of the first layer's keys at the first positions: inside the policy, which the receiving worker
+    holds itself and does not copy; the blob's checksum still covers it."""
+    client = redis.Redis.from_url(url)
+    key = f"chatd:{{{session_id}}}:kv"
+    blob = bytearray(await client.get(key))
+    header = json.loads(await client.get(f"chatd:{{{session_id}}}:kvmeta"))
+    blob[4 * header["fingerprint"]["num_tokens"] + 16] ^= 0x01
+    await client.set(key, bytes(blob))
+    await client.aclose()
+
+
+async def corrupt_the_resident_policy(_, __, engine):
+    from cache_store.faults import corrupt
+    from cache_store.segments import is_segment
+    await asyncio.wrap_future(engine.call(
+        lambda store: [corrupt(store, key, "bitflip", "device") for key in store.device if is_segment(key)]))
+
+
+@pytest.mark.parametrize(("damage", "source"), [(flip_a_policy_byte, "miss"), (corrupt_the_resident_policy, "remote")])
+async def test_a_damaged_policy_in_redis_or_on_the_receiving_worker_is_caught_and_the_reply_is_right(
+        tiny, redis_db, damage, source):
+    done, _, counters = await policy_conversation(tiny, redis_db, damage)
+    assert done.cache.source == source and counters["corrupt_checksum"] == 1

@@ -5,7 +5,7 @@ A cache's keys and values are a chain of pieces: the shared segments it starts w
 scores per query, and the parts are merged exactly by their log-sum-exps (Hydragen's `combine_lse`,
 FlashInfer's `merge_state`, vLLM's `merge_attn_states`):
 
-    m = max_i lse_i,    out = sum_i e^(lse_i - m) out_i / sum_i e^(lse_i - m)
+    lse = log sum_i e^(lse_i),    out = sum_i e^(lse_i - lse) out_i
 
 In a batched step the rows that start with the same segment attend to it in one call with their queries
 stacked (Hydragen; vLLM's cascade attention), so a shared segment is read once per step whatever the batch;
@@ -93,18 +93,13 @@ def _fused_cpu(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
 def merge_partials(outputs: torch.Tensor, lses: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Merge P partial attentions `outputs` [P, R, H, L, D] with their log-sum-exps `lses` [P, R, H, L] into
     the attention over all their keys together; `sinks` [H] (gpt-oss) are one more key per head whose
-    value is zero: they weigh in the denominator once."""
-    top = lses.max(dim=0).values
+    value is zero: they weigh in the denominator once. Each part's weight is e^(lse_i - lse), where lse is the
+    log-sum-exp of all of them (a query that sees nothing at all gets 0)."""
+    total = torch.logsumexp(lses, dim=0)
     if sinks is not None:
-        sinks = sinks.to(lses.dtype).view(1, -1, 1).expand_as(top)
-        top = torch.maximum(top, sinks)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weights = torch.exp(lses - top)
-    total = weights.sum(dim=0)
-    if sinks is not None:
-        total = total + torch.exp(sinks - top)
-    merged = (weights.unsqueeze(-1) * outputs).sum(dim=0)
-    return merged / total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1)
+        total = torch.logaddexp(total, sinks.to(lses.dtype).view(1, -1, 1))
+    weights = torch.exp(lses - total.clamp_min(torch.finfo(total.dtype).min))
+    return (weights.unsqueeze(-1) * outputs).sum(dim=0)
 
 
 @dataclass(frozen=True)
@@ -142,28 +137,28 @@ class ChainPlan:
         """Every row's attention in `layer`: `query` [R, Hq, Lq, D] -> [R, Lq, Hq, D]."""
         keys, values = self.arena.keys[layer], self.arena.values[layer]
         segment_masks, own_spans = self._visibility(window)
-        rows, heads, length, dim = query.shape
-        parts = len(self.groups) + 1
-        work = torch.promote_types(query.dtype, torch.float32)
-        outputs = torch.zeros(parts, rows, heads, length, dim, dtype=work, device=query.device)
-        lses = torch.full((parts, rows, heads, length), float("-inf"), dtype=work, device=query.device)
-        for part, ((segment, members), (visible, lo, hi)) in enumerate(zip(self.groups, segment_masks, strict=True)):
+        rows = query.shape[0]
+        outputs, lses = [], []
+        for (segment, members), (visible, lo, hi) in zip(self.groups, segment_masks, strict=True):
             if hi <= lo:
                 continue  # outside every member's window
             start = segment.region.start
             index = torch.tensor(members, device=query.device) if len(members) < rows else None
             output, lse = partial_attention(query if index is None else query[index], keys[:, start + lo:start + hi],
                                             values[:, start + lo:start + hi], scaling, visible, softcap)
-            if index is None:
-                outputs[part], lses[part] = output, lse
-            else:
-                outputs[part, index], lses[part, index] = output, lse
+            if index is not None:  # rows that do not start with it see nothing of it
+                output = output.new_zeros((rows, *output.shape[1:])).index_copy_(0, index, output)
+                lse = lse.new_full((rows, *lse.shape[1:]), float("-inf")).index_copy_(0, index, lse)
+            outputs.append(output)
+            lses.append(lse)
+        own = []
         for number, (row, (visible, lo, hi)) in enumerate(zip(self.rows, own_spans, strict=True)):
             start = row.own.region.start
-            outputs[-1, number], lses[-1, number] = (
-                t[0] for t in partial_attention(query[number:number + 1], keys[:, start + lo:start + hi],
-                                                values[:, start + lo:start + hi], scaling, visible, softcap))
-        merged = merge_partials(outputs, lses, sinks)
+            own.append(partial_attention(query[number:number + 1], keys[:, start + lo:start + hi],
+                                         values[:, start + lo:start + hi], scaling, visible, softcap))
+        outputs.append(torch.cat([output for output, _ in own]))
+        lses.append(torch.cat([lse for _, lse in own]))
+        merged = merge_partials(torch.stack(outputs), torch.stack(lses), sinks)
         return merged.transpose(1, 2).to(query.dtype)
 
     def _visibility(self, window: int | None) -> tuple[list, list]:
