@@ -167,6 +167,9 @@ async def test_dashboard_draws_live_charts_after_traffic(server, browser):
     assert "ms" in await page.locator("#tile-ttft").inner_text()
     used, reserved, free = (int(n) for n in (await page.locator("#tile-arena").inner_text()).split(" / "))
     assert used > 0 and used + reserved + free == server.engine.arena.tokens
+    segments, sessions, *_ = (await page.locator("#tile-shared").inner_text()).replace(" · ", " / ").split(" / ")
+    stats = server.engine.cache_stats
+    assert (int(segments), int(sessions)) == (stats["prefixes"], stats["shared_sessions"])
     assert await page.locator("#summary tr").count() >= 4
     first_update = await page.locator("#updated").inner_text()
     await asyncio.sleep(3.5)
