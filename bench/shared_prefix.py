@@ -33,12 +33,15 @@ QUESTIONS = ["Where is my parcel?", "My invoice is wrong.", "I need a new passwo
 
 
 def policy(tokens: int, renderer) -> str:
-    """A system prompt of about `tokens` tokens (a policy, repeated with numbered sections)."""
+    """A system prompt of about `tokens` tokens (a policy with numbered sections): the closest one."""
     from sessions import Message
-    text, section = "You are the support agent of Northwind Internet. Follow this policy exactly.\n", 1
-    while len(renderer.render([Message("system", text)], add_generation_prompt=False)) < tokens:
-        text += f"Section {section}. {POLICY_LINE}"
-        section += 1
+    length = lambda text: len(renderer.render([Message("system", text)], add_generation_prompt=False))  # noqa: E731
+    text, section = "You are the support agent of Northwind Internet. Follow this policy.\n", 1
+    while length(text) < tokens:
+        longer = text + f"Section {section}. {POLICY_LINE}"
+        if length(longer) - tokens > tokens - length(text):
+            break
+        text, section = longer, section + 1
     return text
 
 

@@ -312,8 +312,9 @@ class CacheStore:
             return []
         deadline = self._clock() - self.ttl_s
         expired = [key for key in self.device if not is_segment(key) and self._idle_since(key) < deadline]
+        named = {self.host.get(key).prefix_key for key in self.host.keys()}  # segments that host entries start with
         expired += [key for key in self.host.keys()
-                    if key not in self.connected and self.host.put_at(key) < deadline]
+                    if key not in self.connected and key not in named and self.host.put_at(key) < deadline]
         for key in expired:
             self.device.pop(key)
             self.host.discard(key)

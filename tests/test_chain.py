@@ -152,7 +152,7 @@ def test_merging_partial_attentions_equals_attention_over_the_concatenation(soft
     visible[1][:] = False  # a piece some queries cannot see at all (outside their window)
     sinks = torch.randn(heads, dtype=torch.float64) if with_sinks else None
     parts = [kernel(query, k, v, 0.3, mask, softcap) for (k, v), mask in zip(pieces, visible, strict=True)]
-    merged = merge_partials(torch.stack([o for o, _ in parts]), torch.stack([s for _, s in parts]), sinks)
+    merged = merge_partials([o for o, _ in parts], [s for _, s in parts], sinks)
     expected = attention_over_all(query, torch.cat([k for k, _ in pieces], 1), torch.cat([v for _, v in pieces], 1),
                                   0.3, torch.cat(visible, -1), softcap, sinks)
     assert torch.allclose(merged, expected, atol=1e-12, rtol=1e-12)

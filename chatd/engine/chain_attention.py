@@ -20,6 +20,7 @@ returns the log-sum-exp, computes each part.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,8 +74,9 @@ def _fused_cpu(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
     rows, heads, length, dim = query.shape
     kv_heads = keys.shape[0]
     groups = heads // kv_heads
-    stacked = query.reshape(rows, kv_heads, groups * length, dim).transpose(0, 1)
-    stacked = stacked.reshape(1, kv_heads, rows * groups * length, dim)
+    stacked = query.reshape(rows, kv_heads, groups * length, dim)
+    if rows > 1:  # (one row: already in the order the kernel takes)
+        stacked = stacked.transpose(0, 1).reshape(1, kv_heads, rows * groups * length, dim)
     mask = seen = None
     if visible is not None:
         flat = visible[:, None].expand(rows, groups, length, visible.shape[-1])
@@ -85,21 +87,28 @@ def _fused_cpu(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
         stacked, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=scaling)[:2]
     if seen is not None:
         lse = lse.masked_fill(~seen, float("-inf"))
+    if rows == 1:
+        return output.reshape(1, heads, length, dim), lse.reshape(1, heads, length)
     output = output.view(kv_heads, rows, groups * length, dim).transpose(0, 1).reshape(rows, heads, length, dim)
     lse = lse.view(kv_heads, rows, groups * length).transpose(0, 1).reshape(rows, heads, length)
     return output, lse
 
 
-def merge_partials(outputs: torch.Tensor, lses: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Merge P partial attentions `outputs` [P, R, H, L, D] with their log-sum-exps `lses` [P, R, H, L] into
-    the attention over all their keys together; `sinks` [H] (gpt-oss) are one more key per head whose
-    value is zero: they weigh in the denominator once. Each part's weight is e^(lse_i - lse), where lse is the
+def merge_partials(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor],
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Merge partial attentions `outputs` [R, H, L, D] with their log-sum-exps `lses` [R, H, L] into the
+    attention over all their keys together; `sinks` [H] (gpt-oss) are one more key per head whose value is
+    zero: they weigh in the denominator once. Each part's weight is e^(lse_i - lse), where lse is the
     log-sum-exp of all of them (a query that sees nothing at all gets 0)."""
-    total = torch.logsumexp(lses, dim=0)
+    total = functools.reduce(torch.logaddexp, lses)
     if sinks is not None:
-        total = torch.logaddexp(total, sinks.to(lses.dtype).view(1, -1, 1))
-    weights = torch.exp(lses - total.clamp_min(torch.finfo(total.dtype).min))
-    return (weights.unsqueeze(-1) * outputs).sum(dim=0)
+        total = torch.logaddexp(total, sinks.to(total.dtype).view(1, -1, 1))
+    total = total.clamp_min(torch.finfo(total.dtype).min)
+    merged = None
+    for output, lse in zip(outputs, lses, strict=True):
+        weighted = output * torch.exp(lse - total).unsqueeze(-1)
+        merged = weighted if merged is None else merged.add_(weighted)
+    return merged
 
 
 @dataclass(frozen=True)
@@ -158,7 +167,7 @@ class ChainPlan:
                                          values[:, start + lo:start + hi], scaling, visible, softcap))
         outputs.append(torch.cat([output for output, _ in own]))
         lses.append(torch.cat([lse for _, lse in own]))
-        merged = merge_partials(torch.stack(outputs), torch.stack(lses), sinks)
+        merged = merge_partials(outputs, lses, sinks)
         return merged.transpose(1, 2).to(query.dtype)
 
     def _visibility(self, window: int | None) -> tuple[list, list]:
