@@ -51,7 +51,7 @@ class CacheStore:
                  remote: RemoteCaches | None = None, clock: Callable[[], float] = time.monotonic,
                  on_copy: CopyObserver | None = None, faults: FaultPoints | None = None,
                  host_kv_dtype: KVDtype = "same", remote_kv_dtype: KVDtype = "same",
-                 layer_windows: Sequence[int | None] = ()):
+                 layer_windows: Sequence[int | None] = (), min_shared_tokens: int = UNIT):
         self.enabled = enabled
         self.host_kv_dtype, self.remote_kv_dtype = host_kv_dtype, remote_kv_dtype
         self.remote = remote
@@ -72,6 +72,10 @@ class CacheStore:
         self.connected: set[str] = set()  # sessions with a client: evicted last
         self._moves = TierMoves(self)
         self._lost: OrderedDict[str, None] = OrderedDict()  # sessions whose cache was dropped
+        # A system prompt shorter than this is copied into each session that uses it, from a session that holds it
+        # (`_holders`: prompt key -> session), rather than attended as a segment (faster at every step when short).
+        self.min_shared_tokens = min_shared_tokens
+        self._holders: OrderedDict[str, str] = OrderedDict()
         self._turns: dict[str, object] = {}  # session id -> its running turn, from admit to put or abandon
 
     # ##### Public API #####
@@ -185,14 +189,24 @@ class CacheStore:
         self.drop(session_id)
         self._end_turn(session_id)
 
-    def put_prefix(self, entry: CacheEntry, scope: str | None = None, pinned: bool = False) -> bool:
-        """Share `entry`'s tokens (a system prompt just prefilled alone) as a segment that every new session of
-        `scope` (an owner: another never sees it, not even in timing) whose prompt begins with its ids starts
-        with; `entry` starts with it from now on, and nothing is copied. `pinned` (a warm prompt): never
-        evicted, and found by every owner. Whether it is shared now."""
+    def put_prefix(self, entry: CacheEntry, scope: str | None = None, pinned: bool = False,
+                   holder: str | None = None) -> bool:
+        """Share `entry`'s tokens (a system prompt just prefilled alone, in session `holder`'s cache) with every
+        new session of `scope` (an owner: another never sees it, not even in timing) whose prompt begins with its
+        ids: as a segment that they and `entry` start with, nothing copied; or, for a prompt shorter than
+        `min_shared_tokens`, by copying it from `holder`'s cache. `pinned` (a warm prompt): always a segment,
+        never evicted, and found by every owner. Whether `entry` now starts with a segment."""
         if not self.enabled:
             return False
-        return self.segments.share(entry, segment_key(entry.token_ids, None if pinned else scope), pinned) is not None
+        key = segment_key(entry.token_ids, None if pinned else scope)
+        if not pinned and entry.own_tokens // UNIT * UNIT < self.min_shared_tokens:
+            if holder is not None:
+                self._holders[key] = holder
+                self._holders.move_to_end(key)
+                while len(self._holders) > _REMEMBERED_LOSSES:
+                    self._holders.popitem(last=False)
+            return False
+        return self.segments.share(entry, key, pinned) is not None
 
     def fork(self, source: str, target: str, prompt_ids: Sequence[int]) -> int:
         """Start `target`'s cache from the part of `source`'s device-resident cache that `prompt_ids` begins
@@ -360,13 +374,34 @@ class CacheStore:
         """A new cache that starts with the resident segment holding the prompt's system prompt: nothing is
         copied."""
         reason: MissReason = "evicted" if session_id in self._lost else "new"
-        segment = self._segment_for(prompt_ids, prefix_len, scope) if 0 < prefix_len < len(prompt_ids) else None
-        if segment is None:
+        if not 0 < prefix_len < len(prompt_ids):
             return CacheLookup("miss", 0, miss_reason=reason)
+        segment = self._segment_for(prompt_ids, prefix_len, scope)
+        if segment is None:
+            return self._copy_from_holder(session_id, prompt_ids[:prefix_len], scope) or \
+                CacheLookup("miss", 0, miss_reason=reason)
         entry = CacheEntry(self.new_cache(prefix_len), list(segment.token_ids))
         chain.attach(entry.cache, segment.cache)
         self.device.put(session_id, entry, connected=session_id in self.connected)
         return CacheLookup("prefix", segment.num_tokens, entry)
+
+    def _copy_from_holder(self, session_id: str, prompt: Sequence[int], scope: str | None) -> CacheLookup | None:
+        """A new cache holding a copy of a short system prompt, from the resident cache of the session that
+        prefilled it (checked first, unless it is running: then its write-back checks it)."""
+        holder = self._holders.get(segment_key(prompt, scope))
+        source = self.device.get(holder) if holder is not None and holder != session_id else None
+        if source is None or source.token_ids[:len(prompt)] != list(prompt):
+            return None
+        if source.checksum is not None and (failed := self._check_resident(holder, source)):
+            self.report_corruption(holder, failed)
+            return None
+        try:
+            entry = source.clone(self.new_cache, len(prompt))
+        except ArenaFull:
+            return None
+        self.make_room(self.device.extra_bytes(session_id, entry.nbytes()), keep=holder)
+        self.device.put(session_id, entry, connected=session_id in self.connected)
+        return CacheLookup("prefix", len(prompt), entry)
 
     def _segment_for(self, prompt_ids: Sequence[int], prefix_len: int, scope: str | None) -> CacheEntry | None:
         """The checked segment holding the prompt's first `prefix_len` ids: the owner's own, or a warm prompt

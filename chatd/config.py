@@ -82,6 +82,11 @@ class Settings(BaseSettings):
     remote_kv_dtype: KVDtype = Field("same", description="how caches are kept in Redis: same (exact) or int8 "
                                                          "(a quarter of the bytes in float32; with same, int8 "
                                                          "copies written by other workers are not used)")
+    shared_prompt_min_tokens: int = Field(
+        256, ge=16, description="a system prompt of at least this many tokens is held once on the device, a "
+                                "segment that its sessions start with and that a batched step reads once; a "
+                                "shorter one is copied into each session that uses it, which decodes faster "
+                                "(docs/benchmarks.md)")
     warm_prompt: TextList = Field(default_factory=list, description="a file holding a system prompt (its text, "
                                   "without a final newline) to prefill at start and keep on the device through any "
                                   "eviction, shared by every session and key that uses it (repeatable)")

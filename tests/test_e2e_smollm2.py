@@ -51,10 +51,10 @@ CUSTOMERS = {
 
 async def test_an_int8_host_tier_keeps_every_conversation_where_full_precision_drops_some(smollm2):
     """The same four interleaved customers, with a device budget of about one conversation and a host
-    budget of two full-precision caches (of what each holds after the shared system prompt): at full
-    precision the host tier must drop caches (recomputed after the shared prompt); in int8 it keeps all
-    four, so every returning turn restores from the host tier, and says so."""
-    device_mb, host_mb = kv_budget_mb(smollm2, 128), kv_budget_mb(smollm2, 2 * 100)
+    budget of two full-precision caches: at full precision the host tier must drop caches (recomputed);
+    in int8 it keeps all four, so every returning turn restores from the host tier (or was never evicted), and
+    says so."""
+    device_mb, host_mb = kv_budget_mb(smollm2, 256), kv_budget_mb(smollm2, 2 * 200)
     results = {}
     for kv_dtype in ("same", "int8"):
         settings = Settings(port=0, device_cache_mb=device_mb, host_cache_mb=host_mb, host_kv_dtype=kv_dtype)
@@ -65,9 +65,13 @@ async def test_an_int8_host_tier_keeps_every_conversation_where_full_precision_d
                 results[kv_dtype] = [await (await client.chat(sessions[name], questions[turn], max_new_tokens=24))
                                      .result() for turn in range(3) for name, questions in CUSTOMERS.items()]
     later = {kv_dtype: done[len(CUSTOMERS):] for kv_dtype, done in results.items()}  # turns 2 and 3
-    assert {(d.cache.source, d.cache.quantized) for d in later["int8"]} == {("host", "int8")}
+    # (the first customer prefilled the short system prompt, which the others copy from its cache: while they
+    # start, it stays on the device)
+    int8_later = [(d.cache.source, d.cache.quantized) for d in later["int8"]]
+    assert all(source in ("host", "device") for source, _ in int8_later), int8_later
+    assert int8_later.count(("host", "int8")) >= len(int8_later) - 1, int8_later
     exact_sources = [(d.cache.source, d.cache.miss_reason) for d in later["same"]]
-    assert ("prefix", None) in exact_sources and all(d.cache.quantized is None for d in later["same"])
+    assert ("miss", "evicted") in exact_sources and all(d.cache.quantized is None for d in later["same"])
     agreement = sum(a.content == b.content for a, b in zip(results["same"], results["int8"], strict=True))
     print(f"int8 host tier: {agreement} of {len(results['int8'])} replies identical to full precision")
     assert all(d.content and d.usage.completion_tokens > 0 for d in results["int8"])

@@ -76,6 +76,28 @@ def test_six_conversations_decode_together(family):
         assert max(engine.batch_sizes) == 6
 
 
+POLICY = ("You are a support agent for Northwind Internet. Refunds take fourteen days; never promise a date, and "
+          "always ask for the order number first.")  # a segment of two or more units: longer than the windows
+
+
+def test_conversations_that_share_a_policy_decode_together_and_alone(family):
+    """The policy is a shared segment longer than the 12-token windows (a window ends inside it for the first
+    tokens after it, beyond it later); four conversations decode together, reading it once per step, then one
+    goes on alone: every reply is transformers'."""
+    with running_engine(family.loaded, max_batch=4, shared_prompt_min_tokens=16) as engine:
+        sessions = [Session(f"p{i}", system=POLICY) for i in range(4)]
+        lengths = [5 + 3 * i for i in range(4)]
+        for round_index in range(2):
+            contents = [QUESTIONS[(i + round_index) % len(QUESTIONS)] for i in range(4)]
+            for session, result, length in zip(sessions, run_together(engine, sessions, contents, lengths),
+                                               lengths, strict=True):
+                assert result.token_ids == family.expected(result, length), f"{session.session_id}, {round_index}"
+        alone, _ = run_turn(engine, sessions[0], QUESTIONS[5], max_new_tokens=8)
+        assert alone.token_ids == family.expected(alone, 8)
+        stats = engine.call(lambda store: store.stats()).result()
+        assert stats["prefixes"] == 1 and stats["shared_sessions"] == 4 and stats["segment_bytes"] > 0
+
+
 @pytest.mark.parametrize("kv_dtype", ["same", "int8"])
 def test_a_cache_restored_from_the_host_tier(family, kv_dtype):
     """Evicted after every turn and restored for the next. Exact copies answer as a recompute does; int8

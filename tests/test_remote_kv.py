@@ -187,7 +187,7 @@ POLICY = ("You are the support agent of Northwind Internet. Refunds take 14 days
 async def policy_conversation(tiny, redis_db, damage=None):
     """Two turns of a session on worker A, another session with the same policy on worker B (which then holds
     the policy's segment), optional damage, and the session's third turn on worker B."""
-    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True)
+    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, shared_prompt_min_tokens=16)
     async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
         session_id = (await on_a.open_session(system=POLICY)).session_id
         reference_id = (await reference.open_session(system=POLICY)).session_id

@@ -50,7 +50,8 @@ def converse(engine, sessions: list[Session], rounds: int, offload: bool = False
 
 
 def test_eight_sessions_hold_the_policy_once_read_it_once_per_step_and_answer_like_a_cacheless_engine(tiny):
-    with running_engine(tiny, max_batch=8) as shared, running_engine(tiny, session_cache=False) as cacheless:
+    with running_engine(tiny, max_batch=8, shared_prompt_min_tokens=16) as shared, \
+            running_engine(tiny, session_cache=False) as cacheless:
         sessions = [Session(f"s{i}", system=POLICY) for i in range(8)]
         got = converse(shared, sessions, 3)
         assert got == converse(cacheless, [Session(f"s{i}", system=POLICY) for i in range(8)], 3)
@@ -68,7 +69,7 @@ def test_restores_from_the_host_tier_attach_the_resident_policy_exact_and_int8(t
     kept and reused), each session's own tokens go and come back on their own, and the replies are a cacheless
     engine's (exact copies) or come from int8 copies of the sessions' own tokens only."""
     for kv_dtype in ("same", "int8"):
-        with running_engine(tiny, max_batch=4, host_kv_dtype=kv_dtype) as engine, \
+        with running_engine(tiny, max_batch=4, host_kv_dtype=kv_dtype, shared_prompt_min_tokens=16) as engine, \
                 running_engine(tiny, session_cache=False) as cacheless:
             sessions = [Session(f"s{i}", system=POLICY) for i in range(4)]
             got = converse(engine, sessions, 3, offload=True)
@@ -86,7 +87,8 @@ def test_a_branch_of_a_branch_shares_its_history_and_answers_exactly(tiny):
     """A conversation is branched at its second turn (the history it shares becomes a segment of its own, after
     the policy's), and the branch is branched again: every reply equals a cacheless engine's."""
     renderer = PromptRenderer(tiny.tokenizer)
-    with running_engine(tiny) as engine, running_engine(tiny, session_cache=False) as cacheless:
+    with running_engine(tiny, shared_prompt_min_tokens=16) as engine, \
+            running_engine(tiny, session_cache=False) as cacheless:
         trunk, reference = Session("trunk", system=POLICY), Session("trunk", system=POLICY)
         for question in QUESTIONS[:3]:
             assert run_turn(engine, trunk, question, max_new_tokens=16)[0].token_ids == \
@@ -114,7 +116,8 @@ def test_a_branch_of_a_branch_shares_its_history_and_answers_exactly(tiny):
 
 
 def test_a_corrupted_policy_on_the_device_is_dropped_and_every_session_on_it_answers_right(tiny):
-    with running_engine(tiny, max_batch=4) as engine, running_engine(tiny, session_cache=False) as cacheless:
+    with running_engine(tiny, max_batch=4, shared_prompt_min_tokens=16) as engine, \
+            running_engine(tiny, session_cache=False) as cacheless:
         sessions = [Session(f"s{i}", system=POLICY) for i in range(3)]
         references = [Session(f"s{i}", system=POLICY) for i in range(3)]
         assert converse(engine, sessions, 1) == converse(cacheless, references, 1)
@@ -135,7 +138,8 @@ def test_a_corrupted_policy_on_the_device_is_dropped_and_every_session_on_it_ans
 
 
 def test_a_corrupted_policy_in_the_host_tier_is_caught_and_every_session_on_it_answers_right(tiny):
-    with running_engine(tiny, max_batch=4) as engine, running_engine(tiny, session_cache=False) as cacheless:
+    with running_engine(tiny, max_batch=4, shared_prompt_min_tokens=16) as engine, \
+            running_engine(tiny, session_cache=False) as cacheless:
         sessions = [Session(f"s{i}", system=POLICY) for i in range(3)]
         references = [Session(f"s{i}", system=POLICY) for i in range(3)]
         assert converse(engine, sessions, 1) == converse(cacheless, references, 1)
@@ -187,9 +191,25 @@ def test_gpt_oss_answers_exactly_when_its_system_prompt_is_prefilled_alone_and_t
               "ask for the order number first before anything else please. Thank you for being here with us today "
               "and tomorrow and every day of the week")
     assert system_tokens(loaded, system) == 55
-    with running_engine(loaded, max_batch=1) as engine:
+    with running_engine(loaded, max_batch=1, shared_prompt_min_tokens=16) as engine:
         for question in ("Where is my parcel? It was due on Monday, not today.",  # 23 tokens after the system prompt
                          "Do you ship to Norway and Sweden, and how long does it take?"):
             result, _ = run_turn(engine, Session("gpt-oss", system=system), question, max_new_tokens=24)
             prompt = result.conversation_ids[:result.prompt_tokens]
             assert result.token_ids == reference_reply(untouched, prompt, 24), question
+
+
+def test_a_short_prompt_is_copied_from_the_session_that_prefilled_it_not_chained(tiny):
+    """Below --shared-prompt-min-tokens (256) a system prompt is no segment: a later session copies it from the
+    cache of the session that prefilled it (a chain would cost more at every step than it saves)."""
+    with running_engine(tiny, max_batch=4) as engine, running_engine(tiny, session_cache=False) as cacheless:
+        sessions = [Session(f"s{i}", system=POLICY) for i in range(4)]
+        first, _ = run_turn(engine, sessions[0], QUESTIONS[0], max_new_tokens=8)
+        later = run_together(engine, sessions[1:], QUESTIONS[1:4], [8, 8, 8])
+        expected = run_together(cacheless, [Session(f"s{i}", system=POLICY) for i in range(1, 4)], QUESTIONS[1:4],
+                                [8, 8, 8])
+        assert [r.token_ids for r in later] == [r.token_ids for r in expected]
+        assert first.cache_source == "miss" and {(r.cache_source, r.cached_tokens) for r in later} == {
+            ("prefix", system_tokens(tiny, POLICY))}
+        stats = stats_of(engine)
+        assert stats["prefixes"] == 0 and stats["shared_sessions"] == 0

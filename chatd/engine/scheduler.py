@@ -394,7 +394,7 @@ class Engine(CacheCommands):
         if running.share_prefix:
             # The system prompt's tokens become a shared segment that the turn's cache starts with; its region
             # gave them up, so it is made whole again before the next chunk.
-            if self.cache.put_prefix(running.entry, running.turn.owner):
+            if self.cache.put_prefix(running.entry, running.turn.owner, holder=running.turn.session_id):
                 running.has_room = False
             running.share_prefix, running.rollback_to = False, running.prefix_len
         self.prefill_chunks += 1

@@ -40,7 +40,8 @@ def wire(loaded: LoadedModel, settings: Settings, faults: FaultPoints,
         model_key=loaded.identity(), device_budget_bytes=arena.nbytes(),
         host_budget_bytes=int(settings.host_cache_mb * MB), ttl_s=settings.session_ttl_s, remote=remote,
         on_copy=on_cache_copy, faults=faults, host_kv_dtype=settings.host_kv_dtype,
-        remote_kv_dtype=settings.remote_kv_dtype, layer_windows=geometry.windows)
+        remote_kv_dtype=settings.remote_kv_dtype, layer_windows=geometry.windows,
+        min_shared_tokens=settings.shared_prompt_min_tokens)
     if remote is not None:
         remote.probe()
         _measure_prefill(loaded, runner, loaded.max_context)
