@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -72,10 +73,11 @@ class CacheStore:
         self.connected: set[str] = set()  # sessions with a client: evicted last
         self._moves = TierMoves(self)
         self._lost: OrderedDict[str, None] = OrderedDict()  # sessions whose cache was dropped
-        # A system prompt shorter than this is copied into each session that uses it, from a session that holds it
-        # (`_holders`: prompt key -> session), rather than attended as a segment (faster at every step when short).
+        # A system prompt shorter than this is copied into each session that uses it, from a session's cache that
+        # holds it (`_holders`: prompt key -> the session and its cache, weakly: running or not, resident or gone),
+        # rather than attended as a segment (faster at every step when short).
         self.min_shared_tokens = min_shared_tokens
-        self._holders: OrderedDict[str, str] = OrderedDict()
+        self._holders: OrderedDict[str, tuple[str, weakref.ref[CacheEntry]]] = OrderedDict()
         self._turns: dict[str, object] = {}  # session id -> its running turn, from admit to put or abandon
 
     # ##### Public API #####
@@ -201,7 +203,7 @@ class CacheStore:
         key = segment_key(entry.token_ids, None if pinned else scope)
         if not pinned and entry.own_tokens // UNIT * UNIT < self.min_shared_tokens:
             if holder is not None:
-                self._holders[key] = holder
+                self._holders[key] = (holder, weakref.ref(entry))
                 self._holders.move_to_end(key)
                 while len(self._holders) > _REMEMBERED_LOSSES:
                     self._holders.popitem(last=False)
@@ -386,10 +388,10 @@ class CacheStore:
         return CacheLookup("prefix", segment.num_tokens, entry)
 
     def _copy_from_holder(self, session_id: str, prompt: Sequence[int], scope: str | None) -> CacheLookup | None:
-        """A new cache holding a copy of a short system prompt, from the resident cache of the session that
-        prefilled it (checked first, unless it is running: then its write-back checks it)."""
-        holder = self._holders.get(segment_key(prompt, scope))
-        source = self.device.get(holder) if holder is not None and holder != session_id else None
+        """A new cache holding a copy of a short system prompt, from the cache of the session that prefilled it
+        (checked first, unless its turn is still running: then its write-back checks it)."""
+        holder, source = self._holders.get(segment_key(prompt, scope), (None, lambda: None))
+        source = source() if holder != session_id else None
         if source is None or source.token_ids[:len(prompt)] != list(prompt):
             return None
         if source.checksum is not None and (failed := self._check_resident(holder, source)):
