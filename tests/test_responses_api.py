@@ -141,11 +141,14 @@ async def test_conversations_hold_the_turns_of_responses_and_of_the_websocket(se
 async def test_responses_and_conversations_survive_a_restart_with_redis(tiny, redis_db):
     settings = Settings(port=0, model=MODEL, redis_url=redis_db.url)
     async with ChatServer(settings, load=lambda: tiny) as server:
+        await server.wait_ready()
         client = client_for(server)
         first = await respond(client, QUESTIONS[0], instructions=SYSTEM)
         second = await respond(client, QUESTIONS[1], first.id)
     async with ChatServer(settings, load=lambda: tiny) as restarted, \
             ChatServer(Settings(port=0, model=MODEL, session_cache=False), load=lambda: tiny) as reference:
+        for started in (restarted, reference):  # (a request before the model is loaded is answered 503)
+            await started.wait_ready()
         client, solo = client_for(restarted), client_for(reference)
         third = await respond(client, QUESTIONS[2], second.id)
         solo_chain = [await respond(solo, QUESTIONS[0], instructions=SYSTEM)]
