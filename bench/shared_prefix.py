@@ -12,6 +12,7 @@ in a `git worktree`) in the same run, one after the other, alone on the machine:
   simulated in the arena's allocator (10,000 sessions do not fit this machine).
 
     .venv/bin/python bench/shared_prefix.py --a-checkout /tmp/base
+    .venv/bin/python bench/shared_prefix.py --a-checkout /tmp/base --measure decode --rounds 3
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -141,10 +143,25 @@ def run(checkout: Path, measure: str) -> dict:
     return json.loads(output.strip().splitlines()[-1])
 
 
+def _median_of_rounds(checkouts: dict[str, Path], rounds: int) -> dict:
+    """The decode measurement `rounds` times per checkout, alternating: each prompt's median step."""
+    runs = [{label: run(checkout, "decode") for label, checkout in checkouts.items()} for _ in range(rounds)]
+    report = {}
+    for label in checkouts:
+        report[label] = {}
+        for prompt, first in runs[0][label].items():
+            steps = [numbers[label][prompt]["step_ms"] for numbers in runs]
+            step = statistics.median(steps)
+            report[label][prompt] = {**first, "step_ms": step, "step_ms_runs": steps,
+                                     "tokens_per_s": round(16 / step * 1000, 1)}
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--a-checkout", type=Path, help="also measure this checkout (the commit before)")
     parser.add_argument("--measure", nargs="+", default=["memory", "decode", "capacity"])
+    parser.add_argument("--rounds", type=int, default=1, help="decode runs per checkout, alternating; medians")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -155,6 +172,9 @@ def main() -> None:
     for measure in args.measure:
         if measure == "capacity":
             report[measure] = capacity()
+            continue
+        if measure == "decode" and args.rounds > 1:
+            report[measure] = _median_of_rounds(checkouts, args.rounds)
             continue
         report[measure] = {label: run(checkout, measure) for label, checkout in checkouts.items()}
     print(json.dumps(report, indent=2))

@@ -94,6 +94,20 @@ def _fused_cpu(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
     return output, lse
 
 
+def gathered_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                       visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per row [R, Hq, 1, D] over each row's own keys and values [R, Hkv, L, D] (gathered and padded
+    to one length; `visible` [R, L] says which are the row's and in its window), in one call of torch's fused
+    CPU flash kernel: the output [R, Hq, 1, D] and the log-sum-exp [R, Hq, 1]."""
+    rows, heads, _, dim = query.shape
+    kv_heads = keys.shape[1]
+    mask = torch.zeros(visible.shape, dtype=query.dtype).masked_fill_(~visible, float("-inf"))
+    output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query.reshape(rows, kv_heads, heads // kv_heads, dim), keys, values, attn_mask=mask[:, None, None],
+        scale=scaling)[:2]
+    return output.reshape(rows, heads, 1, dim), lse.reshape(rows, heads, 1)
+
+
 def merge_partials(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor],
                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Merge partial attentions `outputs` [R, H, L, D] with their log-sum-exps `lses` [R, H, L] into the
@@ -109,6 +123,9 @@ def merge_partials(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
         weighted = output * torch.exp(lse - total).unsqueeze(-1)
         merged = weighted if merged is None else merged.add_(weighted)
     return merged
+
+
+GATHER_LIMIT = 8192  # own positions of a whole batch below which they are gathered into one call
 
 
 @dataclass(frozen=True)
@@ -139,7 +156,15 @@ class ChainPlan:
                 shared.setdefault(id(segment), []).append(index)
                 by_id[id(segment)] = segment
         self.groups = [(by_id[key], rows) for key, rows in shared.items()]
-        self._masks: dict[int | None, tuple] = {}
+        self._masks: dict[object, object] = {}
+        # A batched decode step over short own pieces reads them in one call, gathered from their regions (a
+        # call per row costs more than the copy when they are short); arena positions per row, padded.
+        longest = max(row.own_length for row in self.rows)
+        self._gather = None
+        if (device.type == "cpu" and len(self.rows) > 1 and all(len(row.positions) == 1 for row in self.rows)
+                and longest * len(self.rows) <= GATHER_LIMIT):
+            self._gather = torch.tensor([[row.own.region.start + min(j, row.own_length - 1) for j in range(longest)]
+                                         for row in self.rows], device=device).view(-1)
 
     def attend(self, layer: int, window: int | None, query: torch.Tensor, scaling: float,
                softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -160,6 +185,11 @@ class ChainPlan:
                 lse = lse.new_full((rows, *lse.shape[1:]), float("-inf")).index_copy_(0, index, lse)
             outputs.append(output)
             lses.append(lse)
+        if self._gather is not None and softcap is None and query.dtype in (torch.float32, torch.float64):
+            output, lse = gathered_attention(query, *(buffer[:, self._gather].view(
+                buffer.shape[0], rows, -1, buffer.shape[-1]).transpose(0, 1) for buffer in (keys, values)),
+                scaling, self._gathered_visibility(window))
+            return merge_partials([*outputs, output], [*lses, lse], sinks).transpose(1, 2).to(query.dtype)
         own = []
         for number, (row, (visible, lo, hi)) in enumerate(zip(self.rows, own_spans, strict=True)):
             start = row.own.region.start
@@ -169,6 +199,20 @@ class ChainPlan:
         lses.append(torch.cat([lse for _, lse in own]))
         merged = merge_partials(outputs, lses, sinks)
         return merged.transpose(1, 2).to(query.dtype)
+
+    def _gathered_visibility(self, window: int | None) -> torch.Tensor:
+        """For gathered own pieces: [R, L], a row's own positions within its query's window (padding hidden)."""
+        key = ("gathered", window)
+        if key not in self._masks:
+            longest = len(self._gather) // len(self.rows)
+            j = torch.arange(longest, device=self.device)[None, :]
+            own = torch.tensor([[row.own_length, row.own.offset, row.positions[0]] for row in self.rows],
+                               device=self.device)
+            visible = j < own[:, :1]
+            if window is not None:
+                visible &= own[:, 1:2] + j > own[:, 2:3] - window
+            self._masks[key] = visible
+        return self._masks[key]
 
     def _visibility(self, window: int | None) -> tuple[list, list]:
         """Per shared segment and per row's own piece, for `window`: (visible mask or None, lo, hi), the keys
