@@ -83,8 +83,8 @@ POLICY = ("You are a support agent for Northwind Internet. Refunds take fourteen
 def test_conversations_that_share_a_policy_decode_together_and_alone(family):
     """The policy is a shared segment longer than the 12-token windows (a window ends inside it for the first
     tokens after it, beyond it later); four conversations decode together, reading it once per step, then one
-    goes on alone: every reply is transformers'."""
-    with running_engine(family.loaded, max_batch=4, shared_prompt_min_tokens=16) as engine:
+    goes on alone, every reuse deep-checked (without unsharing the policy): every reply is transformers'."""
+    with running_engine(family.loaded, max_batch=4, shared_prompt_min_tokens=16, verify_sample_rate=1.0) as engine:
         sessions = [Session(f"p{i}", system=POLICY) for i in range(4)]
         lengths = [5 + 3 * i for i in range(4)]
         for round_index in range(2):

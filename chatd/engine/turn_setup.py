@@ -95,7 +95,10 @@ class CacheFinder:
         if (lookup.entry is None or lookup.cached_tokens < 2
                 or self._sampling.random() >= self._settings.verify_sample_rate):
             return lookup
-        distance = deep_check_distance(lookup.entry, self._runner.forward, self._runner.scratch_cache)
+        # The check feeds the last cached token again; a cache that holds no tokens of its own beyond the shared
+        # segments it starts with is checked on a copy, so that the crop into a segment does not unshare it.
+        checked = lookup.entry if lookup.entry.own_tokens else lookup.entry.clone(self._runner.new_cache)
+        distance = deep_check_distance(checked, self._runner.forward, self._runner.scratch_cache)
         self.deep_check_distances.append(distance)
         tolerance = DEEP_CHECK_TOLERANCE_INT8 if lookup.quantized else DEEP_CHECK_TOLERANCE.get(self._dtype, 5e-2)
         if distance > tolerance:
