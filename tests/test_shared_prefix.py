@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from cache_store import chain
@@ -115,45 +116,32 @@ def test_a_branch_of_a_branch_shares_its_history_and_answers_exactly(tiny):
         assert after.token_ids == run_turn(cacheless, reference, QUESTIONS[4], max_new_tokens=16)[0].token_ids
 
 
-def test_a_corrupted_policy_on_the_device_is_dropped_and_every_session_on_it_answers_right(tiny):
+@pytest.mark.parametrize(("kind", "tier"), [("bitflip", "device"), ("nan", "host")])
+def test_a_corrupted_policy_is_caught_and_every_session_on_it_answers_right(tiny, kind, tier):
+    """On the device, the policy is dropped with the caches that start with it; in the host tier, its copy is
+    dropped, the first session recomputes and shares the policy anew, and the others find that new copy and
+    restore their own tokens on top of it (the same ids give the same keys)."""
     with running_engine(tiny, max_batch=4, shared_prompt_min_tokens=16) as engine, \
             running_engine(tiny, session_cache=False) as cacheless:
         sessions = [Session(f"s{i}", system=POLICY) for i in range(3)]
         references = [Session(f"s{i}", system=POLICY) for i in range(3)]
         assert converse(engine, sessions, 1) == converse(cacheless, references, 1)
+        if tier == "host":
+            engine.offload_idle()
         key = segment_key(PromptRenderer(tiny.tokenizer).render([Message("system", POLICY)],
                                                                 add_generation_prompt=False), None)
-        engine.call(lambda store: corrupt(store, key, "bitflip", "device")).result()
-        results = run_together(engine, sessions, QUESTIONS[3:6], [8, 8, 8])
-        expected = run_together(cacheless, references, QUESTIONS[3:6], [8, 8, 8])
-        assert [r.token_ids for r in results] == [r.token_ids for r in expected]
-        assert any(r.cache_source == "miss" and r.miss_reason == "corrupt" and "checksum" in r.cleared
-                   for r in results), [(r.cache_source, r.miss_reason) for r in results]
-        assert engine.cache.counters["corrupt_checksum"] == 1, "one corruption, counted once"
-        later = run_together(engine, sessions, QUESTIONS[6:8] + QUESTIONS[:1], [8, 8, 8])
-        assert [r.token_ids for r in later] == [r.token_ids for r in run_together(cacheless, references,
-                                                                                   QUESTIONS[6:8] + QUESTIONS[:1],
-                                                                                   [8, 8, 8])]
-        assert all(r.cache_source == "device" for r in later), "the policy was found (or made) again"
-
-
-def test_a_corrupted_policy_in_the_host_tier_is_caught_and_every_session_on_it_answers_right(tiny):
-    with running_engine(tiny, max_batch=4, shared_prompt_min_tokens=16) as engine, \
-            running_engine(tiny, session_cache=False) as cacheless:
-        sessions = [Session(f"s{i}", system=POLICY) for i in range(3)]
-        references = [Session(f"s{i}", system=POLICY) for i in range(3)]
-        assert converse(engine, sessions, 1) == converse(cacheless, references, 1)
-        engine.offload_idle()
-        key = segment_key(PromptRenderer(tiny.tokenizer).render([Message("system", POLICY)],
-                                                                add_generation_prompt=False), None)
-        engine.call(lambda store: corrupt(store, key, "nan", "host")).result()
-        results = run_together(engine, sessions, QUESTIONS[3:6], [8, 8, 8])
-        assert [r.token_ids for r in results] == [r.token_ids for r in run_together(cacheless, references,
-                                                                                     QUESTIONS[3:6], [8, 8, 8])]
-        # The first session's own copy is lost with the policy's and it recomputes, sharing the policy anew; the
-        # others find that new copy and restore their own tokens on top of it (the same ids give the same keys).
-        assert engine.cache.counters["corrupt_checksum"] == 1 and results[0].cache_source == "miss"
-        assert stats_of(engine)["host_segments"] == 0 and stats_of(engine)["prefixes"] == 1
+        engine.call(lambda store: corrupt(store, key, kind, tier)).result()
+        for questions in (QUESTIONS[3:6], QUESTIONS[6:8] + QUESTIONS[:1]):
+            results = run_together(engine, sessions, questions, [8, 8, 8])
+            expected = run_together(cacheless, references, questions, [8, 8, 8])
+            assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+            if questions == QUESTIONS[3:6]:
+                assert results[0].cache_source == "miss" and (tier == "host" or (
+                    results[0].miss_reason, results[0].cleared) == ("corrupt", ["checksum"]))
+                assert engine.cache.counters["corrupt_checksum"] == 1, "one corruption, counted once"
+        assert all(r.cache_source == "device" for r in results), "the policy was found (or made) again"
+        stats = stats_of(engine)
+        assert (stats["prefixes"], stats["shared_sessions"], stats["host_segments"]) == (1, 3, 0)
 
 
 def test_a_warm_prompt_is_resident_from_the_start_and_stays_through_an_eviction_flood(tiny, tmp_path):
