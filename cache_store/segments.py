@@ -12,7 +12,6 @@ together with every resident cache that starts with it.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Sequence
 
 import xxhash
@@ -26,7 +25,6 @@ from cache_store.integrity import Check, check_identity, check_tensors, checksum
 from sessions.encoding import pack_ids
 
 PREFIX = "prefix:"
-log = logging.getLogger(__name__)
 
 
 def segment_key(token_ids: Sequence[int], scope: str | None) -> str:
@@ -84,17 +82,24 @@ class SharedSegments:
                   or (checksum(segment.tensors()) != segment.checksum and "checksum"))
         return (failed,) if failed else ()
 
+    def missing(self, entry: CacheEntry) -> str | None:
+        """The key of the first segment `entry` starts with that is no longer resident under its key, or holds
+        other ids than `entry` starts with; None when every one is in place (no bytes read)."""
+        if not isinstance(entry.cache, ArenaCache):
+            return None
+        for segment in chain.segments(entry.cache):
+            held = self.device.peek(segment.segment_key) if segment.segment_key else None
+            if held is None or held.cache is not segment or held.token_ids != entry.token_ids[:held.num_tokens]:
+                return segment.segment_key
+        return None
+
     def check_chain(self, entry: CacheEntry) -> tuple[str | None, tuple[Check, ...]]:
         """Check every segment `entry` starts with, the root first: (the key of the first that fails, its
-        failed checks). A segment that is no longer resident under its key fails `fingerprint`."""
-        if not isinstance(entry.cache, ArenaCache):
-            return None, ()
-        for segment in chain.segments(entry.cache):
-            held = self.device.get(segment.segment_key) if segment.segment_key else None
-            if held is None or held.cache is not segment:
-                return segment.segment_key, ("fingerprint",)
-            if held.token_ids != entry.token_ids[:held.num_tokens]:
-                return segment.segment_key, ("fingerprint",)
+        failed checks). A segment that is no longer in place (`missing`) fails `fingerprint`."""
+        if (key := self.missing(entry)) is not None:
+            return key, ("fingerprint",)
+        for segment in chain.segments(entry.cache) if isinstance(entry.cache, ArenaCache) else ():
+            held = self.device.get(segment.segment_key)  # (an access: the segment is in use)
             if failed := self.check(segment.segment_key, held):
                 return segment.segment_key, failed
         return None, ()
@@ -123,8 +128,7 @@ class SharedSegments:
                 "segment_users": sum(chain.users(entry.cache) for entry in held if isinstance(entry.cache, ArenaCache)),
                 "segment_tokens": sum(entry.own_tokens for entry in held),
                 "shared_sessions": sum(1 for entry in sessions if entry.prefix_tokens),
-                "private_tokens": sum(entry.num_tokens for entry in sessions),
-                "own_tokens": sum(entry.own_tokens for entry in sessions)}
+                "private_tokens": sum(entry.num_tokens for entry in sessions)}
 
 
 def _starts_with(entry: CacheEntry, segment: ArenaCache) -> bool:

@@ -163,7 +163,7 @@ class CacheStore:
         reuse verifies; it becomes evictable again. `session_version` counts the completed turns the
         cache includes."""
         self._end_turn(session_id)
-        if not self.enabled or entry.num_tokens == 0 or self.segments.check_chain(entry)[0] is not None:
+        if not self.enabled or entry.num_tokens == 0 or self.segments.missing(entry) is not None:
             self.drop(session_id)  # (a segment it starts with was dropped while it ran: it recomputes)
             return
         self.device.pop(session_id)

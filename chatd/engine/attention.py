@@ -85,6 +85,8 @@ def _rows_attention(inner: Callable[[nn.Module], Callable]) -> Callable:
             return _chained(module, chain[0], query, chain[1], kwargs), None
         if step is None:
             return forward(module, query, key, value, attention_mask, **kwargs)
+        if not step.plain:  # every row starts with shared segments: one plan, no reassembly
+            return _chained(module, step.chain, query, step.windows, kwargs), None
         outputs: list[torch.Tensor | None] = [None] * query.shape[0]
         for row, span in zip(step.plain, step.spans(module.layer_idx), strict=True):
             outputs[row] = forward(module, query[row:row + 1], key[:, span].unsqueeze(0), value[:, span].unsqueeze(0),
