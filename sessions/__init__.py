@@ -1,6 +1,6 @@
 """Session state and the stores that keep it. Never imports chatd."""
 
-from sessions.state import Message, Role, Session, new_session_id
+from sessions.state import Message, Role, Session, ToolCall, as_inputs, new_session_id
 from sessions.store import (
     InMemorySessionStore,
     Lease,
@@ -12,4 +12,4 @@ from sessions.store import (
 )
 
 __all__ = ["InMemorySessionStore", "Lease", "LocalLease", "Message", "Role", "Session", "SessionBusy", "SessionStore",
-           "StoreUnavailable", "VersionConflict", "new_session_id"]
+           "StoreUnavailable", "ToolCall", "VersionConflict", "as_inputs", "new_session_id"]

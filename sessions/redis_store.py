@@ -30,7 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
 from sessions.encoding import UNREACHABLE, pack_ids, redis_key, unpack_ids
-from sessions.state import Message, Session, new_session_id
+from sessions.state import Message, Session, ToolCall, as_inputs, new_session_id
 from sessions.store import Lease, LocalLease, SessionBusy, StoreUnavailable, VersionConflict
 
 log = logging.getLogger(__name__)
@@ -136,11 +136,11 @@ class RedisSessionStore:
                 raise SessionBusy(f"session {session_id} is running a turn on another worker")
             await asyncio.sleep(0.05)
 
-    async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int],
+    async def append_turn(self, session: Session, new: str | Sequence[Message], reply: str, token_ids: list[int],
                           lease: Lease | None = None, dropped_turns: int | None = None,
-                          reply_ids: Sequence[int] | None = None) -> None:
-        write = _Append(self, session.session_id, session.version, [
-            Message("user", user_content), Message("assistant", reply, tuple(reply_ids) if reply_ids else None)],
+                          reply_ids: Sequence[int] | None = None, tool_calls: Sequence[ToolCall] = ()) -> None:
+        write = _Append(self, session.session_id, session.version, as_inputs(new) + [
+            Message("assistant", reply, tuple(reply_ids) if reply_ids else None, tuple(tool_calls))],
                         list(token_ids), time.time(), lease.fence if lease is not None else None,
                         session.dropped_turns if dropped_turns is None else dropped_turns)
         if not self._pending and not self._down():
@@ -151,7 +151,7 @@ class RedisSessionStore:
                 self._queue(session.session_id, write)
         else:
             self._queue(session.session_id, write)  # keep the order of writes
-        session.record_turn(user_content, reply, token_ids, dropped_turns, reply_ids)
+        session.record_turn(new, reply, token_ids, dropped_turns, reply_ids, tool_calls)
         self._remember(session)
 
     async def delete(self, session_id: str) -> bool:
@@ -308,13 +308,18 @@ class _Append:
 
 
 def _encode_message(message: Message) -> str:
-    fields = {"role": message.role, "content": message.content}
+    fields: dict = {"role": message.role, "content": message.content}
     if message.token_ids is not None:
         fields["ids"] = list(message.token_ids)
+    if message.tool_calls:
+        fields["calls"] = [[call.id, call.name, call.arguments] for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        fields["call_id"] = message.tool_call_id
     return json.dumps(fields)
 
 
 def _decode_message(raw: bytes) -> Message:
     fields = json.loads(raw)
     ids = fields.get("ids")
-    return Message(fields["role"], fields["content"], tuple(ids) if ids is not None else None)
+    return Message(fields["role"], fields["content"], tuple(ids) if ids is not None else None,
+                   tuple(ToolCall(*call) for call in fields.get("calls", ())), fields.get("call_id"))

@@ -8,18 +8,34 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call in a reply: its id, the function's name and its arguments as JSON text."""
+
+    id: str
+    name: str
+    arguments: str
 
 
 @dataclass(frozen=True)
 class Message:
-    """One message of a conversation."""
+    """One message of a conversation: a reply may carry function calls, a tool message answers one."""
 
     role: Role
     content: str
-    # For a reply: the ids the model generated, which `content` decodes to. A prompt splices them in
-    # rather than re-tokenizing the text (which may tokenize differently and miss the cache).
+    # For a reply: the ids the model generated (its text and any calls in the model's own format). A prompt
+    # splices them in rather than re-rendering the reply (which may tokenize differently and miss the cache).
     token_ids: tuple[int, ...] | None = field(default=None, compare=False)
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+def as_inputs(new: str | Sequence[Message]) -> list[Message]:
+    """A turn's new messages: a user message's text, or the messages themselves (tool results, say)."""
+    return [Message("user", new)] if isinstance(new, str) else list(new)
 
 
 @dataclass
@@ -45,16 +61,17 @@ class Session:
         head = [Message("system", self.system)] if self.system else []
         return head + self.messages
 
-    def prompt_messages(self, user_content: str) -> list[Message]:
-        """The messages a new turn renders: system prompt, history, then the new user message."""
-        return self.messages_with_system() + [Message("user", user_content)]
+    def prompt_messages(self, new: str | Sequence[Message]) -> list[Message]:
+        """The messages a new turn renders: system prompt, history, then the new message(s)."""
+        return self.messages_with_system() + as_inputs(new)
 
-    def record_turn(self, user_content: str, reply: str, token_ids: list[int] | None = None,
-                    dropped_turns: int | None = None, reply_ids: Sequence[int] | None = None) -> None:
-        """Add a completed turn; `token_ids` are the ids the conversation has reached with it, and
-        `reply_ids` the reply's own (when its text decodes from exactly them)."""
-        self.messages += [Message("user", user_content),
-                          Message("assistant", reply, tuple(reply_ids) if reply_ids is not None else None)]
+    def record_turn(self, new: str | Sequence[Message], reply: str, token_ids: list[int] | None = None,
+                    dropped_turns: int | None = None, reply_ids: Sequence[int] | None = None,
+                    tool_calls: Sequence[ToolCall] = ()) -> None:
+        """Add a completed turn: its new message(s) and the reply (with its calls); `token_ids` are the ids the
+        conversation has reached with it, and `reply_ids` the reply's own (when it is exactly what they say)."""
+        self.messages += as_inputs(new) + [
+            Message("assistant", reply, tuple(reply_ids) if reply_ids is not None else None, tuple(tool_calls))]
         if token_ids is not None:
             self.token_ids = list(token_ids)
         if dropped_turns is not None:

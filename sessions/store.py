@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from sessions.state import Message, Session, new_session_id
+from sessions.state import Message, Session, ToolCall, new_session_id
 
 
 class VersionConflict(Exception):
@@ -51,12 +51,12 @@ class SessionStore(Protocol):
     async def lease(self, session_id: str) -> Lease:
         """Take the session's turn lease, waiting briefly; raise `SessionBusy` if another worker keeps it."""
 
-    async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int],
+    async def append_turn(self, session: Session, new: str | Sequence[Message], reply: str, token_ids: list[int],
                           lease: Lease | None = None, dropped_turns: int | None = None,
-                          reply_ids: Sequence[int] | None = None) -> None:
-        """Record a completed turn atomically (messages, token ids, version, the turns its prompt left
-        out) on `session` and in the store; raise `VersionConflict` if the stored version is no longer
-        `session.version` or the lease was lost."""
+                          reply_ids: Sequence[int] | None = None, tool_calls: Sequence[ToolCall] = ()) -> None:
+        """Record a completed turn atomically (its new messages, the reply and its calls, token ids, version,
+        the turns its prompt left out) on `session` and in the store; raise `VersionConflict` if the stored
+        version is no longer `session.version` or the lease was lost."""
 
     async def delete(self, session_id: str) -> bool: ...
 
@@ -89,15 +89,15 @@ class InMemorySessionStore:
     async def lease(self, session_id: str) -> Lease:
         return LocalLease()
 
-    async def append_turn(self, session: Session, user_content: str, reply: str, token_ids: list[int],
+    async def append_turn(self, session: Session, new: str | Sequence[Message], reply: str, token_ids: list[int],
                           lease: Lease | None = None, dropped_turns: int | None = None,
-                          reply_ids: Sequence[int] | None = None) -> None:
+                          reply_ids: Sequence[int] | None = None, tool_calls: Sequence[ToolCall] = ()) -> None:
         stored = self._sessions.get(session.session_id)
         if stored is None or stored.version != session.version:
             raise VersionConflict(session.session_id)
-        stored.record_turn(user_content, reply, token_ids, dropped_turns, reply_ids)
+        stored.record_turn(new, reply, token_ids, dropped_turns, reply_ids, tool_calls)
         if session is not stored:
-            session.record_turn(user_content, reply, token_ids, dropped_turns, reply_ids)
+            session.record_turn(new, reply, token_ids, dropped_turns, reply_ids, tool_calls)
         self._use(stored)
 
     async def delete(self, session_id: str) -> bool:

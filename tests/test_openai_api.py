@@ -111,9 +111,11 @@ async def test_typed_errors(tiny):
         with pytest.raises(openai.NotFoundError) as unknown:
             await good.chat.completions.create(model="gpt-4o", messages=messages)
         assert unknown.value.body["param"] == "model"
-        for refused, param in [({"n": 2}, "n"), ({"tools": [{"type": "function", "function": {"name": "f"}}]},
-                                                 "tools"), ({"logprobs": True}, "logprobs"),
-                               ({"response_format": {"type": "json_object"}}, "response_format")]:
+        tool = {"type": "function", "function": {"name": "f"}}
+        for refused, param in [({"n": 2}, "n"), ({"tools": [tool], "tool_choice": {
+                "type": "function", "function": {"name": "g"}}}, "tool_choice"), ({"logprobs": True}, "logprobs"),
+                               ({"response_format": {"type": "json_schema", "json_schema": {
+                                   "name": "x", "schema": {"type": "objekt"}}}}, "response_format.json_schema.schema")]:
             with pytest.raises(openai.BadRequestError) as bad:
                 await good.chat.completions.create(model=MODEL, messages=messages, **refused)
             assert bad.value.body["param"] == param

@@ -162,6 +162,7 @@ async def test_responses_and_conversations_survive_a_restart_with_redis(tiny, re
 async def test_keys_store_false_and_bad_input_get_openai_errors(tiny):
     settings = Settings(port=0, model=MODEL, api_key=["key-a", "key-b"])
     async with ChatServer(settings, load=lambda: tiny) as server:
+        await server.wait_ready()
         mine, theirs = client_for(server, "key-a"), client_for(server, "key-b")
         response = await respond(mine, QUESTIONS[0], instructions=SYSTEM)
         for call in (theirs.responses.retrieve(response.id), theirs.responses.input_items.list(response.id),
@@ -204,6 +205,7 @@ async def test_the_openai_agents_sdk_runs_a_two_turn_agent(smollm2):
 
     set_tracing_disabled(True)  # no trace export: nothing leaves this machine
     async with ChatServer(Settings(port=0), load=lambda: smollm2) as server:
+        await server.wait_ready()
         client = client_for(server)
         model = (await client.models.list()).data[0].id
         agent = Agent(name="support", instructions=SYSTEM, model=OpenAIResponsesModel(model, client),

@@ -8,9 +8,21 @@ import json
 
 from pydantic import TypeAdapter
 
-from chatd.api.openai_schema import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ErrorResponse, ModelList
+from chatd.api.openai.chat_schema import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ErrorResponse,
+    ModelList,
+)
+from chatd.api.openai.responses_schema import (
+    ConversationCreate,
+    ConversationObject,
+    ItemList,
+    ResponseObject,
+    ResponseRequest,
+)
 from chatd.api.protocol import json_schemas
-from chatd.api.responses_schema import ConversationCreate, ConversationObject, ItemList, ResponseObject, ResponseRequest
 
 
 def protocol_schema() -> dict:

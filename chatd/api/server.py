@@ -25,9 +25,9 @@ from chatd.api.auth import KeyRing
 from chatd.api.client_socket import ClientSocket
 from chatd.api.gateway import Gateway
 from chatd.api.http_responses import json_response, static_response, text_response
-from chatd.api.openai_api import OpenAIApi
+from chatd.api.openai.chat_completions import OpenAIApi
+from chatd.api.openai.responses import ResponsesApi
 from chatd.api.protocol import ErrorCode
-from chatd.api.responses_api import ResponsesApi
 from chatd.api.turns import TurnRunner
 from chatd.config import Settings
 from chatd.engine.scheduler import Engine

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from chatd.api.protocol import ErrorMessage
@@ -15,7 +15,7 @@ from chatd.config import Settings
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.scheduler import Engine
 from chatd.engine.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
-from sessions import Lease, Session, SessionBusy, SessionStore, VersionConflict
+from sessions import Lease, Message, Session, SessionBusy, SessionStore, ToolCall, VersionConflict, as_inputs
 
 log = logging.getLogger(__name__)
 SHARE_WAIT_S = 2.0  # at most this long a reply waits for its cache to reach Redis (--remote-kv)
@@ -27,9 +27,11 @@ class StartedTurn:
 
     turn: Turn
     session: Session
-    content: str  # the user message, recorded with the reply
+    inputs: list[Message]  # the turn's new messages, recorded with the reply
     events: asyncio.Queue[TurnEvent]
     lease: Lease
+    parse: Callable[[str], tuple[str, list[ToolCall]]] = lambda text: (text, [])  # the reply's prose and calls
+    reply: tuple[str, list[ToolCall]] = ("", [])  # as recorded: prose and calls (with their ids)
 
 
 class TurnRunner:
@@ -67,13 +69,14 @@ class TurnRunner:
     def release_claim(self, session_id: str) -> None:
         self._claims.discard(session_id)
 
-    async def begin_turn(self, session: Session, content: str, params: SamplingParams, turn_id: str,
+    async def begin_turn(self, session: Session, new: str | Sequence[Message], params: SamplingParams, turn_id: str,
                          owner: str | None, client: str, api: str = "websocket",
-                         expected_version: int | None = None) -> StartedTurn | ErrorMessage:
+                         expected_version: int | None = None, tools=None) -> StartedTurn | ErrorMessage:
         """Start a turn of a claimed session in the engine (rate limit, lease, a fresh copy of the
         session), or say why not. Shared by the websocket and the OpenAI-compatible API. With
         `expected_version`, a session that another worker moved past it is `conflict` (a stateless request
-        matched it at that version, and must run on exactly that history)."""
+        matched it at that version, and must run on exactly that history). `tools` (a `ToolSetup`) says how
+        the model sees the tools and how its reply is read."""
         if (wait := self.rate_limit.acquire(client)) is not None:
             return ErrorMessage(turn_id=turn_id, code="rate_limited", retryable=True, retry_after_s=round(wait, 2),
                                 message=f"over {self.settings.rate_limit_per_min:g} turns per minute; "
@@ -100,9 +103,10 @@ class TurnRunner:
         turn = Turn(
             turn_id=turn_id,
             session_id=session.session_id,
-            messages=session.prompt_messages(content),
+            messages=tools.engine_messages(session.prompt_messages(new)) if tools else session.prompt_messages(new),
             params=params,
             owner=owner,
+            tools=tools.template_tools() if tools else None,
             emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
             session_version=session.version,
             dropped_turns=session.dropped_turns,
@@ -110,7 +114,10 @@ class TurnRunner:
         self._turns[session.session_id] = turn
         self._on_request(api)
         self.engine.submit(turn)
-        return StartedTurn(turn, session, content, events, lease)
+        started = StartedTurn(turn, session, as_inputs(new), events, lease)
+        if tools is not None:
+            started.parse = tools.parse
+        return started
 
     def forward(self, started: StartedTurn, on_text: Callable[[str], Awaitable[None]],
                 on_end: Callable[[TurnResult | TurnFailed], Awaitable[None]]) -> None:
@@ -129,7 +136,8 @@ class TurnRunner:
             if isinstance(event, TurnResult):
                 self._on_turn(event)
                 if event.finish_reason != "cancelled":
-                    event = await self._record(started.session, started.content, event, started.lease)
+                    started.reply = started.parse(event.content)
+                    event = await self._record(started, event)
                 if isinstance(event, TurnResult) and self.settings.remote_kv:
                     await self._await_shared(session_id)
         finally:
@@ -146,12 +154,13 @@ class TurnRunner:
             log.warning("session %s: its cache was not in Redis within %.0f s; answering anyway (another worker "
                         "would recompute it)", session_id, SHARE_WAIT_S)
 
-    async def _record(self, session: Session, user_content: str, result: TurnResult,
-                      lease: Lease) -> TurnResult | TurnFailed:
+    async def _record(self, started: StartedTurn, result: TurnResult) -> TurnResult | TurnFailed:
         """Append the completed turn to the session; what the client is told if that fails."""
+        session, (content, calls) = started.session, started.reply
         try:
-            await self.store.append_turn(session, user_content, result.content, result.conversation_ids, lease,
-                                         dropped_turns=result.dropped_turns, reply_ids=result.reply_ids)
+            await self.store.append_turn(session, started.inputs, content, result.conversation_ids, started.lease,
+                                         dropped_turns=result.dropped_turns, reply_ids=result.reply_ids,
+                                         tool_calls=calls)
         except VersionConflict:
             self.engine.drop_cache(session.session_id)
             return TurnFailed("conflict", "another worker recorded a turn of this session first; "

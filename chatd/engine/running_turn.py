@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from cache_store import CacheEntry, CacheLookup
+from chatd.engine.grammar import ReplyGrammar
 from chatd.engine.sampling import TokenSampler
 from chatd.engine.text_stream import TextStream
 from chatd.engine.turn import FinishReason, TokenText, Turn, TurnResult
@@ -37,6 +38,7 @@ class RunningTurn:
     generated: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # when each generated token was sampled
     next_input: int | None = None  # the token to feed at the next decode step
+    grammar: ReplyGrammar | None = None  # what the reply must follow, if anything
 
     def accept(self, token: int, stop_token_ids: frozenset[int]) -> FinishReason | None:
         """Take one sampled token: stream its text and say whether the turn ends here."""
@@ -48,6 +50,12 @@ class RunningTurn:
             self.turn.emit(TokenText(text))
         if self.stream.stopped:
             return "stop"
+        if self.grammar is not None:
+            self.grammar.accept(token, self.stream.text)
+            if self.grammar.error is not None:
+                return "grammar"
+            if self.grammar.complete:  # nothing but the end of the reply may follow: no step spent on it
+                return "stop"
         if len(self.generated) >= self.max_new_tokens:
             return "length"
         if self.turn.cancelled.is_set():
@@ -69,6 +77,7 @@ class RunningTurn:
             conversation_ids=list(self.entry.token_ids),
             token_times=list(self.token_times), dropped_turns=self.dropped_turns,
             reply_ids=list(generated) if self.stream.decode(generated) == self.stream.text else None,
+            grammar_error=self.grammar.error if self.grammar is not None else None,
             timings={
                 "queue_ms": (self.started_at - self.turn.received_at) * ms,
                 "ttft_ms": (self.first_token_at - self.turn.received_at) * ms,

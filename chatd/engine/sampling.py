@@ -6,16 +6,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from chatd.engine.grammar import CompiledGrammar
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one reply is sampled: length, temperature, top-p, seed and stop strings."""
+    """How one reply is sampled: length, temperature, top-p, seed, stop strings and the grammar it follows."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    grammar: CompiledGrammar | None = None
 
 
 class TokenSampler:

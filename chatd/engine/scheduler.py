@@ -33,6 +33,7 @@ from cache_store.lookup import CopyObserver
 from cache_store.stage_faults import FaultPoints, Stage
 from chatd.config import Settings
 from chatd.engine.commands import CacheCommand, CacheCommands
+from chatd.engine.grammar import GrammarCompiler, masked_logits
 from chatd.engine.model_runner import ModelRunner
 from chatd.engine.running_turn import RunningTurn
 from chatd.engine.supervision import EngineUnavailable, is_fatal
@@ -75,6 +76,7 @@ class Engine(CacheCommands):
         self.loaded: LoadedModel | None = None
         self.cache: CacheStore | None = None
         self.runner: ModelRunner | None = None
+        self.grammars: GrammarCompiler | None = None  # compiles what constrained replies follow, off this thread
         self._queued: deque[Turn] = deque()  # submitted, not started: admitted oldest first
         self._head: RunningTurn | None = None  # the oldest, rendered, waiting for device memory
         self._live: dict[int, Turn] = {}  # every turn taken from the queue and not yet ended, by id
@@ -98,6 +100,8 @@ class Engine(CacheCommands):
         self._thread.join()
         if self.cache is not None and self.cache.remote is not None:
             self.cache.remote.close()
+        if self.grammars is not None:
+            self.grammars.close()
 
     @property
     def waiting(self) -> int:
@@ -369,11 +373,16 @@ class Engine(CacheCommands):
         self._end(running.turn, TurnFailed("busy", "the device has no room for this conversation's cache right "
                                                    "now; retry shortly"))
 
-    def _sample(self, running: RunningTurn, logits: torch.Tensor) -> None:
-        """Pick the turn's next token and stream it; it then decodes on, or ends and writes back."""
+    def _sample(self, running: RunningTurn, logits: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Pick the turn's next token (among those its grammar allows, `mask` if computed ahead) and stream it;
+        it then decodes on, or ends and writes back."""
         try:
             self.faults.check("sampling", running.turn.session_id)
-            finish = running.accept(running.sampler.next_token(logits), self.loaded.stop_token_ids)
+            if (allowed := masked_logits(self.grammars, running.grammar, logits, mask)) is None:
+                running.grammar.error = running.grammar.error or "the grammar allows no next token"
+                finish = "grammar"
+            else:
+                finish = running.accept(running.sampler.next_token(allowed), self.loaded.stop_token_ids)
         except Exception as error:
             self._fail(running, error, "sampling")
             return
@@ -405,6 +414,9 @@ class Engine(CacheCommands):
         turn is tried alone, so that only the turns that fail by themselves are failed."""
         batch, self._decoding = self._decoding, []
         self.batch_sizes[len(batch)] += 1
+        # The constrained rows' masks are computed while the model computes the logits (llguidance frees the GIL).
+        constrained = [r for r in batch if r.grammar is not None and r.grammar.active]
+        masks = self.grammars.masks_ahead([r.grammar for r in constrained]) if constrained else None
         try:
             rows = list(zip(batch, self._forward_decode(batch), strict=True))
         except Exception as error:
@@ -420,8 +432,9 @@ class Engine(CacheCommands):
                     rows.append((running, self._forward_decode([running])[0]))
                 except Exception as alone_error:
                     self._fail(running, alone_error, "decode")
+        row_masks = dict(zip(map(id, constrained), masks.result(), strict=True)) if masks is not None else {}
         for running, logits in rows:
-            self._sample(running, logits)
+            self._sample(running, logits, row_masks.get(id(running)))
 
     def _forward_decode(self, batch: list[RunningTurn]) -> torch.Tensor:
         """One decode pass over `batch`: the logits [B, V] (a pass that fails leaves every cache as it was)."""
@@ -448,7 +461,9 @@ class Engine(CacheCommands):
         torch.set_num_threads(self.settings.torch_threads())
         self.loaded = loaded
         self.arena, self.runner, self.cache = wire(loaded, self.settings, self.faults, self._on_cache_copy)
-        self._preparer = TurnPreparer(loaded, self.arena, self.settings)
+        self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model.config.get_text_config().vocab_size,
+                                        loaded.stop_token_ids)
+        self._preparer = TurnPreparer(loaded, self.arena, self.settings, self.grammars)
         self._finder = CacheFinder(self.cache, self.runner, self.settings, loaded.model.dtype)
         for text in self.settings.warm_prompts():
             warm_prompt(self.runner, self.cache, self._preparer.system_ids(text))

@@ -11,7 +11,8 @@ from typing import Literal
 from chatd.engine.sampling import SamplingParams
 from sessions import Message
 
-FinishReason = Literal["stop", "length", "cancelled"]
+# "grammar": the reply's grammar allowed no token or failed; what was generated is not a valid reply.
+FinishReason = Literal["stop", "length", "cancelled", "grammar"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class TurnResult:
     token_times: list[float] = field(default_factory=list)  # perf_counter() when each reply token was sampled
     dropped_turns: int = 0  # oldest turns the prompt left out to fit the context
     reply_ids: list[int] | None = None  # `token_ids` when `content` decodes from exactly them
+    grammar_error: str | None = None  # why the reply's grammar could not go on (finish reason "grammar")
 
     @property
     def inter_token_s(self) -> list[float]:
@@ -76,6 +78,7 @@ class Turn:
     params: SamplingParams
     emit: Callable[[TurnEvent], None]
     owner: str | None = None  # the key's id: shared prefixes are shared within one owner only
+    tools: list[dict] | None = None  # function definitions, for a chat template that renders them
     session_version: int = 0  # completed turns the messages include; an older cache is stale
     dropped_turns: int = 0  # oldest turns the session's prompts already leave out
     received_at: float = field(default_factory=time.perf_counter)

@@ -16,6 +16,7 @@ from cache_store import CacheLookup, CacheStore, kv_bytes_per_token
 from cache_store.arena import KVArena
 from chatd.config import Settings
 from chatd.engine.deep_check import DEEP_CHECK_TOLERANCE, DEEP_CHECK_TOLERANCE_INT8, deep_check_distance
+from chatd.engine.grammar import GrammarCompiler
 from chatd.engine.model_runner import ModelRunner
 from chatd.engine.running_turn import RunningTurn
 from chatd.engine.sampling import TokenSampler
@@ -32,8 +33,8 @@ log = logging.getLogger(__name__)
 class TurnPreparer:
     """Render a queued turn into a `RunningTurn`, or say why it cannot run (`too_long`)."""
 
-    def __init__(self, loaded: LoadedModel, arena: KVArena, settings: Settings):
-        self._loaded, self._arena, self._settings = loaded, arena, settings
+    def __init__(self, loaded: LoadedModel, arena: KVArena, settings: Settings, grammars: GrammarCompiler):
+        self._loaded, self._arena, self._settings, self._grammars = loaded, arena, settings, grammars
         self._renderer = PromptRenderer(loaded.tokenizer)
         self.system_ids = functools.lru_cache(maxsize=1024)(
             lambda text: self._renderer.render([Message("system", text)], add_generation_prompt=False))
@@ -50,7 +51,7 @@ class TurnPreparer:
                                           f"{self._settings.max_prompt_tokens} per message")
         room = min(turn.params.max_new_tokens, self.max_context // 4)
         try:
-            window = fit(self._renderer, turn.messages, turn.dropped_turns, self.max_context, room)
+            window = fit(self._renderer, turn.messages, turn.dropped_turns, self.max_context, room, turn.tools)
         except DoesNotFit as error:
             return TurnFailed("too_long", str(error))
         prompt_ids = window.prompt_ids
@@ -60,10 +61,12 @@ class TurnPreparer:
         region_tokens = self._arena.region_tokens(len(prompt_ids) + max_new_tokens)
         if region_tokens > self._arena.tokens:
             region_tokens = 0
+        grammar = turn.params.grammar
         return RunningTurn(turn, prompt_ids, self._shared_prefix_length(window.messages, prompt_ids), max_new_tokens,
                            TokenSampler(turn.params), TextStream(self._loaded.tokenizer, turn.params.stop),
                            started_at, messages=window.messages, dropped_turns=window.dropped_turns,
-                           reserve_bytes=region_tokens * self._bytes_per_token)
+                           reserve_bytes=region_tokens * self._bytes_per_token,
+                           grammar=self._grammars.start(grammar) if grammar is not None else None)
 
     def _shared_prefix_length(self, messages: list[Message], prompt_ids: list[int]) -> int:
         """Length of the system prompt's tokens at the start of the prompt, which sessions share."""

@@ -7,6 +7,7 @@ moves far enough (to REFILL_SHARE of the context) that several turns fit before 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from chatd.model.prompt import PromptRenderer
@@ -28,25 +29,29 @@ class DoesNotFit(ValueError):
     """Even with every earlier turn dropped, the prompt leaves no room for the reply."""
 
 
-def fit(renderer: PromptRenderer, messages: list[Message], dropped_turns: int, context: int, room: int) -> Window:
-    """The window of `messages` (system prompt, history, new user message) to render: the history
-    after `dropped_turns` turns, or fewer of them when the prompt plus `room` tokens would overflow
-    `context`."""
+def fit(renderer: PromptRenderer, messages: list[Message], dropped_turns: int, context: int, room: int,
+        tools: Sequence[dict] | None = None) -> Window:
+    """The window of `messages` (system prompt, history, new message) to render: the history after
+    `dropped_turns` turns, or fewer of them when the prompt plus `room` tokens would overflow `context`. A turn
+    ends with a reply; the window never starts with a tool's result, whose call it would leave out."""
     system = messages[:1] if messages and messages[0].role == "system" else []
     history, new = messages[len(system):-1], messages[-1:]
-    turns = len(history) // 2
-    dropped = min(dropped_turns, turns)
+    starts = [0] + [index + 1 for index, message in enumerate(history) if message.role == "assistant"]
+    # Where a window may start: the whole history, or a later turn that does not start with a tool's result.
+    cuts = [0] + [drop for drop, start in enumerate(starts) if drop and (history + new)[start].role != "tool"]
 
     def render(drop: int) -> Window:
-        kept = system + history[2 * drop:] + new
-        return Window(kept, renderer.render(kept), drop)
+        kept = system + history[starts[drop]:] + new
+        return Window(kept, renderer.render(kept, tools=tools), drop)
 
-    window = render(dropped)
+    window = render(next((drop for drop in cuts if drop >= dropped_turns), cuts[-1]))
     if len(window.prompt_ids) + room <= context:
         return window
     target = int(context * REFILL_SHARE)
-    while window.dropped_turns < turns and len(window.prompt_ids) + room > target:
-        window = render(window.dropped_turns + 1)
+    for drop in (drop for drop in cuts if drop > window.dropped_turns):
+        if len(window.prompt_ids) + room <= target:
+            break
+        window = render(drop)
     if len(window.prompt_ids) + room > context:
         raise DoesNotFit(f"the message is too long: with the system prompt it takes {len(window.prompt_ids)} "
                          f"tokens and the reply needs {room} more; the model's context is {context}")

@@ -11,6 +11,7 @@ marker as plain text. Each renderer therefore encodes with a private copy of the
 from __future__ import annotations
 
 import copy
+import json
 import re
 import secrets
 from collections.abc import Sequence
@@ -29,12 +30,14 @@ class PromptRenderer:
         self._slot_marker = f"\x00chatd-slot-{secrets.token_hex(8)}-"
         self._slot_pattern = re.compile(re.escape(self._slot_marker) + r"(\d+)\x00")
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the chat template applied to `messages`, with message text never parsed
-        for special tokens, and a reply's own generated ids where the message carries them."""
-        templated = [{"role": m.role, "content": f"{self._slot_marker}{i}\x00"} for i, m in enumerate(messages)]
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+               tools: Sequence[dict] | None = None) -> list[int]:
+        """Token ids of the chat template applied to `messages` (and `tools`, for a template that takes
+        them), with message text never parsed for special tokens, and a reply's own generated ids where the
+        message carries them (its calls are in them, as the model wrote them)."""
+        templated = [self._templated(i, m) for i, m in enumerate(messages)]
         text = self.tokenizer.apply_chat_template(
-            templated, tokenize=False, add_generation_prompt=add_generation_prompt)
+            templated, tokenize=False, add_generation_prompt=add_generation_prompt, tools=list(tools or ()) or None)
         ids: list[int] = []
         position = 0
         for slot in self._slot_pattern.finditer(text):
@@ -44,6 +47,16 @@ class PromptRenderer:
             position = slot.end()
         ids += self._encode(text[position:], parse_special=True)
         return ids
+
+    def _templated(self, index: int, message: Message) -> dict:
+        """The message as the template reads it, its text a slot that `render` fills."""
+        templated: dict = {"role": message.role, "content": f"{self._slot_marker}{index}\x00"}
+        if message.tool_calls and message.token_ids is None:
+            templated["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.name, "arguments": json.loads(call.arguments)}} for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            templated["tool_call_id"] = message.tool_call_id
+        return templated
 
     def count(self, text: str) -> int:
         """Tokens of message text, as `render` encodes it."""

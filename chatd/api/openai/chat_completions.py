@@ -12,6 +12,7 @@ prefix are prefilled. The turn itself runs through the `TurnRunner` exactly as a
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import secrets
@@ -26,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from cache_store.lookup import common_prefix_length
 from chatd.api.auth import KeyRing
 from chatd.api.gateway import WORKER
-from chatd.api.openai_schema import (
+from chatd.api.openai.chat_schema import (
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
@@ -38,18 +39,24 @@ from chatd.api.openai_schema import (
     CompletionUsage,
     ErrorBody,
     ErrorResponse,
+    FunctionCallDelta,
+    FunctionCallOut,
     ModelCard,
     ModelList,
     RequestRefused,
+    ToolCallDelta,
+    ToolCallOut,
 )
+from chatd.api.openai.tools import ToolFormat, ToolSetup, format_for
 from chatd.api.protocol import ErrorMessage
 from chatd.api.turns import StartedTurn, TurnRunner
 from chatd.config import Settings
+from chatd.engine.grammar import GrammarError
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.scheduler import Engine
 from chatd.engine.turn import TurnFailed, TurnResult
 from chatd.model.prompt import PromptRenderer
-from sessions import Message, Session, SessionStore, StoreUnavailable
+from sessions import Message, Session, SessionStore, StoreUnavailable, ToolCall
 from sessions.prefix_index import BLOCK
 from sessions.redis_store import RedisSessionStore
 from sessions.shared_prefix_index import SharedPrefixIndex
@@ -58,6 +65,7 @@ log = logging.getLogger(__name__)
 SESSION_HEADER = "X-Chatd-Session-Id"  # a client or gateway pins later requests with it (as X-Session-Id)
 WORKER_HEADER = "X-Chatd-Worker"  # host:pid of the worker that answered
 DEFAULT_MAX_TOKENS = 256
+ARGUMENTS_FRAGMENT = 32  # characters of a call's arguments per streamed chunk
 
 # chatd's error codes (websocket protocol and engine) as HTTP statuses and OpenAI error types.
 _STATUS = {"bad_request": 400, "limit_exceeded": 400, "too_long": 400, "unauthorized": 401, "unknown_session": 404,
@@ -138,21 +146,27 @@ class OpenAIApi:
             raise ApiError(400, f"max_tokens {max_new_tokens} is over this server's cap of "
                                 f"{self.settings.max_new_tokens}", param="max_tokens", code="limit_exceeded")
         self.refuse_when_unavailable()
+        try:
+            setup = body.tool_setup(self.tool_format())
+        except RequestRefused as error:
+            raise ApiError(400, str(error), param=error.param, code="bad_request") from None
         system, history, content = body.conversation()
         client = owner or (request.client.host if request.client else "unknown")
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
-                                seed=body.seed, stop=body.stop_list())
+                                seed=body.seed, stop=body.stop_list(),
+                                grammar=await self.compile(setup))
         turn_id = "chatcmpl-" + secrets.token_urlsafe(12)
         try:
             session, plain_ids, matched = await self.place(owner, system, history, content,
-                                                            body.session_id or body.prompt_cache_key or x_session_id)
+                                                            body.session_id or body.prompt_cache_key or x_session_id,
+                                                            setup)
             started = await self.begin(session, content, params, turn_id, owner, client,
-                                        expected_version=session.version if matched else None)
+                                        expected_version=session.version if matched else None, setup=setup)
             if isinstance(started, ErrorMessage) and started.code in ("busy", "conflict") and matched:
                 # Another worker runs or ran a turn of the matched session meanwhile (an identical conversation
                 # elsewhere): this request branches into a session of its own, with exactly its history.
-                session = await self.branch_from(owner, system, history, content, session)
-                started = await self.begin(session, content, params, turn_id, owner, client)
+                session = await self.branch_from(owner, system, history, content, session, setup)
+                started = await self.begin(session, content, params, turn_id, owner, client, setup=setup)
         except StoreUnavailable as error:
             raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
         if isinstance(started, ErrorMessage):
@@ -165,16 +179,35 @@ class OpenAIApi:
         headers = {SESSION_HEADER: session.session_id, WORKER_HEADER: WORKER}
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._stream(started, first, events, body.model, include_usage),
+            return StreamingResponse(self._stream(started, first, events, body.model, include_usage, setup),
                                      media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
         result = first
         while isinstance(result, str):  # the text comes whole with the result
             result = await events.get()
         if isinstance(result, TurnFailed):
             raise ApiError.of(result)
+        text, calls = started.reply
+        message = AssistantMessage(content=text or None if calls else text,
+                                   tool_calls=[_call_out(call) for call in calls] or None)
         completion = ChatCompletion(id=turn_id, created=int(time.time()), model=body.model, choices=[Choice(
-            message=AssistantMessage(content=result.content), finish_reason=_finish(result))], usage=_usage(result))
+            message=message, finish_reason=_finish(result, calls))], usage=_usage(result))
         return JSONResponse(completion.model_dump(), headers=headers)
+
+    def tool_format(self) -> ToolFormat:
+        """How the served model's template renders tools and how it writes calls."""
+        return format_for(self.engine.loaded.tokenizer.chat_template)
+
+    async def compile(self, setup: ToolSetup):
+        """The reply's grammar, compiled off the event loop and the engine thread (cached by its text); a 400
+        naming the tools or the response format when it cannot compile."""
+        if (spec := setup.grammar()) is None:
+            return None
+        param = "tools" if setup.calls_possible else "response_format"
+        try:
+            return await asyncio.wrap_future(self.engine.grammars.compile(spec))
+        except GrammarError as error:
+            raise ApiError(400, f"{param} cannot be compiled into a grammar: {error}", param=param,
+                           code="bad_request") from None
 
     async def _ended(self, owner: str | None, started: StartedTurn, event: TurnResult | TurnFailed,
                      events: asyncio.Queue) -> None:
@@ -184,27 +217,44 @@ class OpenAIApi:
         await events.put(event)
 
     async def _stream(self, started: StartedTurn, first: str | TurnResult, events: asyncio.Queue, model: str,
-                      include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events: the role, the text, the finish reason, the usage if asked, [DONE]. A
-        client that goes away cancels the turn."""
+                      include_usage: bool, setup: ToolSetup) -> AsyncIterator[str]:
+        """Server-sent events: the role, the text, the calls (each: its id and name, then fragments of its
+        arguments), the finish reason, the usage if asked, [DONE]. Text from where the model opens a call on
+        is held back and sent as calls once the reply is read. A client that goes away cancels the turn."""
         turn_id, created = started.turn.turn_id, int(time.time())
 
         def chunk(delta: ChunkDelta, finish: str | None = None, usage: CompletionUsage | None = None,
                   choices: bool = True) -> str:
             body = ChatCompletionChunk(id=turn_id, created=created, model=model, usage=usage, choices=[
-                ChunkChoice(delta=delta, finish_reason=finish)] if choices else [])
-            return f"data: {body.model_dump_json(exclude_none=False)}\n\n"
+                ChunkChoice(delta=delta, finish_reason=finish)] if choices else []).model_dump()
+            for choice in body["choices"]:  # as OpenAI's wire: a delta names only what it carries of a call
+                if (calls := choice["delta"].pop("tool_calls")) is not None:
+                    choice["delta"]["tool_calls"] = [_without_none(call) for call in calls]
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         event = first
+        prose = _ProseStream(setup.format.trigger if setup.calls_possible else None)
         try:
             yield chunk(ChunkDelta(role="assistant", content=""))
             while isinstance(event, str):
-                yield chunk(ChunkDelta(content=event))
+                if text := prose.push(event):
+                    yield chunk(ChunkDelta(content=text))
                 event = await events.get()
             if isinstance(event, TurnFailed):
                 yield f"data: {ApiError.of(event).body().model_dump_json()}\n\n"
                 return
-            yield chunk(ChunkDelta(), _finish(event))
+            text, calls = started.reply
+            if rest := prose.rest(text, bool(calls)):
+                yield chunk(ChunkDelta(content=rest))
+            for index, call in enumerate(calls):
+                yield chunk(ChunkDelta(tool_calls=[ToolCallDelta(index=index, id=call.id, type="function",
+                                                                 function=FunctionCallDelta(name=call.name,
+                                                                                            arguments=""))]))
+                for start in range(0, len(call.arguments), ARGUMENTS_FRAGMENT):
+                    fragment = call.arguments[start:start + ARGUMENTS_FRAGMENT]
+                    yield chunk(ChunkDelta(tool_calls=[ToolCallDelta(index=index, function=FunctionCallDelta(
+                        arguments=fragment))]))
+            yield chunk(ChunkDelta(), _finish(event, calls))
             if include_usage:
                 yield chunk(ChunkDelta(), usage=_usage(event), choices=False)
             yield "data: [DONE]\n\n"
@@ -212,13 +262,13 @@ class OpenAIApi:
             if isinstance(event, str):  # the client left mid-stream
                 started.turn.cancel()
 
-    async def place(self, owner: str | None, system: str | None, history: list[Message], content: str,
-                     hint: str | None) -> tuple[Session, list[int], bool]:
+    async def place(self, owner: str | None, system: str | None, history: list[Message], content: str | list[Message],
+                    hint: str | None, setup: ToolSetup | None = None) -> tuple[Session, list[int], bool]:
         """The session this request runs in, claimed for it, the request's plain prompt ids, and whether the
         session is one it continues: the matched session when the request extends it exactly and it is free;
         otherwise a new one, branched from the best match's cache. The history's replies get the ids the
         model generated for them wherever a session knows them."""
-        plain_ids = self.render(system, history, content)
+        plain_ids = self.render(system, history, content, setup)
         matches = []
         for session in await self._candidates(owner, plain_ids, hint):
             if session.system == system and _same(session.messages, history) and \
@@ -226,7 +276,7 @@ class OpenAIApi:
                 return session, plain_ids, True
             spliced = _splice(history, session.messages)
             prompt_ids = plain_ids if spliced == history and _ids_of(spliced) == _ids_of(history) else \
-                self.render(system, spliced, content)
+                self.render(system, spliced, content, setup)
             matches.append((session, spliced, prompt_ids))
         return await self.branch(owner, system, history, plain_ids, matches), plain_ids, False
 
@@ -244,21 +294,22 @@ class OpenAIApi:
             self.engine.fork_session(best.session_id, session.session_id, best_ids)
         return session
 
-    async def branch_from(self, owner: str | None, system: str | None, history: list[Message], content: str,
-                          source: Session) -> Session:
+    async def branch_from(self, owner: str | None, system: str | None, history: list[Message],
+                          content: str | list[Message], source: Session, setup: ToolSetup | None = None) -> Session:
         """A new session, claimed, for `history` (its replies spliced with `source`'s ids), its cache a copy
         of the part it shares with `source`'s."""
         spliced = _splice(history, source.messages)
-        prompt_ids = self.render(system, spliced, content)
+        prompt_ids = self.render(system, spliced, content, setup)
         return await self.branch(owner, system, history, prompt_ids, [(source, spliced, prompt_ids)])
 
-    async def begin(self, session: Session, content: str, params: SamplingParams, turn_id: str, owner: str | None,
-                    client: str, expected_version: int | None = None, api: str = "openai"
-                    ) -> StartedTurn | ErrorMessage:
+    async def begin(self, session: Session, content: str | list[Message], params: SamplingParams, turn_id: str,
+                    owner: str | None, client: str, expected_version: int | None = None, api: str = "openai",
+                    setup: ToolSetup | None = None) -> StartedTurn | ErrorMessage:
         """`TurnRunner.begin_turn` for a claimed session; the claim is released when it does not start."""
         try:
             started = await self.turns.begin_turn(session, content, params, turn_id, owner, client, api=api,
-                                                  expected_version=expected_version)
+                                                  expected_version=expected_version,
+                                                  tools=setup or ToolSetup(self.tool_format()))
         except BaseException:
             self.turns.release_claim(session.session_id)
             raise
@@ -308,19 +359,36 @@ class OpenAIApi:
             names.add(self.engine.loaded.name)
         return names
 
-    def render(self, system: str | None, history: list[Message], content: str) -> list[int]:
+    def render(self, system: str | None, history: list[Message], content: str | list[Message],
+               setup: ToolSetup | None = None) -> list[int]:
         """The prompt's ids, as the engine renders the session's turn."""
         if self._renderer is None:
             self._renderer = PromptRenderer(self.engine.loaded.tokenizer)
-        return self._renderer.render(Session("", system=system, messages=history).prompt_messages(content))
+        setup = setup or ToolSetup(self.tool_format())
+        messages = Session("", system=system, messages=history).prompt_messages(content)
+        return self._renderer.render(setup.engine_messages(messages), tools=setup.template_tools())
 
 
 def _splice(sent: list[Message], stored: list[Message]) -> list[Message]:
-    """`sent`, with each reply that `stored` holds at the same place with the same text carrying the
-    ids the model generated for it."""
+    """`sent`, with each reply that `stored` holds at the same place with the same text and calls carrying
+    the ids the model generated for it."""
     return [known if index < len(stored) and (known := stored[index]).token_ids is not None
-            and (known.role, known.content) == (message.role, message.content) else message
+            and _key(known) == _key(message) else message
             for index, message in enumerate(sent)]
+
+
+def _key(message: Message) -> tuple:
+    """What makes two messages the same for a client that resends them: role, text, calls (arguments compared as
+    JSON, as clients re-serialize them) and the call a result answers; never the ids the model generated."""
+    return (message.role, message.content, tuple((call.name, _normal(call.arguments)) for call in message.tool_calls),
+            message.tool_call_id)
+
+
+def _normal(arguments: str) -> str:
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True)
+    except ValueError:
+        return arguments
 
 
 def _ids_of(messages: list[Message]) -> list[tuple[int, ...] | None]:
@@ -328,11 +396,47 @@ def _ids_of(messages: list[Message]) -> list[tuple[int, ...] | None]:
 
 
 def _same(stored: list[Message], sent: list[Message]) -> bool:
-    return [(m.role, m.content) for m in stored] == [(m.role, m.content) for m in sent]
+    return [_key(m) for m in stored] == [_key(m) for m in sent]
 
 
-def _finish(result: TurnResult) -> str:
-    return "length" if result.finish_reason == "length" else "stop"
+def _finish(result: TurnResult, calls: list[ToolCall]) -> str:
+    if calls:
+        return "tool_calls"
+    return {"length": "length", "grammar": "grammar_error"}.get(result.finish_reason, "stop")
+
+
+def _without_none(fields: dict) -> dict:
+    return {key: _without_none(value) if isinstance(value, dict) else value
+            for key, value in fields.items() if value is not None}
+
+
+def _call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
+
+
+class _ProseStream:
+    """A streamed reply's prose: text released as it comes, except what could be the opening of a call (which
+    is held back, then sent as calls once the reply is read)."""
+
+    def __init__(self, trigger: str | None):
+        self._trigger, self._text, self._released = trigger, "", 0
+
+    def push(self, piece: str) -> str:
+        self._text += piece
+        if self._trigger is None:
+            end = len(self._text)
+        elif (opened := self._text.find(self._trigger)) >= 0:
+            end = opened
+        else:  # hold back a tail that may still become the trigger
+            end = len(self._text) - next((n for n in range(len(self._trigger) - 1, 0, -1)
+                                          if self._text.endswith(self._trigger[:n])), 0)
+        released, self._released = self._text[self._released:max(end, self._released)], max(end, self._released)
+        return released
+
+    def rest(self, prose: str, has_calls: bool) -> str:
+        """What is left to send once the reply is read: the rest of its prose (all its text if it made no call)."""
+        text = prose if has_calls else self._text
+        return text[self._released:] if text.startswith(self._text[:self._released]) else ""
 
 
 def _usage(result: TurnResult) -> CompletionUsage:

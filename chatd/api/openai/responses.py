@@ -21,10 +21,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from chatd.api.gateway import WORKER
-from chatd.api.openai_api import SESSION_HEADER, WORKER_HEADER, ApiError, OpenAIApi
-from chatd.api.openai_schema import RequestRefused
-from chatd.api.protocol import ErrorMessage
-from chatd.api.responses_schema import (
+from chatd.api.openai.chat_completions import SESSION_HEADER, WORKER_HEADER, ApiError, OpenAIApi
+from chatd.api.openai.chat_schema import RequestRefused
+from chatd.api.openai.responses_schema import (
     ConversationCreate,
     ConversationDeleted,
     ConversationObject,
@@ -41,6 +40,7 @@ from chatd.api.responses_schema import (
     ResponseRequest,
     ResponseUsage,
 )
+from chatd.api.protocol import ErrorMessage
 from chatd.api.turns import StartedTurn
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed, TurnResult

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from chatd.api.openai_schema import RequestRefused
+from chatd.api.openai.chat_schema import RequestRefused
 from chatd.api.protocol import MAX_NEW_TOKENS_CAP
 from sessions import Message
 

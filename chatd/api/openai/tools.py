@@ -1,0 +1,267 @@
+"""Tools as each model sees and writes them: the format of its calls (read off its chat template), the
+grammar that holds a call to the listed functions, and the parser that reads calls back out of a reply.
+
+- Hermes (`<tool_call>{"name": …, "arguments": …}</tool_call>`: Qwen2.5, Qwen3, Hermes, SmolLM3) and Llama 3
+  JSON (`{"name": …, "parameters": …}`: Llama 3.1 and later) are rendered by the model's own template, which
+  takes `tools`.
+- Every other template (the bundled SmolLM2's ignores tools) gets the generic format: the tools described
+  in the system message, calls written in Hermes tags, tool results as user messages in `<tool_response>`
+  tags (llama.cpp's generic handler does the same with its own wrapper).
+
+`tool_choice` `required` or a named function holds the whole reply to calls (vLLM's approach); `auto` holds a
+call's arguments from the moment the model opens one (a lazy grammar, triggered by the format's opening
+text). The engine only ever sees the resulting `GrammarSpec`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import jsonschema
+
+from chatd.engine.grammar import MAX_GRAMMAR_CHARS, GrammarSpec
+from sessions import Message, ToolCall
+
+GENERIC_TOOLS_PROMPT = """You can call functions to help the user. The functions you may call, one JSON object per line:
+<tools>
+{tools}
+</tools>
+To call functions, reply with one block per call and nothing else, each block holding a JSON object with the
+function's name and its arguments:
+<tool_call>
+{{"name": "<function name>", "arguments": {{<arguments as a JSON object>}}}}
+</tool_call>
+A function's result comes back in a <tool_response> block. Otherwise, answer the user in plain text."""
+
+
+class RequestRefused(ValueError):
+    """A request chatd does not serve as asked: 400, naming the parameter."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def checked_schema(schema: object, param: str) -> dict:
+    """`schema` if it is a JSON Schema of a size chatd compiles; `RequestRefused` naming `param` otherwise."""
+    if not isinstance(schema, dict):
+        raise RequestRefused(param, f"{param} must be a JSON Schema object")
+    if len(text := json.dumps(schema)) > MAX_GRAMMAR_CHARS:
+        raise RequestRefused(param, f"{param} is {len(text)} characters of JSON; at most {MAX_GRAMMAR_CHARS}")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as error:
+        raise RequestRefused(param, f"{param} is not a valid JSON Schema: {error.message}") from None
+    return schema
+
+
+def check_tool_results(messages: Sequence[Message], param: str = "messages") -> None:
+    """Every tool message answers a call of an earlier reply; `RequestRefused` otherwise."""
+    calls: set[str] = set()
+    for index, message in enumerate(messages):
+        calls.update(call.id for call in message.tool_calls)
+        if message.role == "tool" and message.tool_call_id not in calls:
+            raise RequestRefused(f"{param}[{index}]", f"the tool message {param}[{index}] answers "
+                                 f"{message.tool_call_id!r}, which no earlier assistant message called")
+
+
+@dataclass(frozen=True)
+class Function:
+    """One function a reply may call: its name, description and JSON Schema of its arguments."""
+
+    name: str
+    description: str | None = None
+    parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    def definition(self) -> dict:
+        """OpenAI's function tool object, as chat templates read it."""
+        function: dict = {"name": self.name, "parameters": self.parameters}
+        if self.description:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+def new_call_id() -> str:
+    """An id for a call, as OpenAI writes them."""
+    return "call_" + secrets.token_urlsafe(18)
+
+
+def _arguments_text(arguments: object) -> str:
+    """Arguments as JSON text, as OpenAI sends them (and as clients that re-serialize them write them)."""
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+class ToolFormat:
+    """How one family of chat templates writes calls; subclasses name the wrapping."""
+
+    name = "generic"
+    trigger = "<tool_call>"
+    arguments_key = "arguments"
+    template_renders_tools = False
+
+    def call_rule(self, functions: Sequence[Function], parallel: bool) -> str:
+        """Lark rules for the calls: `calls` (one, or several with `parallel`)."""
+        schema = {"anyOf": [{"type": "object", "properties": {
+            "name": {"const": f.name}, self.arguments_key: f.parameters or {"type": "object"}},
+            "required": ["name", self.arguments_key], "additionalProperties": False} for f in functions],
+            "x-guidance": {"whitespace_flexible": False}}
+        more = ' ("\\n" call)*' if parallel else ""
+        return f'calls: call{more}\ncall: "<tool_call>\\n" %json {json.dumps(schema)} "\\n</tool_call>"\n'
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(the reply's prose, its calls); a reply whose calls do not all parse is prose only."""
+        start = text.find(self.trigger)
+        if start < 0:
+            return text, []
+        calls = []
+        for block in re.finditer(r"<tool_call>\s*(.*?)\s*</tool_call>", text[start:], re.DOTALL):
+            if (call := self._call(block.group(1))) is None:
+                return text, []
+            calls.append(call)
+        return (text[:start].strip(), calls) if calls else (text, [])
+
+    def complete_calls(self, text: str) -> int:
+        """How many calls `text` (a reply so far) holds whole: they can be streamed before the reply ends."""
+        return text.count("</tool_call>")
+
+    def _call(self, body: str) -> ToolCall | None:
+        try:
+            call = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        return ToolCall(new_call_id(), call["name"], _arguments_text(call.get(self.arguments_key, {})))
+
+    def engine_messages(self, messages: Sequence[Message], functions: Sequence[Function]) -> list[Message]:
+        """The conversation as the template is given it: the tools in the system message, calls and results
+        as text in the format's tags (a reply that carries its generated ids is kept as the model wrote it)."""
+        tools = "\n".join(json.dumps(f.definition(), ensure_ascii=False) for f in functions)
+        rendered = []
+        for message in messages:
+            if message.role == "assistant" and message.tool_calls and message.token_ids is None:
+                blocks = "\n".join(f'<tool_call>\n{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}'
+                                   f'\n</tool_call>' for c in message.tool_calls)
+                message = Message("assistant", f"{message.content}\n{blocks}".lstrip("\n"))
+            elif message.role == "tool":
+                message = Message("user", f"<tool_response>\n{message.content}\n</tool_response>")
+            rendered.append(message)
+        if functions:
+            prompt = GENERIC_TOOLS_PROMPT.format(tools=tools)
+            if rendered and rendered[0].role == "system":
+                rendered[0] = Message("system", f"{rendered[0].content}\n\n{prompt}")
+            else:
+                rendered.insert(0, Message("system", prompt))
+        return rendered
+
+
+class HermesFormat(ToolFormat):
+    """`<tool_call>` JSON blocks, rendered by a template that takes tools (Qwen2.5, Qwen3, Hermes, SmolLM3)."""
+
+    name = "hermes"
+    template_renders_tools = True
+
+    def engine_messages(self, messages: Sequence[Message], functions: Sequence[Function]) -> list[Message]:
+        return list(messages)
+
+
+class Llama3JsonFormat(ToolFormat):
+    """A bare JSON object `{"name": …, "parameters": …}` (Llama 3.1 and later)."""
+
+    name = "llama3_json"
+    trigger = '{"name"'
+    arguments_key = "parameters"
+    template_renders_tools = True
+
+    def call_rule(self, functions: Sequence[Function], parallel: bool) -> str:
+        rules = super().call_rule(functions, parallel=False)  # one call a reply, as Llama 3's template expects
+        return rules.replace('"<tool_call>\\n" ', "").replace(' "\\n</tool_call>"', "")
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{") or (call := self._call(body)) is None:
+            return text, []
+        return "", [call]
+
+    def complete_calls(self, text: str) -> int:
+        return 0  # whole only when the reply ends
+
+    def engine_messages(self, messages: Sequence[Message], functions: Sequence[Function]) -> list[Message]:
+        return list(messages)
+
+
+def format_for(chat_template: str | None) -> ToolFormat:
+    """The call format of a chat template: its own where chatd knows it, otherwise the generic one."""
+    template = chat_template or ""
+    if "tools" not in template:
+        return ToolFormat()
+    if "<tool_call>" in template:
+        return HermesFormat()
+    if "python_tag" in template or '"parameters"' in template:
+        return Llama3JsonFormat()
+    return ToolFormat()
+
+
+def tool_setup(format: ToolFormat, functions: Sequence[Function], choice: str | None, parallel: bool,
+               response_schema: dict | None, param: str = "tools") -> ToolSetup:
+    """The request's tools checked (schemas, unique names, a `tool_choice` that names a listed tool)."""
+    names = [f.name for f in functions]
+    if len(set(names)) != len(names):
+        raise RequestRefused(param, f"{param} lists a function name twice")
+    for index, function in enumerate(functions):
+        checked_schema(function.parameters, f"{param}[{index}].parameters")
+    choice = choice or ("auto" if functions else "none")
+    if choice not in ("none", "auto") and not functions:
+        raise RequestRefused("tool_choice", f"tool_choice {choice!r} needs tools")
+    if choice not in ("none", "auto", "required") and choice not in names:
+        raise RequestRefused("tool_choice", f"tool_choice names {choice!r}, which is not among the tools "
+                                            f"({', '.join(names)})")
+    return ToolSetup(format, tuple(functions), choice, parallel, response_schema)
+
+
+@dataclass(frozen=True)
+class ToolSetup:
+    """A request's tools and structured output, as the model sees them and as its reply is read back."""
+
+    format: ToolFormat
+    functions: tuple[Function, ...] = ()
+    choice: str = "auto"  # none, auto, required, or the one function's name
+    parallel: bool = True
+    response_schema: dict | None = None  # the reply itself must be JSON for this schema
+
+    @property
+    def calls_possible(self) -> bool:
+        return bool(self.functions) and self.choice != "none"
+
+    def grammar(self) -> GrammarSpec | None:
+        """What the reply must follow, or None for free text."""
+        answer = f"answer: %json {json.dumps(self.response_schema)}\n" if self.response_schema is not None else ""
+        if not self.calls_possible:
+            return GrammarSpec("json_schema", json.dumps(self.response_schema)) if answer else None
+        functions = [f for f in self.functions if self.choice in ("auto", "required", f.name)]
+        calls = self.format.call_rule(functions, self.parallel and self.choice in ("auto", "required"))
+        if self.choice != "auto":
+            return GrammarSpec("lark", "start: calls\n" + calls)
+        if answer:
+            return GrammarSpec("lark", "start: calls | answer\n" + calls + answer)
+        return GrammarSpec("lark", "start: calls\n" + calls, trigger=self.format.trigger)
+
+    def template_tools(self) -> list[dict] | None:
+        """The tool definitions for a template that renders them."""
+        if not self.functions or not self.format.template_renders_tools:
+            return None
+        return [f.definition() for f in self.functions]
+
+    def engine_messages(self, messages: Sequence[Message]) -> list[Message]:
+        """The conversation as the engine renders it."""
+        return self.format.engine_messages(messages, self.functions)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The reply's prose and its calls."""
+        if not self.calls_possible:
+            return text, []
+        return self.format.parse(text)
