@@ -236,8 +236,8 @@ async def agent(loaded) -> dict:
                 started = time.perf_counter()
                 first_at = None
                 async with client.chat.completions.stream(model="smollm2-135m", messages=messages, tools=tools,
-                                                          tool_choice="required", max_tokens=80,
-                                                          temperature=0) as stream:
+                                                          tool_choice="required", max_tokens=80, temperature=0,
+                                                          stream_options={"include_usage": True}) as stream:
                     async for _event in stream:
                         first_at = first_at or time.perf_counter()
                     completion = await stream.get_final_completion()
@@ -261,15 +261,12 @@ def main() -> None:
     args = parser.parse_args()
     from chatd.model.loader import default_cache_dir, load_model
     loaded = load_model("smollm2-135m", device="cpu", dtype="float32", cache_dir=default_cache_dir())
-    report = {}
-    if "masks" in args.measure:
-        report["masks"] = masks(loaded)
-        report["decode_steps"] = decode_steps(loaded)
+    if "masks" in args.measure:  # each part printed as it ends
+        print(json.dumps({"masks": masks(loaded), "decode_steps": decode_steps(loaded)}, indent=1), flush=True)
     if "replies" in args.measure:
-        report["replies"] = replies(loaded, args.replies)
+        print(json.dumps({"replies": replies(loaded, args.replies)}, indent=1), flush=True)
     if "agent" in args.measure:
-        report["agent"] = asyncio.run(agent(loaded))
-    print(json.dumps(report, indent=1))
+        print(json.dumps({"agent": asyncio.run(agent(loaded))}, indent=1), flush=True)
 
 
 if __name__ == "__main__":
