@@ -48,6 +48,7 @@ async def test_a_template_that_renders_tools_gets_them_and_its_calls_are_read_ba
     async with ChatServer(Settings(port=0, model="tiny"), load=lambda: hermes) as server:
         await server.wait_ready()
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+        await client.__aenter__()  # closed below, on this loop
         messages = [{"role": "system", "content": "Support desk."}, {"role": "user", "content": "Refund order 7."}]
         first = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
                                                      tool_choice={"type": "function", "function": {"name": "refund"}},
@@ -63,6 +64,7 @@ async def test_a_template_that_renders_tools_gets_them_and_its_calls_are_read_ba
         assert second.choices[0].message.tool_calls
         assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + \
             first.usage.completion_tokens - 1, "only the tool's result and the template's tokens were prefilled"
+        await client.close()
 
 
 def test_each_format_parses_its_own_calls_and_leaves_broken_ones_as_text():

@@ -40,7 +40,8 @@ async def servers(smollm2):
             ChatServer(Settings(port=0, session_cache=False), load=lambda: smollm2) as uncached:
         await server.wait_ready()
         await uncached.wait_ready()
-        yield client_for(server), client_for(uncached)
+        async with client_for(server) as client, client_for(uncached) as reference:  # closed on this loop
+            yield client, reference
 
 
 async def _agent_loop(client: openai.AsyncOpenAI) -> list:
