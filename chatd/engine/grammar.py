@@ -49,16 +49,14 @@ class CompiledGrammar:
 
     spec: GrammarSpec
     grammar: str
-    compile_ms: float
 
 
 @dataclass
 class GrammarStats:
-    """Compilations, cache hits and their time, for /metrics and the benchmark."""
+    """Compilations, cache hits and mask-fill times, for tests and the benchmark."""
 
     compiled: int = 0
     cache_hits: int = 0
-    compile_ms: list[float] = field(default_factory=list)
     mask_ms: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # per filled batch of masks
 
 
@@ -102,7 +100,6 @@ class GrammarCompiler:
         self._mask_pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        started = time.perf_counter()
         if len(spec.source) > MAX_GRAMMAR_CHARS:
             raise GrammarError(f"the grammar is {len(spec.source)} characters; at most {MAX_GRAMMAR_CHARS}")
         try:
@@ -118,11 +115,9 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        compiled = CompiledGrammar(spec, grammar, (time.perf_counter() - started) * 1000.0)
+        compiled = CompiledGrammar(spec, grammar)
         with self._lock:
             self.stats.compiled += 1
-            self.stats.compile_ms.append(compiled.compile_ms)
-            del self.stats.compile_ms[:-256]
             self._cache[spec] = compiled
             while len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -141,6 +136,7 @@ class ReplyGrammar:
         self.trigger = compiled.spec.trigger
         self.matcher: llguidance.LLMatcher | None = None if self.trigger else self._new_matcher()
         self.error: str | None = None
+        self._searched = 0  # how much of the reply's text a lazy grammar has looked through for its trigger
 
     @property
     def active(self) -> bool:
@@ -160,7 +156,10 @@ class ReplyGrammar:
             if not self.matcher.consume_token(token):
                 self.error = self.matcher.get_error() or "the sampled token is outside the grammar"
             return
-        if (start := text.find(self.trigger)) >= 0:
+        # Only the new text (and a trigger it may complete) is searched: once per token, never the whole reply.
+        start = text.find(self.trigger, max(0, self._searched - len(self.trigger) + 1))
+        self._searched = len(text)
+        if start >= 0:
             self.matcher = self._new_matcher()
             if not self.matcher.consume_tokens(self._compiler.tokenizer.tokenize_str(text[start:])):
                 self.error = self.matcher.get_error() or "the text after the trigger is outside the grammar"

@@ -20,6 +20,7 @@ from chatd.api.protocol import MAX_NEW_TOKENS_CAP
 from sessions import Message, ToolCall
 
 FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+FinishReason = Literal["stop", "length", "tool_calls", "grammar_error"]
 
 
 class TextPart(BaseModel):
@@ -251,7 +252,7 @@ class Choice(BaseModel):
 
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "length", "tool_calls", "grammar_error"]
+    finish_reason: FinishReason
     logprobs: None = None
 
 
@@ -295,7 +296,7 @@ class ChunkChoice(BaseModel):
 
     index: int = 0
     delta: ChunkDelta
-    finish_reason: Literal["stop", "length", "tool_calls", "grammar_error"] | None = None
+    finish_reason: FinishReason | None = None
     logprobs: None = None
 
 
