@@ -7,6 +7,8 @@ import signal
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
+from websockets.frames import Close, CloseCode, Frame, Opcode
+from websockets.protocol import State
 
 from chatd.api.server import ChatServer
 from chatd.config import Settings
@@ -110,3 +112,17 @@ async def test_sigterm_drains_running_turns_and_exits_cleanly(tiny_checkpoint, r
     assert await asyncio.to_thread(worker.process.wait, 30) == 0
     stored = await RedisSessionStore(redis_db.url, retention_s=60).get(session_id)
     assert stored.turns == (2 if recorded else 1)
+
+
+async def test_shutdown_closes_a_connection_whose_client_closed_it_a_moment_before(tiny):
+    """The client's close frame arrives in the same loop turn as the shutdown (seen in CI as an exit code 1)."""
+    async with ChatServer(Settings(port=0), load=lambda: tiny) as server:
+        await server.wait_ready()
+        async with ChatClient(await connect(server.url)) as client:
+            await client.open_session()
+            (protocol,) = server._uvicorn.server_state.connections
+            close = Frame(Opcode.CLOSE, Close(CloseCode.NORMAL_CLOSURE, "bye").serialize())
+            protocol.data_received(close.serialize(mask=True, extensions=[]))
+            assert protocol.conn.state is State.CLOSING  # answered, not yet lost
+            protocol.shutdown()
+            assert protocol.transport.is_closing()

@@ -17,6 +17,8 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request, WebSocket
 from starlette.responses import Response
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.protocol import State
 
 from cache_store import KVGeometry, kv_bytes_per_token
 from cache_store.faults import FAULT_KINDS, TIERS, NoCache, corrupt
@@ -52,6 +54,19 @@ class ModelLoadError(RuntimeError):
 
 class EngineFailed(RuntimeError):
     """The engine stopped serving; the process should exit so that its supervisor restarts it."""
+
+
+class WebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's sans-I/O websocket protocol, except at shutdown for a connection whose client has just
+    sent its close frame: websockets has answered it already, so uvicorn's second close frame would
+    raise InvalidState and abort the shutdown of every later connection (and the exit code)."""
+
+    def shutdown(self) -> None:
+        if self.handshake_complete and self.initial_response is None and self.conn.state is not State.OPEN:
+            self.stop_keepalive()
+            self.transport.close()
+            return
+        super().shutdown()
 
 
 class ChatServer:
@@ -100,7 +115,7 @@ class ChatServer:
     async def __aenter__(self) -> ChatServer:
         self._loop = asyncio.get_running_loop()
         self.engine.start()
-        config = uvicorn.Config(self.app, host=self.settings.host, port=self.settings.port, ws="websockets-sansio",
+        config = uvicorn.Config(self.app, host=self.settings.host, port=self.settings.port, ws=WebSocketProtocol,
                                 ws_max_size=self.settings.max_message_bytes, lifespan="off", log_config=None,
                                 access_log=False, timeout_graceful_shutdown=CLOSE_TIMEOUT_S)
         self._socket = config.bind_socket()
