@@ -180,7 +180,7 @@ async def test_keys_store_false_and_bad_input_get_openai_errors(tiny):
         with pytest.raises(openai.NotFoundError) as unknown:
             await respond(mine, "hi", "resp_unknown")
         assert unknown.value.body["param"] == "previous_response_id"
-        for bad, param in [({"tools": [{"type": "web_search"}]}, "tools"), ({"reasoning": {"effort": "low"}},
+        for bad, param in [({"tools": [{"type": "web_search"}]}, "tools[0].type"), ({"reasoning": {"effort": "low"}},
                                                                             "reasoning"),
                            ({"background": True}, "background"), ({"include": ["file_search_call.results"]},
                                                                   "include")]:

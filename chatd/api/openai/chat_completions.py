@@ -197,12 +197,12 @@ class OpenAIApi:
         """How the served model's template renders tools and how it writes calls."""
         return format_for(self.engine.loaded.tokenizer.chat_template)
 
-    async def compile(self, setup: ToolSetup):
+    async def compile(self, setup: ToolSetup, format_param: str = "response_format"):
         """The reply's grammar, compiled off the event loop and the engine thread (cached by its text); a 400
         naming the tools or the response format when it cannot compile."""
         if (spec := setup.grammar()) is None:
             return None
-        param = "tools" if setup.calls_possible else "response_format"
+        param = "tools" if setup.calls_possible else format_param
         try:
             return await asyncio.wrap_future(self.engine.grammars.compile(spec))
         except GrammarError as error:
@@ -233,7 +233,7 @@ class OpenAIApi:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         event = first
-        prose = _ProseStream(setup.format.trigger if setup.calls_possible else None)
+        prose = setup.prose_stream()
         try:
             yield chunk(ChunkDelta(role="assistant", content=""))
             while isinstance(event, str):
@@ -412,31 +412,6 @@ def _without_none(fields: dict) -> dict:
 
 def _call_out(call: ToolCall) -> ToolCallOut:
     return ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
-
-
-class _ProseStream:
-    """A streamed reply's prose: text released as it comes, except what could be the opening of a call (which
-    is held back, then sent as calls once the reply is read)."""
-
-    def __init__(self, trigger: str | None):
-        self._trigger, self._text, self._released = trigger, "", 0
-
-    def push(self, piece: str) -> str:
-        self._text += piece
-        if self._trigger is None:
-            end = len(self._text)
-        elif (opened := self._text.find(self._trigger)) >= 0:
-            end = opened
-        else:  # hold back a tail that may still become the trigger
-            end = len(self._text) - next((n for n in range(len(self._trigger) - 1, 0, -1)
-                                          if self._text.endswith(self._trigger[:n])), 0)
-        released, self._released = self._text[self._released:max(end, self._released)], max(end, self._released)
-        return released
-
-    def rest(self, prose: str, has_calls: bool) -> str:
-        """What is left to send once the reply is read: the rest of its prose (all its text if it made no call)."""
-        text = prose if has_calls else self._text
-        return text[self._released:] if text.startswith(self._text[:self._released]) else ""
 
 
 def _usage(result: TurnResult) -> CompletionUsage:

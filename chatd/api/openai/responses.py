@@ -1,28 +1,30 @@
 """OpenAI's Responses API (`/v1/responses`) and Conversations API (`/v1/conversations`) over chatd sessions.
 
-The Responses API is stateful: a response is stored, and the next request sends only its new input with
-`previous_response_id`, or names a `conversation`. A stored response is a point in a chatd session, so
+The Responses API is stateful: a response is stored, and the next request sends only its new input (a user
+message, or the outputs of the functions the response called) with `previous_response_id`, or names a
+`conversation`. A stored response is a point in a chatd session, so
 continuing from the session's latest response is a session turn resumed from its cache (only the new
 input is prefilled, no prefix matching at all); continuing from an earlier one branches a new session from
 that point (its cache a copy of the shared part), so regenerate and edit work. A conversation is a
-session. Without either, a request is matched like a chat completion (the prefix index). Turns run
-through the same `TurnRunner`, keys, limits, leases and metrics as the other APIs.
+session. Without either, a request is matched like a chat completion (the prefix index): the Agents SDK
+resends a run's items, and its next round continues the session the last one left. Turns run through the
+same `TurnRunner`, tools, grammars, keys, limits, leases and metrics as the other APIs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from chatd.api.gateway import WORKER
-from chatd.api.openai.chat_completions import SESSION_HEADER, WORKER_HEADER, ApiError, OpenAIApi
-from chatd.api.openai.chat_schema import RequestRefused
+from chatd.api.openai.chat_completions import ARGUMENTS_FRAGMENT, SESSION_HEADER, WORKER_HEADER, ApiError, OpenAIApi
 from chatd.api.openai.responses_schema import (
     ConversationCreate,
     ConversationDeleted,
@@ -32,6 +34,8 @@ from chatd.api.openai.responses_schema import (
     InputItem,
     InputTokensDetails,
     ItemList,
+    ListedFunctionOutput,
+    OutputFunctionCall,
     OutputMessage,
     OutputText,
     ResponseDeleted,
@@ -40,11 +44,12 @@ from chatd.api.openai.responses_schema import (
     ResponseRequest,
     ResponseUsage,
 )
+from chatd.api.openai.tools import RequestRefused, ToolSetup
 from chatd.api.protocol import ErrorMessage
 from chatd.api.turns import StartedTurn
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed, TurnResult
-from sessions import Message, Session, StoreUnavailable
+from sessions import Message, Session, StoreUnavailable, ToolCall
 from sessions.responses import ConversationInfo, ResponseStore, StoredResponse
 
 DEFAULT_MAX_OUTPUT_TOKENS = 256
@@ -71,10 +76,11 @@ class ResponsesApi:
 
     async def create(self, request: Request, body: ResponseRequest) -> Response:
         owner = self.openai.authenticate(request)
-        try:
+        with _refusals():
             body.refuse_unsupported()
-        except RequestRefused as error:
-            raise ApiError(400, str(error), param=error.param, code="bad_request") from None
+            setup = body.tool_setup(self.openai.tool_format())
+            if not body.previous_response_id and not body.conversation_id():
+                body.check_outputs()  # otherwise against the history, once it is read
         if body.model not in self.openai.model_names():
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
                                 f"{self.openai.settings.model!r}", param="model", code="model_not_found")
@@ -85,16 +91,20 @@ class ResponsesApi:
                            code="limit_exceeded")
         self.openai.refuse_when_unavailable()
         client = owner or (request.client.host if request.client else "unknown")
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p)
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
+                                grammar=await self.openai.compile(setup, "text.format"))
         created = ResponseObject(id="resp_" + secrets.token_hex(16), created_at=int(time.time()), status="in_progress",
                                  model=body.model, instructions=body.instructions,
                                  previous_response_id=body.previous_response_id,
                                  conversation=ConversationRef(id=cid) if (cid := body.conversation_id()) else None,
                                  metadata=body.metadata or {}, user=body.user, store=body.store,
                                  temperature=body.temperature, top_p=body.top_p,
-                                 max_output_tokens=body.max_output_tokens)
+                                 max_output_tokens=body.max_output_tokens, tools=body.tools or [],
+                                 tool_choice=body.tool_choice or "auto",
+                                 parallel_tool_calls=body.parallel_tool_calls is not False,
+                                 text=body.text or {"format": {"type": "text"}})
         try:
-            session, started = await self._start(owner, body, params, created.id, client)
+            session, started = await self._start(owner, body, params, created.id, client, setup)
         except StoreUnavailable as error:
             raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
         if isinstance(started, ErrorMessage):
@@ -109,13 +119,13 @@ class ResponsesApi:
             raise ApiError.of(event)
         headers = {SESSION_HEADER: session.session_id, WORKER_HEADER: WORKER}
         if body.stream:
-            return StreamingResponse(self._stream(started, created, event, events), media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
+            return StreamingResponse(self._stream(started, created, event, events, setup),
+                                     media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
         while isinstance(event, str):
             event = await events.get()
         if isinstance(event, TurnFailed):
             raise ApiError.of(event)
-        return JSONResponse(_finished(created, event).model_dump(), headers=headers)
+        return JSONResponse(_finished(created, event, started.reply).model_dump(), headers=headers)
 
     async def retrieve(self, request: Request, response_id: str) -> Response:
         stored = await self._stored(request, response_id)
@@ -128,8 +138,7 @@ class ResponsesApi:
 
     async def input_items(self, request: Request, response_id: str) -> Response:
         stored = await self._stored(request, response_id)
-        items = [_item(f"msg_{response_id[5:]}_{index}", item["role"], item["content"], "input_text")
-                 for index, item in enumerate(stored.input)]
+        items = [_listed_input(f"{response_id[5:]}_{index}", item) for index, item in enumerate(stored.input)]
         return JSONResponse(_item_list(items).model_dump())
 
     # ##### Conversations #####
@@ -163,57 +172,59 @@ class ResponsesApi:
     async def conversation_items(self, request: Request, conversation_id: str) -> Response:
         _, session = await self._conversation(request, conversation_id)
         messages = ([Message("system", session.system)] if session.system is not None else []) + session.messages
-        items = [_item(f"msg_{conversation_id}_{index}", message.role, message.content,
-                       "output_text" if message.role == "assistant" else "input_text")
-                 for index, message in enumerate(messages)]
+        items = [item for index, message in enumerate(messages)
+                 for item in _listed_message(f"{conversation_id}_{index}", message)]
         return JSONResponse(_item_list(items).model_dump())
 
     # ##### Where a response runs #####
 
     async def _start(self, owner: str | None, body: ResponseRequest, params: SamplingParams, response_id: str,
-                     client: str) -> tuple[Session, StartedTurn | ErrorMessage]:
+                     client: str, setup: ToolSetup) -> tuple[Session, StartedTurn | ErrorMessage]:
         """The session the response runs in, claimed, and its turn started (or why not)."""
-        messages = body.messages()
-        content, extra = messages[-1].content, messages[:-1]
+        extra, new = body.split()
         if conversation_id := body.conversation_id():
             if extra or not body.store:
-                raise ApiError(400, "a response in a conversation takes one user message and is stored",
-                               param="input" if extra else "store", code="bad_request")
+                raise ApiError(400, "a response in a conversation takes only new input (a user message or function "
+                                    "call outputs) and is stored", param="input" if extra else "store",
+                               code="bad_request")
             _, session = await self._owned_conversation(owner, conversation_id)
+            with _refusals():
+                body.check_outputs(_call_ids(session.messages))
             if not self.turns.try_claim(session.session_id):
                 raise ApiError(409, f"a response of conversation {conversation_id!r} is running; wait for it",
                                param="conversation", code="conflict")
-            return session, await self.openai.begin(session, content, params, response_id, owner, client,
-                                                    api="responses")
+            return session, await self.openai.begin(session, new, params, response_id, owner, client,
+                                                    api="responses", setup=setup)
         system = body.instructions
         if body.previous_response_id:
-            session, fresh = await self._from_previous(owner, body, extra, content)
+            session, fresh = await self._from_previous(owner, body, extra, new, setup)
         else:
             if extra and extra[0].role == "system":
                 system, extra = (extra[0].content if system is None else system), extra[1:]
-            session, _, matched = await self.openai.place(owner, system, extra, content, None)
+            session, _, matched = await self.openai.place(owner, system, extra, new, None, setup)
             fresh = not matched
         if not body.store and not fresh:
             # Nothing may be left behind: the turn runs in a session of its own, deleted after the reply.
             self.turns.release_claim(session.session_id)
-            session = await self.openai.branch_from(owner, session.system, session.messages, content, session)
+            session = await self.openai.branch_from(owner, session.system, session.messages, new, session, setup)
             fresh = True
-        started = await self.openai.begin(session, content, params, response_id, owner, client,
-                                          expected_version=None if fresh else session.version, api="responses")
+        started = await self.openai.begin(session, new, params, response_id, owner, client,
+                                          expected_version=None if fresh else session.version, api="responses",
+                                          setup=setup)
         if isinstance(started, ErrorMessage) and started.code in ("busy", "conflict") and not fresh:
             # Another worker runs or ran a turn of that session meanwhile: this response branches from its point.
             if body.previous_response_id:
-                session, _ = await self._from_previous(owner, body, extra, content, branch=True)
+                session, _ = await self._from_previous(owner, body, extra, new, setup, branch=True)
             else:
-                session = await self.openai.branch_from(owner, system, extra, content, session)
-            started = await self.openai.begin(session, content, params, response_id, owner, client,
-                                              api="responses")
+                session = await self.openai.branch_from(owner, system, extra, new, session, setup)
+            started = await self.openai.begin(session, new, params, response_id, owner, client,
+                                              api="responses", setup=setup)
         return session, started
 
-    async def _from_previous(self, owner: str | None, body: ResponseRequest, extra: list[Message], content: str,
-                             branch: bool = False) -> tuple[Session, bool]:
+    async def _from_previous(self, owner: str | None, body: ResponseRequest, extra: list[Message],
+                             new: list[Message], setup: ToolSetup, branch: bool = False) -> tuple[Session, bool]:
         """The session that continues `previous_response_id`, claimed, and whether it is new: its own when
-        that response is its latest point and nothing is added before the new message (unless `branch`);
+        that response is its latest point and nothing is added before the new input (unless `branch`);
         otherwise a branch from that point."""
         previous = await self._call(self.store.get(body.previous_response_id))
         if previous is None or previous.owner != owner:
@@ -223,12 +234,14 @@ class ResponsesApi:
         if session is None or session.owner != owner:
             raise ApiError(404, f"previous response {body.previous_response_id!r} not found (its conversation "
                                 "expired)", param="previous_response_id", code="previous_response_not_found")
+        with _refusals():
+            body.check_outputs(_call_ids(session.messages[:previous.messages]))
         system = body.instructions if body.instructions is not None else session.system
         if not branch and session.version == previous.version and not extra and system == session.system and \
                 self.turns.try_claim(session.session_id):
             return session, False
         history = session.messages[:previous.messages] + extra
-        ids = self.openai.render(system, history, content)
+        ids = self.openai.render(system, history, new, setup)
         return await self.openai.branch(owner, system, history, ids, [(session, history, ids)]), True
 
     async def _ended(self, owner: str | None, body: ResponseRequest, created: ResponseObject, started: StartedTurn,
@@ -240,8 +253,8 @@ class ResponsesApi:
             await self._forget(session.session_id)
         elif isinstance(event, TurnResult) and event.finish_reason != "cancelled":
             stored = StoredResponse(created.id, owner, session.session_id, session.version + 1,
-                                    len(session.messages) + 2, _finished(created, event).model_dump(),
-                                    [{"role": m.role, "content": m.content} for m in body.messages()])
+                                    len(session.messages) + len(started.inputs) + 1,
+                                    _finished(created, event, started.reply).model_dump(), body.input_record())
             try:
                 await self.store.put(stored)
                 conversation_id = body.conversation_id()
@@ -262,10 +275,12 @@ class ResponsesApi:
         self.engine.close_session(session_id)
 
     async def _stream(self, started: StartedTurn, created: ResponseObject, first: str | TurnResult,
-                      events: asyncio.Queue) -> AsyncIterator[str]:
-        """The typed server-sent events the `openai` SDK parses. A client that goes away cancels the turn."""
+                      events: asyncio.Queue, setup: ToolSetup) -> AsyncIterator[str]:
+        """The typed server-sent events the `openai` SDK parses: the reply's message item as its text comes
+        (text from where the model opens a call on is held back), then each call as a function_call item with
+        its arguments in fragments. A client that goes away cancels the turn."""
         sequence = 0
-        item_id = "msg_" + created.id[5:]
+        message_id = "msg_" + created.id[5:]
 
         def sse(kind: str, **fields) -> str:
             nonlocal sequence
@@ -273,29 +288,58 @@ class ResponsesApi:
             sequence += 1
             return f"event: {kind}\ndata: {_json(payload)}\n\n"
 
-        event = first
+        def text_delta(text: str) -> str:
+            return sse("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
+                       delta=text, logprobs=[])
+
+        def message_opened() -> list[str]:
+            item = OutputMessage(id=message_id, status="in_progress", content=[]).model_dump()
+            return [sse("response.output_item.added", output_index=0, item=item),
+                    sse("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                        part=OutputText(text="").model_dump())]
+
+        event, opened = first, False
+        prose = setup.prose_stream()
         try:
             yield sse("response.created", response=created.model_dump())
             yield sse("response.in_progress", response=created.model_dump())
-            item = OutputMessage(id=item_id, status="in_progress", content=[])
-            yield sse("response.output_item.added", output_index=0, item=item.model_dump())
-            part = OutputText(text="").model_dump()
-            yield sse("response.content_part.added", item_id=item_id, output_index=0, content_index=0, part=part)
             while isinstance(event, str):
-                yield sse("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
-                          delta=event, logprobs=[])
+                if text := prose.push(event):
+                    if not opened:
+                        for line in message_opened():
+                            yield line
+                        opened = True
+                    yield text_delta(text)
                 event = await events.get()
             if isinstance(event, TurnFailed):
                 failed = created.model_copy(update={"status": "failed",
                                                     "error": ResponseError(code=event.code, message=event.message)})
                 yield sse("response.failed", response=failed.model_dump())
                 return
-            finished = _finished(created, event)
-            done_text = OutputText(text=event.content).model_dump()
-            yield sse("response.output_text.done", item_id=item_id, output_index=0, content_index=0,
-                      text=event.content, logprobs=[])
-            yield sse("response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=done_text)
-            yield sse("response.output_item.done", output_index=0, item=finished.output[0].model_dump())
+            finished = _finished(created, event, started.reply)
+            rest = prose.rest(started.reply[0], bool(started.reply[1]))
+            if not opened and isinstance(finished.output[0], OutputMessage):
+                for line in message_opened():
+                    yield line
+                opened = True
+            if rest:
+                yield text_delta(rest)
+            if opened:
+                message = finished.output[0]
+                yield sse("response.output_text.done", item_id=message_id, output_index=0, content_index=0,
+                          text=message.content[0].text, logprobs=[])
+                yield sse("response.content_part.done", item_id=message_id, output_index=0, content_index=0,
+                          part=message.content[0].model_dump())
+                yield sse("response.output_item.done", output_index=0, item=message.model_dump())
+            for index, call in enumerate(finished.output[1 if opened else 0:], start=1 if opened else 0):
+                yield sse("response.output_item.added", output_index=index,
+                          item=call.model_copy(update={"arguments": "", "status": "in_progress"}).model_dump())
+                for start in range(0, len(call.arguments), ARGUMENTS_FRAGMENT):
+                    yield sse("response.function_call_arguments.delta", item_id=call.id, output_index=index,
+                              delta=call.arguments[start:start + ARGUMENTS_FRAGMENT])
+                yield sse("response.function_call_arguments.done", item_id=call.id, output_index=index,
+                          name=call.name, arguments=call.arguments)
+                yield sse("response.output_item.done", output_index=index, item=call.model_dump())
             yield sse("response.completed" if finished.status == "completed" else "response.incomplete",
                       response=finished.model_dump())
         finally:
@@ -332,22 +376,67 @@ class ResponsesApi:
             raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
 
 
-def _finished(created: ResponseObject, result: TurnResult) -> ResponseObject:
-    """The response once its turn ended: the reply as one message item, the usage, the status."""
-    complete = result.finish_reason != "length"
+def _finished(created: ResponseObject, result: TurnResult, reply: tuple[str, list[ToolCall]]) -> ResponseObject:
+    """The response once its turn ended: the reply's text as a message item (unless it only made calls), its
+    calls as function_call items, the usage, the status."""
+    prose, calls = reply
+    incomplete = None if calls else {"length": IncompleteDetails(reason="max_output_tokens"),
+                                     "grammar": IncompleteDetails(reason="grammar_error")}.get(result.finish_reason)
+    status = "incomplete" if incomplete else "completed"
+    output: list[OutputMessage | OutputFunctionCall] = []
+    if prose or not calls:
+        output.append(OutputMessage(id="msg_" + created.id[5:], status=status,
+                                    content=[OutputText(text=prose if calls else result.content)]))
+    output += [_function_call(call) for call in calls]
     return created.model_copy(update={
-        "status": "completed" if complete else "incomplete",
-        "incomplete_details": None if complete else IncompleteDetails(),
-        "output": [OutputMessage(id="msg_" + created.id[5:], status="completed" if complete else "incomplete",
-                                 content=[OutputText(text=result.content)])],
+        "status": status, "incomplete_details": incomplete, "output": output,
         "usage": ResponseUsage(input_tokens=result.prompt_tokens,
                                input_tokens_details=InputTokensDetails(cached_tokens=result.cached_tokens),
                                output_tokens=result.completion_tokens,
                                total_tokens=result.prompt_tokens + result.completion_tokens)})
 
 
-def _item(item_id: str, role: str, text: str, kind: str) -> InputItem:
-    return InputItem(id=item_id, role=role, content=[{"type": kind, "text": text}])
+def _function_call(call: ToolCall) -> OutputFunctionCall:
+    return OutputFunctionCall(id="fc_" + call.id.removeprefix("call_"), call_id=call.id, name=call.name,
+                              arguments=call.arguments)
+
+
+def _listed_message(item_id: str, message: Message) -> list[InputItem | OutputFunctionCall | ListedFunctionOutput]:
+    """A session's message as a conversation's items: a reply's text and each of its calls, a tool's result."""
+    if message.role == "tool":
+        return [ListedFunctionOutput(id=f"fco_{item_id}", call_id=message.tool_call_id or "", output=message.content)]
+    kind = "output_text" if message.role == "assistant" else "input_text"
+    text = [] if message.tool_calls and not message.content else \
+        [InputItem(id=f"msg_{item_id}", role=message.role, content=[{"type": kind, "text": message.content}])]
+    return text + [_function_call(call) for call in message.tool_calls]
+
+
+def _listed_input(item_id: str, item: dict) -> InputItem | OutputFunctionCall | ListedFunctionOutput:
+    """A stored input item as input_items lists it (records from before tools were served hold role and text)."""
+    kind = item.get("type", "message")
+    if kind == "function_call":
+        return OutputFunctionCall(id=item.get("id") or f"fc_{item_id}", call_id=item["call_id"], name=item["name"],
+                                  arguments=item["arguments"])
+    if kind == "function_call_output":
+        output = item["output"]
+        return ListedFunctionOutput(id=item.get("id") or f"fco_{item_id}", call_id=item["call_id"],
+                                    output=output if isinstance(output, str) else "".join(p["text"] for p in output))
+    content = item["content"]
+    parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else content
+    return InputItem(id=f"msg_{item_id}", role=item["role"], content=parts)
+
+
+def _call_ids(messages: list[Message]) -> list[str]:
+    return [call.id for message in messages for call in message.tool_calls]
+
+
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """A `RequestRefused` as OpenAI's 400, naming the parameter."""
+    try:
+        yield
+    except RequestRefused as error:
+        raise ApiError(400, str(error), param=error.param, code="bad_request") from None
 
 
 def _item_list(items: list[InputItem]) -> ItemList:

@@ -1,16 +1,19 @@
 """The bodies of OpenAI's Responses API (`/v1/responses`) and Conversations API (`/v1/conversations`) as
-chatd serves them: text in, text out, state kept as chatd sessions. See docs/protocol.md for what is
-accepted and refused."""
+chatd serves them: messages, function calls and their outputs in, text and calls out, state kept as chatd
+sessions. See docs/protocol.md for what is accepted and refused."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from collections.abc import Iterable
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from chatd.api.openai.chat_schema import RequestRefused
+from chatd.api.openai.chat_schema import FUNCTION_NAME
+from chatd.api.openai.tools import Function, RequestRefused, ToolFormat, ToolSetup, checked_schema, tool_setup
 from chatd.api.protocol import MAX_NEW_TOKENS_CAP
-from sessions import Message
+from sessions import Message, ToolCall
 
 
 class InputText(BaseModel):
@@ -36,6 +39,48 @@ class InputMessage(BaseModel):
         return Message("system" if self.role == "developer" else self.role, self.text())
 
 
+class FunctionCallItem(BaseModel):
+    """A call an earlier reply made, as the client sends it back (and as a response's output lists it)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=256)
+    name: str = Field(pattern=FUNCTION_NAME)
+    arguments: str = Field(max_length=256 * 1024)
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(BaseModel):
+    """A function's result, answering the call `call_id`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=256)
+    output: str | list[InputText]
+    id: str | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
+
+InputItemIn = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem, Field(union_mode="left_to_right")]
+
+
+class FunctionTool(BaseModel):
+    """A function tool of a response request (the Responses API's flat shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = Field(None, max_length=16 * 1024)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
 class ResponseRequest(BaseModel):
     """Unknown fields are ignored; fields that would change the meaning of the reply are refused by
     `refuse_unsupported`, naming the parameter."""
@@ -43,7 +88,7 @@ class ResponseRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    input: str | list[InputMessage]
+    input: str | list[InputItemIn]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -54,42 +99,110 @@ class ResponseRequest(BaseModel):
     conversation: str | dict[str, str] | None = None
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = Field(None, max_length=256)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)  # function tools; any other kind is refused
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
     # Accepted only where they change nothing.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     reasoning: Any = None
     background: bool | None = None
     include: list[str] | None = None
-    text: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
 
     def refuse_unsupported(self) -> None:
         """Raise `RequestRefused` for a parameter whose meaning chatd does not implement."""
-        if self.tools:
-            raise RequestRefused("tools", "tools (function calling, built-in tools) are not supported")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise RequestRefused("tool_choice", "tool_choice is not supported")
         if self.reasoning is not None:
             raise RequestRefused("reasoning", "reasoning is not supported: the served model does not reason")
         if self.background:
             raise RequestRefused("background", "background responses are not supported")
         for item in self.include or []:
             raise RequestRefused("include", f"include {item!r} is not supported")
-        format_type = ((self.text or {}).get("format") or {}).get("type", "text")
-        if format_type != "text":
-            raise RequestRefused("text.format", "only text.format type 'text' is supported")
         if (self.max_output_tokens or 0) > MAX_NEW_TOKENS_CAP:
             raise RequestRefused("max_output_tokens", f"max_output_tokens is at most {MAX_NEW_TOKENS_CAP}")
         if self.previous_response_id and self.conversation:
             raise RequestRefused("conversation", "give previous_response_id or conversation, not both")
-        if not self.messages() or self.messages()[-1].role != "user":
-            raise RequestRefused("input", "the last input item must be the user's message: chatd answers it")
+        items = self.items()
+        if not items or isinstance(items[-1], FunctionCallItem) or \
+                (isinstance(items[-1], InputMessage) and items[-1].role != "user"):
+            raise RequestRefused("input", "the last input item must be the user's message or a function call's "
+                                          "output: chatd answers it")
+
+    def items(self) -> list[InputMessage | FunctionCallItem | FunctionCallOutputItem]:
+        return [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
 
     def messages(self) -> list[Message]:
-        """`input` as messages."""
-        if isinstance(self.input, str):
-            return [Message("user", self.input)]
-        return [item.message() for item in self.input]
+        """`input` as a session's messages: a reply's text and the calls after it are one assistant message,
+        a call's output a tool message."""
+        messages: list[Message] = []
+        for item in self.items():
+            if isinstance(item, FunctionCallItem):
+                call = ToolCall(item.call_id, item.name, item.arguments)
+                if messages and messages[-1].role == "assistant":
+                    last = messages.pop()
+                    messages.append(Message("assistant", last.content, tool_calls=last.tool_calls + (call,)))
+                else:
+                    messages.append(Message("assistant", "", tool_calls=(call,)))
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append(Message("tool", item.text(), tool_call_id=item.call_id))
+            else:
+                messages.append(item.message())
+        return messages
+
+    def split(self) -> tuple[list[Message], list[Message]]:
+        """(what `input` adds before the turn, the turn's new messages: those after its last reply)."""
+        messages = self.messages()
+        replies = [index for index, message in enumerate(messages) if message.role == "assistant"]
+        new_from = replies[-1] + 1 if replies else len(messages) - 1
+        return messages[:new_from], messages[new_from:]
+
+    def check_outputs(self, earlier_calls: Iterable[str] = ()) -> None:
+        """Every function_call_output answers a call of the history (`earlier_calls`) or of `input`."""
+        calls = set(earlier_calls)
+        for index, item in enumerate(self.items()):
+            if isinstance(item, FunctionCallItem):
+                calls.add(item.call_id)
+            elif isinstance(item, FunctionCallOutputItem) and item.call_id not in calls:
+                raise RequestRefused(f"input[{index}].call_id", f"the function_call_output input[{index}] "
+                                     f"answers {item.call_id!r}, which no earlier function_call made")
+
+    def tool_setup(self, format: ToolFormat) -> ToolSetup:
+        """The request's tools, `tool_choice` and `text.format`, checked; `RequestRefused` naming what is wrong."""
+        functions = []
+        for index, tool in enumerate(self.tools or ()):
+            if tool.get("type") != "function":
+                raise RequestRefused(f"tools[{index}].type", f"only function tools are supported, not "
+                                                             f"{tool.get('type')!r}")
+            try:
+                function = FunctionTool.model_validate(tool)
+            except ValidationError as error:
+                first = error.errors()[0]
+                where = ".".join(str(part) for part in first["loc"])
+                raise RequestRefused(f"tools[{index}].{where}", f"tools[{index}].{where}: {first['msg']}") from None
+            functions.append(Function(function.name, function.description,
+                                      function.parameters or {"type": "object", "properties": {}}))
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                raise RequestRefused("tool_choice", "tool_choice must be none, auto, required or "
+                                                    "{\"type\": \"function\", \"name\": …}")
+            choice = choice["name"]
+        return tool_setup(format, functions, choice, self.parallel_tool_calls is not False, self.response_schema())
+
+    def response_schema(self) -> dict | None:
+        """The JSON Schema `text.format` holds the reply to, if any."""
+        text_format = (self.text or {}).get("format") or {"type": "text"}
+        kind = text_format.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "object"}
+        if kind == "json_schema":
+            return checked_schema(text_format.get("schema"), "text.format.schema")
+        raise RequestRefused("text.format.type", f"text.format type {kind!r} is not supported: text, json_object "
+                                                 "or json_schema")
+
+    def input_record(self) -> list[dict]:
+        """The input items as stored with the response and listed by its input_items."""
+        return [json.loads(item.model_dump_json(exclude_none=True)) for item in self.items()]
 
     def conversation_id(self) -> str | None:
         if isinstance(self.conversation, dict):
@@ -115,6 +228,27 @@ class OutputMessage(BaseModel):
     content: list[OutputText]
 
 
+class OutputFunctionCall(BaseModel):
+    """A call the reply makes, as an output item (and as a conversation lists it)."""
+
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+class ListedFunctionOutput(BaseModel):
+    """A function's result, as a response's input items and a conversation list it."""
+
+    id: str
+    type: Literal["function_call_output"] = "function_call_output"
+    call_id: str
+    output: str
+    status: Literal["completed"] = "completed"
+
+
 class InputTokensDetails(BaseModel):
     """The input tokens a cache covered."""
 
@@ -138,9 +272,10 @@ class ResponseUsage(BaseModel):
 
 
 class IncompleteDetails(BaseModel):
-    """Why a response is incomplete: its reply reached max_output_tokens."""
+    """Why a response is incomplete: its reply reached max_output_tokens, or (`grammar_error`) the model could
+    not go on within its tools' or format's grammar."""
 
-    reason: Literal["max_output_tokens"] = "max_output_tokens"
+    reason: Literal["max_output_tokens", "grammar_error"] = "max_output_tokens"
 
 
 class ResponseError(BaseModel):
@@ -164,7 +299,7 @@ class ResponseObject(BaseModel):
     created_at: int
     status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
-    output: list[OutputMessage] = Field(default_factory=list)
+    output: list[OutputMessage | OutputFunctionCall] = Field(default_factory=list)
     usage: ResponseUsage | None = None
     instructions: str | None = None
     previous_response_id: str | None = None
@@ -177,9 +312,9 @@ class ResponseObject(BaseModel):
     max_output_tokens: int | None = None
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
-    tools: list[Any] = Field(default_factory=list)
-    tool_choice: str = "none"
-    parallel_tool_calls: bool = False
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
 
 
@@ -205,7 +340,7 @@ class ItemList(BaseModel):
     """A page of items (all of them: chatd does not paginate)."""
 
     object: Literal["list"] = "list"
-    data: list[InputItem]
+    data: list[InputItem | OutputFunctionCall | ListedFunctionOutput]
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool = False

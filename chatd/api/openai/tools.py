@@ -265,3 +265,35 @@ class ToolSetup:
         if not self.calls_possible:
             return text, []
         return self.format.parse(text)
+
+    def prose_stream(self) -> ProseStream:
+        """What of a streamed reply may go out as prose while it is written."""
+        return ProseStream(self.format.trigger if self.calls_possible else None)
+
+
+class ProseStream:
+    """A streamed reply's prose: text released as it comes, except what could be the opening of a call (which
+    is held back, then sent as calls once the reply is read) and leading whitespace (a reply that only calls
+    has no prose)."""
+
+    def __init__(self, trigger: str | None):
+        self._trigger, self._text, self._released = trigger, "", 0
+
+    def push(self, piece: str) -> str:
+        self._text += piece
+        if self._trigger is None:
+            end = len(self._text)
+        elif (opened := self._text.find(self._trigger)) >= 0:
+            end = opened
+        else:  # hold back a tail that may still become the trigger
+            end = len(self._text) - next((n for n in range(len(self._trigger) - 1, 0, -1)
+                                          if self._text.endswith(self._trigger[:n])), 0)
+        if not self._text[:end].strip():
+            return ""
+        released, self._released = self._text[self._released:max(end, self._released)], max(end, self._released)
+        return released
+
+    def rest(self, prose: str, has_calls: bool) -> str:
+        """What is left to send once the reply is read: the rest of its prose (all its text if it made no call)."""
+        text = prose if has_calls else self._text
+        return text[self._released:] if text.startswith(self._text[:self._released]) else ""
