@@ -79,8 +79,10 @@ class RedisSessionStore:
         """The connection pool, shared with the prefix index."""
         return self._redis
 
-    async def create(self, system: str | None, owner: str | None = None, messages: Sequence[Message] = ()) -> Session:
-        session = Session(session_id=new_session_id(), system=system, owner=owner, messages=list(messages))
+    async def create(self, system: str | None, owner: str | None = None, messages: Sequence[Message] = (),
+                     tool_options: dict | None = None) -> Session:
+        session = Session(session_id=new_session_id(), system=system, owner=owner, messages=list(messages),
+                          tool_options=tool_options)
         if self._down():
             raise StoreUnavailable("the session store (Redis) is unreachable")
         try:
@@ -183,7 +185,8 @@ class RedisSessionStore:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(meta, mapping={"system": json.dumps(session.system), "version": 0,
                                      "owner": json.dumps(session.owner), "dropped_turns": 0,
-                                     "created_at": session.created_at, "updated_at": session.updated_at})
+                                     "created_at": session.created_at, "updated_at": session.updated_at,
+                                     "tool_options": json.dumps(session.tool_options)})
             pipe.expire(meta, self.retention_s)
             if session.messages:
                 history = redis_key(session.session_id, "messages")
@@ -204,7 +207,8 @@ class RedisSessionStore:
             messages=[_decode_message(m) for m in messages], token_ids=unpack_ids(tokens),
             version=int(meta[b"version"]), created_at=float(meta[b"created_at"]),
             updated_at=float(meta[b"updated_at"]), owner=json.loads(meta.get(b"owner", b"null")),
-            dropped_turns=int(meta.get(b"dropped_turns", 0)))
+            dropped_turns=int(meta.get(b"dropped_turns", 0)),
+            tool_options=json.loads(meta.get(b"tool_options", b"null")))
 
     def _remember(self, session: Session) -> None:
         self._local[session.session_id] = session

@@ -50,6 +50,9 @@ class Session:
     version: int = 0
     owner: str | None = None  # who may use it: the id of the API key that created it
     dropped_turns: int = 0  # oldest turns left out of the prompt, to fit the model's context
+    # What every turn is asked with unless its request says otherwise (tools, tool choice, reply format): JSON
+    # the store keeps as given, since it shapes the prompt and so the cache.
+    tool_options: dict | None = None
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
 

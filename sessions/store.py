@@ -43,8 +43,10 @@ class LocalLease:
 class SessionStore(Protocol):
     """Where sessions live: in memory, or in Redis."""
 
-    async def create(self, system: str | None, owner: str | None = None, messages: Sequence[Message] = ()) -> Session:
-        """A new session; `messages` is a history it starts with (a stateless client's branch)."""
+    async def create(self, system: str | None, owner: str | None = None, messages: Sequence[Message] = (),
+                     tool_options: dict | None = None) -> Session:
+        """A new session; `messages` is a history it starts with (a stateless client's branch), `tool_options`
+        what its turns are asked with by default."""
 
     async def get(self, session_id: str) -> Session | None: ...
 
@@ -73,9 +75,11 @@ class InMemorySessionStore:
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._used_at: dict[str, float] = {}
 
-    async def create(self, system: str | None, owner: str | None = None, messages: Sequence[Message] = ()) -> Session:
+    async def create(self, system: str | None, owner: str | None = None, messages: Sequence[Message] = (),
+                     tool_options: dict | None = None) -> Session:
         self._forget_idle()
-        session = Session(session_id=new_session_id(), system=system, owner=owner, messages=list(messages))
+        session = Session(session_id=new_session_id(), system=system, owner=owner, messages=list(messages),
+                          tool_options=tool_options)
         self._use(session)
         return session
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from chatd.api.auth import KeyRing
 from chatd.api.client_socket import ClientGone, ClientSocket
+from chatd.api.openai.tools import RequestRefused, ToolFormat, compile_grammar, format_for
 from chatd.api.protocol import (
     Auth,
     AuthOk,
@@ -35,15 +36,17 @@ from chatd.api.protocol import (
     SessionOpen,
     SessionReady,
     Timings,
+    ToolCallOut,
     Typing,
     Usage,
     parse_client_message,
 )
 from chatd.api.turn_log import TurnLogs
-from chatd.api.turns import TurnRunner
+from chatd.api.turn_tools import result_messages, setup_for
+from chatd.api.turns import StartedTurn, TurnRunner
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed, TurnResult
-from sessions import Session, StoreUnavailable
+from sessions import Session, StoreUnavailable, ToolCall
 
 log = logging.getLogger(__name__)
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
@@ -191,7 +194,13 @@ class Gateway:
         if message.session_id is None:
             if not await self._attach(connection, None):
                 return
-            session = await self.store.create(message.system, owner=connection.owner)
+            try:
+                setup_for(ToolFormat(), message.tool_options())  # checked now, not at the first turn
+            except RequestRefused as error:
+                await connection.send(ErrorMessage(code="bad_request", message=_naming(error)))
+                return
+            session = await self.store.create(message.system, owner=connection.owner,
+                                              tool_options=message.tool_options() or None)
             await self._attach(connection, session.session_id)
             await connection.send(SessionReady(session_id=session.session_id, turns=0, resumed=False, worker=WORKER))
             return
@@ -201,7 +210,8 @@ class Gateway:
             return
         if not await self._attach(connection, session.session_id):
             return
-        history = [HistoryMessage(role=m.role, content=m.content) for m in session.messages]
+        history = [HistoryMessage(role=m.role, content=m.content, tool_calls=_calls_out(m.tool_calls),
+                                  tool_call_id=m.tool_call_id) for m in session.messages]
         await connection.send(SessionReady(session_id=session.session_id, turns=session.turns, resumed=True,
                                            worker=WORKER, history=history))
 
@@ -233,23 +243,53 @@ class Gateway:
             return False
         if not await self._attach(connection, session.session_id, turn_id):
             return False
-        started = await self.turns.begin_turn(session, message.content, SamplingParams(**message.params.model_dump()),
-                                        turn_id, connection.owner, connection.client)
+        try:
+            setup = setup_for(self._tool_format(session, message), session.tool_options, message)
+            new = message.content or result_messages(session.messages, message.tool_results or ())
+            grammar = await compile_grammar(self.engine.grammars, setup, "response_format") \
+                if setup.grammar() is not None else None
+        except RequestRefused as error:
+            await connection.send(ErrorMessage(turn_id=turn_id, code="bad_request", message=_naming(error)))
+            return False
+        except ModelLoading:
+            await connection.send(ErrorMessage(turn_id=turn_id, code="unavailable", retryable=True,
+                                               message="the model is still loading; tools need it: retry shortly"))
+            return False
+        params = SamplingParams(**message.params.model_dump(), grammar=grammar)
+        started = await self.turns.begin_turn(session, new, params, turn_id, connection.owner, connection.client,
+                                              tools=setup)
         if isinstance(started, ErrorMessage):
             await connection.send(started)
             return False
         turn_log = self.turn_logs.start(started.turn, connection.owner, connection)
         seq = itertools.count()
+        prose = setup.prose_stream()
+
+        async def publish_text(text: str) -> None:
+            if text:
+                await turn_log.publish(ChatDelta(turn_id=turn_id, seq=next(seq), delta=Delta(content=text)))
 
         async def on_text(text: str) -> None:
-            await turn_log.publish(ChatDelta(turn_id=turn_id, seq=next(seq), delta=Delta(content=text)))
+            await publish_text(prose.push(text))
 
         async def on_end(event: TurnResult | TurnFailed) -> None:
+            if isinstance(event, TurnResult):
+                await publish_text(prose.rest(started.reply[0], bool(started.reply[1])))
             self.turn_logs.finish(turn_log)
-            await turn_log.publish(_reply(turn_id, event))
+            await turn_log.publish(_reply(turn_id, event, started))
 
         self.turns.forward(started, on_text, on_end)
         return True
+
+    def _tool_format(self, session: Session, message: ChatRequest) -> ToolFormat:
+        """How the served model sees tools; `ModelLoading` until it is loaded, for a turn that involves them
+        (a turn without tools anywhere queues while the model loads, as always)."""
+        if self.engine.loaded is not None and self.engine.grammars is not None:
+            return format_for(self.engine.loaded.tokenizer.chat_template)
+        if session.tool_options or message.tool_options() or message.tool_results or \
+                any(m.tool_calls or m.role == "tool" for m in session.messages):
+            raise ModelLoading
+        return ToolFormat()
 
     def _refuse_turn(self, connection: Connection, message: ChatRequest, turn_id: str) -> ErrorMessage | None:
         """The checks that need no session: shutdown, limits, capacity, a duplicate turn id."""
@@ -315,14 +355,31 @@ def _unknown_session(session_id: str, turn_id: str | None = None) -> ErrorMessag
     return ErrorMessage(turn_id=turn_id, code="unknown_session", message=f"no session {session_id!r}")
 
 
-def _reply(turn_id: str, event: TurnResult | TurnFailed) -> ChatDone | ErrorMessage:
+class ModelLoading(Exception):
+    """The model is not loaded yet: how it sees tools is not known."""
+
+
+def _naming(error: RequestRefused) -> str:
+    """The refusal's text, starting with the field it is about."""
+    return str(error) if str(error).startswith(error.param) else f"{error.param}: {error}"
+
+
+def _calls_out(calls: tuple[ToolCall, ...] | list[ToolCall]) -> list[ToolCallOut]:
+    return [ToolCallOut(id=call.id, name=call.name, arguments=call.arguments) for call in calls]
+
+
+def _reply(turn_id: str, event: TurnResult | TurnFailed, started: StartedTurn) -> ChatDone | ErrorMessage:
+    """The turn's last message: a reply with calls says its prose as content and its calls apart."""
     if isinstance(event, TurnFailed):
         return ErrorMessage(turn_id=turn_id, code=event.code, message=event.message,
                             retryable=event.code in ("conflict", "busy", "unavailable"))
+    prose, calls = started.reply
     return ChatDone(
         turn_id=turn_id,
-        finish_reason=event.finish_reason,
-        content=event.content,
+        finish_reason="tool_calls" if calls else "grammar_error" if event.finish_reason == "grammar" else
+        event.finish_reason,
+        content=prose if calls else event.content,
+        tool_calls=_calls_out(calls),
         usage=Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                     cached_tokens=event.cached_tokens),
         timings=Timings(**{name: round(value, 3) for name, value in event.timings.items()}),

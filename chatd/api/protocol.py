@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 MAX_NEW_TOKENS_CAP = 4096
+FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 ErrorCode = Literal["bad_request", "unauthorized", "unknown_session", "unknown_turn", "busy", "rate_limited",
                     "limit_exceeded", "too_long", "unavailable", "conflict", "internal"]
 
@@ -35,7 +36,44 @@ class Auth(_Message):
     token: str = Field(max_length=4096)
 
 
-class SessionOpen(_Message):
+class ToolSpec(_Message):
+    """A function the model may call: its name, what it does, and the JSON Schema of its arguments."""
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = Field(None, max_length=16 * 1024)
+    parameters: dict[str, Any] | None = None
+
+
+class NamedTool(_Message):
+    """`tool_choice` naming the one function the reply must call."""
+
+    name: str
+
+
+class ReplyFormat(_Message):
+    """What a reply must be: free text, any JSON object, or JSON for `schema`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+
+
+class ToolFields(_Message):
+    """Tools and a reply format: on `session.open` for every turn of the session, on `chat.request` for that
+    turn (each field given replaces the session's)."""
+
+    tools: list[ToolSpec] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ReplyFormat | None = None
+
+    def tool_options(self) -> dict:
+        """The fields given, as JSON (what a session keeps)."""
+        return self.model_dump(include=set(ToolFields.model_fields), exclude_none=True, by_alias=True)
+
+
+class SessionOpen(ToolFields):
     """Open a new session, or resume one by id."""
 
     type: Literal["session.open"]
@@ -43,14 +81,28 @@ class SessionOpen(_Message):
     system: str | None = None
 
 
-class ChatRequest(_Message):
-    """One user message for a session: starts a turn."""
+class ToolResult(_Message):
+    """What a function returned, for the call `call_id` of the session's last reply."""
+
+    call_id: str = Field(min_length=1, max_length=256)
+    content: str
+
+
+class ChatRequest(ToolFields):
+    """One user message, or the results of the calls the last reply made, for a session: starts a turn."""
 
     type: Literal["chat.request"]
     session_id: str
     turn_id: str | None = Field(None, min_length=1, max_length=128)
-    content: str = Field(min_length=1)
+    content: str | None = Field(None, min_length=1)
+    tool_results: list[ToolResult] | None = Field(None, min_length=1, max_length=128)
     params: ChatParams = Field(default_factory=ChatParams)
+
+    @model_validator(mode="after")
+    def _content_or_results(self) -> ChatRequest:
+        if (self.content is None) == (self.tool_results is None):
+            raise ValueError("give content (the user's message) or tool_results, one of them")
+        return self
 
 
 class ChatCancel(_Message):
@@ -138,11 +190,21 @@ def _lone_surrogate(data: dict) -> str | None:
     return None
 
 
+class ToolCallOut(BaseModel):
+    """A call a reply makes: its id (for the result), the function and its arguments as JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class HistoryMessage(BaseModel):
     """One completed message of a session, as `session.ready` lists them."""
 
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "tool"]
     content: str
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)  # a reply's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
 
 class AuthOk(BaseModel):
@@ -215,12 +277,14 @@ class CacheReport(BaseModel):
 
 
 class ChatDone(BaseModel):
-    """A turn's end: the whole reply, why it ended, usage, timings and the cache report."""
+    """A turn's end: the whole reply (its prose, and its calls), why it ended, usage, timings and the cache
+    report. `grammar_error`: the model could not go on within the tools' or the format's grammar."""
 
     type: Literal["chat.done"] = "chat.done"
     turn_id: str
-    finish_reason: Literal["stop", "length", "cancelled"]
+    finish_reason: Literal["stop", "length", "cancelled", "tool_calls", "grammar_error"]
     content: str
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
     usage: Usage
     timings: Timings
     cache: CacheReport

@@ -51,6 +51,13 @@ def main(argv: list[str] | None = None) -> None:
     chat.add_argument("--max-new-tokens", type=int, default=256)
     chat.add_argument("--api-key", default=os.environ.get(CLIENT_KEY_ENV),
                       help=f"for a server with API keys (default: ${CLIENT_KEY_ENV})")
+    chat.add_argument("--tools", type=Path, default=None, metavar="JSON_FILE",
+                      help="functions the model may call (a JSON list of {name, description, parameters}); you "
+                           "type each call's result")
+    chat.add_argument("--tool-choice", default=None, metavar="CHOICE",
+                      help="with --tools: none, auto (the default), required, or one function's name")
+    chat.add_argument("--json-schema", type=Path, default=None, metavar="JSON_FILE",
+                      help="hold every reply to this JSON Schema")
     kv_size = commands.add_parser("kv-size", help="print the KV cache size per session for a model")
     kv_size.add_argument("--model", default="smollm2-135m")
     kv_size.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
@@ -134,8 +141,11 @@ def main(argv: list[str] | None = None) -> None:
 
         from chatd.tools.client import ChatError
         from chatd.tools.terminal import chat as run_chat
+        from chatd.tools.terminal import tool_fields_from
 
         try:
-            asyncio.run(run_chat(args.url, args.system, args.session_id, args.max_new_tokens, args.api_key))
-        except (ChatError, InvalidHandshake, OSError) as error:
+            tool_fields = tool_fields_from(args.tools, args.json_schema, args.tool_choice)
+            asyncio.run(run_chat(args.url, args.system, args.session_id, args.max_new_tokens, args.api_key,
+                                 tool_fields))
+        except (ChatError, InvalidHandshake, OSError, ValueError) as error:
             sys.exit(f"chatd chat: {error}")

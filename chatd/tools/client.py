@@ -6,6 +6,8 @@
         async for text in turn:
             print(text, end="")
         done = await turn.result()
+    A reply that calls functions (a session opened with `tools=[...]`) ends with `done.tool_calls`; answer them
+    with `client.send_tool_results(session_id, {call.id: result})`, a turn like any other.
 """
 
 from __future__ import annotations
@@ -104,20 +106,36 @@ class ChatClient:
         await self._websocket.close()
         await self._reader
 
-    async def open_session(self, system: str | None = None, session_id: str | None = None) -> SessionReady:
-        await self._send({"type": "session.open", "session_id": session_id, "system": system})
+    async def open_session(self, system: str | None = None, session_id: str | None = None,
+                           **tool_fields: Any) -> SessionReady:
+        """Open a new session (or resume one by id); `tool_fields` are tools, tool_choice, parallel_tool_calls
+        and response_format for every turn of a new session."""
+        await self._send({"type": "session.open", "session_id": session_id, "system": system, **tool_fields})
         return await self._reply()
 
     async def close_session(self, session_id: str) -> None:
         await self._send({"type": "session.close", "session_id": session_id})
         await self._reply()
 
-    async def chat(self, session_id: str, content: str, turn_id: str | None = None, **params: Any) -> TurnStream:
-        """Send a message; `params` are max_new_tokens, temperature, top_p, seed and stop."""
+    async def chat(self, session_id: str, content: str, turn_id: str | None = None, tool_fields: dict | None = None,
+                   **params: Any) -> TurnStream:
+        """Send a message; `params` are max_new_tokens, temperature, top_p, seed and stop; `tool_fields`
+        (tools, tool_choice, parallel_tool_calls, response_format) replace the session's for this turn."""
+        return await self._request(session_id, {"content": content}, turn_id, tool_fields, params)
+
+    async def send_tool_results(self, session_id: str, results: dict[str, str], turn_id: str | None = None,
+                                tool_fields: dict | None = None, **params: Any) -> TurnStream:
+        """Answer the calls of the session's last reply (call id -> what the function returned): the model
+        goes on from them."""
+        tool_results = [{"call_id": call_id, "content": content} for call_id, content in results.items()]
+        return await self._request(session_id, {"tool_results": tool_results}, turn_id, tool_fields, params)
+
+    async def _request(self, session_id: str, body: dict[str, Any], turn_id: str | None, tool_fields: dict | None,
+                       params: dict[str, Any]) -> TurnStream:
         stream = TurnStream(turn_id or secrets.token_urlsafe(8))
         self._turns[stream.turn_id] = stream
-        await self._send({"type": "chat.request", "session_id": session_id, "turn_id": stream.turn_id,
-                          "content": content, "params": params})
+        await self._send({"type": "chat.request", "session_id": session_id, "turn_id": stream.turn_id, **body,
+                          **(tool_fields or {}), "params": params})
         return stream
 
     async def cancel(self, turn_id: str) -> None:

@@ -47,11 +47,11 @@ from chatd.api.openai.chat_schema import (
     ToolCallDelta,
     ToolCallOut,
 )
-from chatd.api.openai.tools import ToolFormat, ToolSetup, format_for
+from chatd.api.openai.tools import ToolFormat, ToolSetup, compile_grammar, format_for
 from chatd.api.protocol import ErrorMessage
 from chatd.api.turns import StartedTurn, TurnRunner
 from chatd.config import Settings
-from chatd.engine.grammar import GrammarError
+from chatd.engine.grammar import CompiledGrammar
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.scheduler import Engine
 from chatd.engine.turn import TurnFailed, TurnResult
@@ -197,17 +197,12 @@ class OpenAIApi:
         """How the served model's template renders tools and how it writes calls."""
         return format_for(self.engine.loaded.tokenizer.chat_template)
 
-    async def compile(self, setup: ToolSetup, format_param: str = "response_format"):
-        """The reply's grammar, compiled off the event loop and the engine thread (cached by its text); a 400
-        naming the tools or the response format when it cannot compile."""
-        if (spec := setup.grammar()) is None:
-            return None
-        param = "tools" if setup.calls_possible else format_param
+    async def compile(self, setup: ToolSetup, format_param: str = "response_format") -> CompiledGrammar | None:
+        """The reply's grammar; a 400 naming the tools or the response format when it cannot compile."""
         try:
-            return await asyncio.wrap_future(self.engine.grammars.compile(spec))
-        except GrammarError as error:
-            raise ApiError(400, f"{param} cannot be compiled into a grammar: {error}", param=param,
-                           code="bad_request") from None
+            return await compile_grammar(self.engine.grammars, setup, format_param)
+        except RequestRefused as error:
+            raise ApiError(400, str(error), param=error.param, code="bad_request") from None
 
     async def _ended(self, owner: str | None, started: StartedTurn, event: TurnResult | TurnFailed,
                      events: asyncio.Queue) -> None:

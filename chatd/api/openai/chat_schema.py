@@ -16,10 +16,9 @@ from chatd.api.openai.tools import (
     checked_schema,
     tool_setup,
 )
-from chatd.api.protocol import MAX_NEW_TOKENS_CAP
+from chatd.api.protocol import FUNCTION_NAME, MAX_NEW_TOKENS_CAP
 from sessions import Message, ToolCall
 
-FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 FinishReason = Literal["stop", "length", "tool_calls", "grammar_error"]
 
 

@@ -15,6 +15,7 @@ text). The engine only ever sees the resulting `GrammarSpec`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import secrets
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 import jsonschema
 
-from chatd.engine.grammar import MAX_GRAMMAR_CHARS, GrammarSpec
+from chatd.engine.grammar import MAX_GRAMMAR_CHARS, CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec
 from sessions import Message, ToolCall
 
 GENERIC_TOOLS_PROMPT = """You can call functions to help the user. The functions you may call, one JSON object per line:
@@ -194,6 +195,30 @@ class Llama3JsonFormat(ToolFormat):
         return list(messages)
 
 
+async def compile_grammar(grammars: GrammarCompiler, setup: ToolSetup, format_param: str) -> CompiledGrammar | None:
+    """The reply's grammar, compiled in the grammar thread (never the event loop's or the engine's; cached by its
+    text), or None for free text; `RequestRefused` naming the tools or the reply format when it cannot compile."""
+    if (spec := setup.grammar()) is None:
+        return None
+    try:
+        return await asyncio.wrap_future(grammars.compile(spec))
+    except GrammarError as error:
+        param = "tools" if setup.calls_possible and not await _fails(grammars, setup.response_schema) else \
+            format_param
+        raise RequestRefused(param, f"{param} cannot be compiled into a grammar: {error}") from None
+
+
+async def _fails(grammars: GrammarCompiler, schema: dict | None) -> bool:
+    """Whether the reply format's schema alone does not compile (to name what a failed grammar is about)."""
+    if schema is None:
+        return False
+    try:
+        await asyncio.wrap_future(grammars.compile(GrammarSpec("json_schema", json.dumps(schema))))
+    except GrammarError:
+        return True
+    return False
+
+
 def format_for(chat_template: str | None) -> ToolFormat:
     """The call format of a chat template: its own where chatd knows it, otherwise the generic one."""
     template = chat_template or ""
@@ -273,8 +298,8 @@ class ToolSetup:
 
 class ProseStream:
     """A streamed reply's prose: text released as it comes, except what could be the opening of a call (which
-    is held back, then sent as calls once the reply is read) and leading whitespace (a reply that only calls
-    has no prose)."""
+    is held back, then sent as calls once the reply is read) and, where calls are possible, leading whitespace
+    (a reply that only calls has no prose)."""
 
     def __init__(self, trigger: str | None):
         self._trigger, self._text, self._released = trigger, "", 0
@@ -288,7 +313,7 @@ class ProseStream:
         else:  # hold back a tail that may still become the trigger
             end = len(self._text) - next((n for n in range(len(self._trigger) - 1, 0, -1)
                                           if self._text.endswith(self._trigger[:n])), 0)
-        if not self._text[:end].strip():
+        if self._trigger is not None and not self._text[:end].strip():
             return ""
         released, self._released = self._text[self._released:max(end, self._released)], max(end, self._released)
         return released
