@@ -40,7 +40,8 @@ SCHEMAS = {
         "priority": {"type": "integer", "minimum": 1, "maximum": 4},
         "summary": {"type": "string", "minLength": 5, "maxLength": 120},
         "customer": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 60},
-                                                      "email": {"type": "string", "pattern": "^[a-z0-9.]+@[a-z0-9.]+$"},
+                                                      "email": {"type": "string", "pattern": "^[a-z0-9.]+@[a-z0-9.]+$",
+                                                                "maxLength": 80},
                                                       "vip": {"type": "boolean"}},
                      "required": ["name", "email", "vip"], "additionalProperties": False}},
         "required": ["category", "priority", "summary", "customer"], "additionalProperties": False},
@@ -78,6 +79,9 @@ QUESTIONS = {"refund": "Order NW-204518: the router arrived broken and one cable
              "plan_change": "Move me from basic to pro at the next billing cycle."}
 
 
+MAX_REPLY_TOKENS = 400  # room for the longest reply the schemas allow (their strings are capped at 120 characters)
+
+
 def _median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1000, 3)
 
@@ -109,9 +113,10 @@ def masks(loaded) -> dict:
                 steps[batch].append(time.perf_counter() - started)
                 for reply in replies:
                     reply.accept(token, "")
+            assert all(reply.error is None for reply in replies), f"llguidance refused the {name} sample"
         report["llguidance"][name] = {"compile_cold_ms": round(cold * 1000, 2), "compile_cached_ms":
                                       round(cached * 1000, 3), "mask_ms_batch1": _median_ms(steps[1]),
-                                      "mask_ms_batch16": _median_ms(steps[16])}
+                                      "mask_ms_batch16": _median_ms(steps[16]), "tokens": len(docs[name])}
     try:
         import xgrammar as xgr
     except ImportError:
@@ -122,10 +127,12 @@ def masks(loaded) -> dict:
     xcompiler = xgr.GrammarCompiler(info, cache_enabled=True)
     for name, schema in SCHEMAS.items():
         started = time.perf_counter()
-        compiled = xcompiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        # The samples are compact JSON, as llguidance's grammar writes it: the same separators, so that every
+        # token is accepted and each mask is a real one (a matcher that refused a token fills nothing useful).
+        compiled = xcompiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
         cold = time.perf_counter() - started
         started = time.perf_counter()
-        xcompiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        xcompiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
         cached = time.perf_counter() - started
         steps = {1: [], 16: []}
         for batch in steps:
@@ -137,15 +144,15 @@ def masks(loaded) -> dict:
                     matcher.fill_next_token_bitmask(bitmask, row)
                 steps[batch].append(time.perf_counter() - started)
                 for matcher in matchers:
-                    matcher.accept_token(token)
+                    assert matcher.accept_token(token), f"xgrammar refused a token of the {name} sample"
         report["xgrammar"][name] = {"compile_cold_ms": round(cold * 1000, 2), "compile_cached_ms":
                                     round(cached * 1000, 3), "mask_ms_batch1": _median_ms(steps[1]),
-                                    "mask_ms_batch16": _median_ms(steps[16])}
+                                    "mask_ms_batch16": _median_ms(steps[16]), "tokens": len(docs[name])}
     return report
 
 
-def _run_turns(engine, turns: list[tuple[str, object, int]]) -> list:
-    """Submit (question, grammar, max tokens) turns at once; their results in order."""
+def _run_turns(engine, turns: list[tuple[str, object, int]], first_seed: int = 0) -> list:
+    """Submit (question, grammar, max tokens) turns at once, seeded from `first_seed` on; their results in order."""
     from chatd.engine.sampling import SamplingParams
     from chatd.engine.turn import TokenText, Turn
     from sessions import Session
@@ -162,7 +169,7 @@ def _run_turns(engine, turns: list[tuple[str, object, int]]) -> list:
     for index, (question, grammar, tokens) in enumerate(turns):
         session = Session(f"b{time.monotonic_ns()}-{index}", system="File the customer's request as JSON.")
         engine.submit(Turn(f"t{index}", session.session_id, session.prompt_messages(question), SamplingParams(
-            max_new_tokens=tokens, temperature=0.8, seed=index, grammar=grammar), emitter(index)))
+            max_new_tokens=tokens, temperature=0.8, seed=first_seed + index, grammar=grammar), emitter(index)))
     finished.wait(1200)
     return [results[i] for i in range(len(turns))]
 
@@ -201,7 +208,8 @@ def replies(loaded, count: int) -> dict:
         started = time.perf_counter()
         for first in range(0, count, 16):
             chosen = [names[i % len(names)] for i in range(first, min(count, first + 16))]
-            for name, result in zip(chosen, _run_turns(engine, [(QUESTIONS[n], grammars[n], 200) for n in chosen]),
+            for name, result in zip(chosen, _run_turns(engine, [(QUESTIONS[n], grammars[n], MAX_REPLY_TOKENS)
+                                                                 for n in chosen], first_seed=first),
                                     strict=True):
                 finished += result.finish_reason == "stop"
                 try:

@@ -11,7 +11,15 @@ import json
 import jsonschema
 import openai
 
-from chatd.api.openai.tools import Function, HermesFormat, Llama3JsonFormat, ToolFormat, ToolSetup, format_for
+from chatd.api.openai.tools import (
+    Function,
+    HermesFormat,
+    Llama3JsonFormat,
+    ProseStream,
+    ToolFormat,
+    ToolSetup,
+    format_for,
+)
 from chatd.api.server import ChatServer
 from chatd.config import Settings
 from sessions import Message, ToolCall
@@ -90,3 +98,16 @@ def test_each_format_parses_its_own_calls_and_leaves_broken_ones_as_text():
     assert rendered[3] == Message("user", '<tool_response>\n{"refunded": true}\n</tool_response>')
     assert setup.grammar().trigger == "<tool_call>", "auto: free text until the model opens a call"
     assert ToolSetup(generic, setup.functions, choice="required").grammar().trigger is None
+
+
+def test_streamed_prose_is_always_the_start_of_the_replys_prose():
+    reply = 'Let me check.\n\n<tool_call>\n{"name": "escalate", "arguments": {}}\n</tool_call>'
+    prose, calls = HermesFormat().parse(reply)
+    for pieces in (list(reply), [reply[:14], reply[14:20], reply[20:]]):
+        stream = ProseStream("<tool_call>")
+        sent = "".join(stream.push(piece) for piece in pieces)
+        assert sent == "Let me check." and sent + stream.rest(prose, bool(calls)) == prose
+    plain = "No call here, only text that looks like <tool or ends with spaces  "
+    stream = ProseStream("<tool_call>")
+    sent = "".join(stream.push(piece) for piece in plain)
+    assert sent + stream.rest(plain, False) == plain

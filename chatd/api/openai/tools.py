@@ -123,7 +123,7 @@ class ToolFormat:
             if (call := self._call(block.group(1))) is None:
                 return text, []
             calls.append(call)
-        return (text[:start].strip(), calls) if calls else (text, [])
+        return (text[:start].rstrip(), calls) if calls else (text, [])
 
     def complete_calls(self, text: str) -> int:
         """How many calls `text` (a reply so far) holds whole: they can be streamed before the reply ends."""
@@ -298,8 +298,8 @@ class ToolSetup:
 
 class ProseStream:
     """A streamed reply's prose: text released as it comes, except what could be the opening of a call (which
-    is held back, then sent as calls once the reply is read) and, where calls are possible, leading whitespace
-    (a reply that only calls has no prose)."""
+    is held back, then sent as calls once the reply is read) and, where calls are possible, trailing whitespace
+    (dropped when a call follows it), so that what was sent is always the start of the reply's prose."""
 
     def __init__(self, trigger: str | None):
         self._trigger, self._text, self._released = trigger, "", 0
@@ -313,8 +313,8 @@ class ProseStream:
         else:  # hold back a tail that may still become the trigger
             end = len(self._text) - next((n for n in range(len(self._trigger) - 1, 0, -1)
                                           if self._text.endswith(self._trigger[:n])), 0)
-        if self._trigger is not None and not self._text[:end].strip():
-            return ""
+        if self._trigger is not None:  # whitespace before a call is not prose: held until more text follows it
+            end = len(self._text[:end].rstrip())
         released, self._released = self._text[self._released:max(end, self._released)], max(end, self._released)
         return released
 
