@@ -14,6 +14,7 @@ import xxhash
 
 from cache_store.entry import CacheEntry, KVTensors
 from cache_store.identity import CacheLayout, Fingerprint
+from cache_store.quantize import key_groups
 from sessions.encoding import pack_ids
 
 Check = str  # one of CHECKS
@@ -55,12 +56,13 @@ def check_tensors(tensors: KVTensors, num_tokens: int, layout: CacheLayout) -> C
 
 
 def check_scales(scales: KVTensors, num_tokens: int, layout: CacheLayout) -> Check | None:
-    """A quantised cache's scales: float32, per key channel [1, heads, 1, head_dim] and per value
-    token [1, heads, tokens, 1], one pair per layer."""
+    """A quantised cache's scales: float32, per key channel within each group of tokens
+    [1, heads, groups, head_dim] and per value token [1, heads, tokens, 1], one pair per layer."""
     if len(scales) != layout.layers:
         return "shape"
+    groups = key_groups(num_tokens)
     for key_scale, value_scale in scales:
-        if (tuple(key_scale.shape) != (1, layout.kv_heads, 1, layout.head_dim)
+        if (tuple(key_scale.shape) != (1, layout.kv_heads, groups, layout.head_dim)
                 or tuple(value_scale.shape) != (1, layout.kv_heads, num_tokens, 1)
                 or key_scale.dtype != torch.float32 or value_scale.dtype != torch.float32):
             return "shape"

@@ -28,7 +28,7 @@ from sessions.encoding import UNREACHABLE, pack_ids, redis_key, unpack_ids
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # 2: checksums carry their kind (xxh3:…); 3: int8 caches with their scales
+FORMAT_VERSION = 4  # 2: checksums carry their kind (xxh3:…); 3: int8 caches with their scales; 4: key scales per group
 PROBE_BYTES = 4 * 2**20
 BACK_OFF_S = 5.0  # after a failure, turns skip the remote tier this long instead of waiting on Redis
 USAGE_EVERY_S = 5.0

@@ -26,7 +26,7 @@ from cache_store.identity import CacheLayout
 from cache_store.integrity import Check, check_finite, check_identity, check_scales, check_tensors, checksum
 from cache_store.lookup import CopyObserver, RemoteCaches
 from cache_store.offload import HostEntry, Offloader, host_nbytes
-from cache_store.quantize import KVDtype
+from cache_store.quantize import GROUP_TOKENS, KVDtype
 from cache_store.remote_tier import RemoteHeader
 from cache_store.segments import SharedSegments, is_segment
 from cache_store.stage_faults import FaultPoints
@@ -94,13 +94,14 @@ class TierMoves:
             return None, decision, ()
         if failed := self.check_host_entry(session_id, host_entry):
             return None, decision, failed
-        if segment is not None and host_entry.token_ids[:segment.num_tokens] == segment.token_ids:
+        if segment is not None and host_entry.token_ids[:segment.num_tokens] == segment.token_ids and \
+                segment.num_tokens % GROUP_TOKENS == 0:  # (a segment is whole units: always on a key group's edge)
+            skip, groups = segment.num_tokens, segment.num_tokens // GROUP_TOKENS
             host_entry = dataclasses.replace(
-                host_entry, tensors=[(k[..., segment.num_tokens:, :], v[..., segment.num_tokens:, :])
-                                     for k, v in host_entry.tensors],
-                scales=None if host_entry.scales is None else [(ks, vs[..., segment.num_tokens:, :])
+                host_entry, tensors=[(k[..., skip:, :], v[..., skip:, :]) for k, v in host_entry.tensors],
+                scales=None if host_entry.scales is None else [(ks[..., groups:, :], vs[..., skip:, :])
                                                                for ks, vs in host_entry.scales],
-                prefix_key=segment.cache.segment_key, prefix_tokens=segment.num_tokens)
+                prefix_key=segment.cache.segment_key, prefix_tokens=skip)
         else:
             segment = None
         entry = self.adopt(session_id, host_entry, "remote", started, segment)
