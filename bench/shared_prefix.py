@@ -8,6 +8,8 @@ in a `git worktree`) in the same run, one after the other, alone on the machine:
   plus each session's own tokens); then eight sessions with eight different short prompts.
 - decode: 16 sessions decoding together: the batch-16 step (ms) and the crowd's tokens/s for shared prompts
   of 25, 500, 1,000, 2,000 and 4,000 tokens (timed in the engine thread on the sessions' real caches).
+- redis: the same 16 sessions with `--remote-kv` on a redis-server of their own: the bytes of their caches in
+  Redis against the distinct keys and values.
 - capacity: sessions per GB of device budget with a 2,000-token shared prompt and 300-token conversations,
   simulated in the arena's allocator (10,000 sessions do not fit this machine).
 
@@ -93,7 +95,45 @@ def worker(measure: str) -> dict:
                                                                           add_generation_prompt=False)),
                                    "step_ms": round(step_ms, 1), "tokens_per_s": round(16 / step_ms * 1000, 1)}
         return result
+    if measure == "redis":
+        return _redis_bytes(loaded, renderer, per_token)
     raise ValueError(measure)
+
+
+def _redis_bytes(loaded, renderer, per_token: int) -> dict:
+    """16 sessions sharing a ~1,000-token policy, one short turn each, with `--remote-kv` on a redis-server of
+    its own: the bytes of their caches in Redis against the distinct keys and values (the policy once plus each
+    session's own tokens)."""
+    import tempfile
+
+    import redis
+
+    from sessions import Message, Session
+    from tests.redis_server import RedisServer
+    from tests.support import run_turn, running_engine
+
+    system = policy(1000, renderer)
+    prompt = len(renderer.render([Message("system", system)], add_generation_prompt=False))
+    with tempfile.TemporaryDirectory() as folder:
+        server = RedisServer(Path(folder))
+        server.start()
+        try:
+            with running_engine(loaded, device_cache_mb=256, verify_sample_rate=0.0, redis_url=server.url,
+                                remote_kv=True) as engine:
+                conversations = []
+                for index in range(16):
+                    session = Session(f"s{index}", system=system)
+                    done, _ = run_turn(engine, session, QUESTIONS[index % len(QUESTIONS)], max_new_tokens=8)
+                    conversations.append(len(done.conversation_ids))
+                    engine.wait_shared(session.session_id, 30)
+            client = redis.Redis.from_url(server.url)
+            held = sum(client.strlen(key) for key in client.scan_iter("chatd:*:kv"))
+            client.close()
+        finally:
+            server.stop()
+    distinct = prompt + sum(conversations) - 16 * prompt
+    return {"sessions": 16, "policy_tokens": prompt, "redis_kv_bytes": held, "distinct_kv_bytes": distinct * per_token,
+            "held_over_distinct": round(held / (distinct * per_token), 3)}
 
 
 def _time_steps(engine, store, session_ids: list[str], steps: int = 12) -> float:

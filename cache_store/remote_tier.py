@@ -28,10 +28,13 @@ from sessions.encoding import UNREACHABLE, pack_ids, redis_key, unpack_ids
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 4  # 2: checksums carry their kind (xxh3:…); 3: int8 caches with their scales; 4: key scales per group
+# 2: checksums carry their kind (xxh3:…); 3: int8 caches with their scales; 4: key scales per group; 5: a cache may
+# hold only its own positions, naming the shared segment it starts with (stored once, under the segment's key)
+FORMAT_VERSION = 5
 PROBE_BYTES = 4 * 2**20
 BACK_OFF_S = 5.0  # after a failure, turns skip the remote tier this long instead of waiting on Redis
 USAGE_EVERY_S = 5.0
+SEGMENTS_REMEMBERED = 10_000  # shared segments this tier remembers writing (beyond: it may write one again)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class RemoteHeader:
     checksum: str
     nbytes: int
     scale_shapes: list[list[int]]  # of a quantised cache's float32 scales (after its int8 tensors), or none
+    prefix_key: str | None = None  # the shared segment its first positions are in (its tensors hold the rest)
+    prefix_tokens: int = 0  # that segment's positions
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -69,6 +74,7 @@ class RemoteTier:
         self._latest: dict[str, HostEntry] = {}
         self._lock = threading.Lock()
         self._unwritten: set[str] = set()  # sessions with a snapshot queued or being written
+        self._segments_written: dict[str, float] = {}  # shared segment -> when this tier last wrote it
         self._written = threading.Condition(self._lock)
         self._writer = threading.Thread(target=self._write_loop, name="chatd-remote-kv", daemon=True)
         self._writer.start()
@@ -85,6 +91,25 @@ class RemoteTier:
             self._redis.delete(key)
         except UNREACHABLE:
             self.errors += 1
+
+    def put_segment(self, key: str, entry: HostEntry) -> None:
+        """Queue a shared segment's copy unless this tier wrote it within half its retention (a segment never
+        changes; the caches that start with it renew its retention as they are written)."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._segments_written.get(key, float("-inf")) + self.ttl_s / 2:
+                return
+            if len(self._segments_written) >= SEGMENTS_REMEMBERED:  # the oldest have expired or soon will
+                for old in sorted(self._segments_written, key=self._segments_written.get)[:SEGMENTS_REMEMBERED // 2]:
+                    del self._segments_written[old]
+            self._segments_written[key] = now
+        self.put(key, entry)
+
+    def holds_segment(self, key: str) -> bool:
+        """Whether this tier wrote the segment within half its retention (so it is still in Redis, unless
+        Redis lost it)."""
+        with self._lock:
+            return time.monotonic() < self._segments_written.get(key, float("-inf")) + self.ttl_s / 2
 
     def put(self, session_id: str, entry: HostEntry) -> None:
         """Queue a snapshot for writing; only the newest snapshot of a session is written."""
@@ -119,7 +144,7 @@ class RemoteTier:
             layout = CacheLayout(**{**stamp["layout"], "dtype": _dtype(stamp["layout"]["dtype"])})
             return RemoteHeader(session_id, Fingerprint(**{**stamp, "layout": layout}), meta["session_version"],
                                 meta["shapes"], _dtype(meta["dtype"]), meta["checksum"], meta["nbytes"],
-                                meta["scale_shapes"])
+                                meta["scale_shapes"], meta["prefix_key"], meta["prefix_tokens"])
         except (KeyError, TypeError, ValueError, AttributeError):
             log.warning("session %s: unreadable remote cache header; deleting it", session_id)
             self.delete(session_id)
@@ -142,6 +167,8 @@ class RemoteTier:
 
     def delete(self, session_id: str) -> None:
         """Best effort: a header left behind is refused later by its version or fingerprint."""
+        with self._lock:
+            self._segments_written.pop(session_id, None)
         if time.monotonic() < self._down_until:
             return
         try:
@@ -205,10 +232,14 @@ class RemoteTier:
         stamp["layout"]["dtype"] = str(entry.fingerprint.layout.dtype)
         meta = {"format": FORMAT_VERSION, "fingerprint": stamp, "session_version": entry.session_version,
                 "shapes": [list(t.shape) for t in tensors], "dtype": str(tensors[0].dtype),
-                "scale_shapes": [list(t.shape) for t in scales], "checksum": entry.checksum, "nbytes": len(blob)}
+                "scale_shapes": [list(t.shape) for t in scales], "checksum": entry.checksum, "nbytes": len(blob),
+                "prefix_key": entry.prefix_key, "prefix_tokens": entry.prefix_tokens}
         started = time.perf_counter()
         self._redis.set(redis_key(session_id, "kv"), blob, ex=self.ttl_s)  # bytes first, then the header
         self._redis.set(redis_key(session_id, "kvmeta"), json.dumps(meta), ex=self.ttl_s)
+        if entry.prefix_key is not None:  # the segment lives as long as a cache that starts with it
+            for part in ("kv", "kvmeta"):
+                self._redis.expire(redis_key(entry.prefix_key, part), self.ttl_s)
         self.throughput.record(len(blob), time.perf_counter() - started)
 
 
@@ -221,7 +252,8 @@ def _deserialize(header: RemoteHeader, blob: bytes) -> HostEntry:
     tensors, offset = _tensors(data, 0, header.shapes, header.dtype)
     scales, _ = _tensors(data, offset, header.scale_shapes, torch.float32)
     return HostEntry(_pairs(tensors), ids, header.fingerprint, header.checksum, header.session_version,
-                     scales=_pairs(scales) if header.scale_shapes else None)
+                     scales=_pairs(scales) if header.scale_shapes else None, prefix_key=header.prefix_key,
+                     prefix_tokens=header.prefix_tokens)
 
 
 def _tensors(data: torch.Tensor, offset: int, shapes: list[list[int]], dtype: torch.dtype

@@ -176,8 +176,7 @@ class CacheStore:
         self.make_room(entry.nbytes())
         self.device.put(session_id, entry, connected=session_id in self.connected)
         if self.remote is not None:
-            snapshot = self.offloader.offload(entry, kv_dtype=self.remote_kv_dtype, whole=True)
-            self.remote.put(session_id, snapshot)  # written in the background
+            self._share(session_id, entry)
         if isinstance(entry.cache, TemporaryCache) or self.device.used_bytes() > self.device.budget_bytes:
             self._moves.offload(session_id)  # longer than the whole arena, or alone larger than the budget
 
@@ -288,13 +287,14 @@ class CacheStore:
     def drop(self, session_id: str) -> None:
         """Drop a session's cache from every tier; its next turn recomputes. Dropping a shared segment drops
         every resident cache that starts with it (a cache that names it in a lower tier finds it again, or
-        recomputes)."""
+        recomputes), and this process's copies of it: its Redis copy, shared by every worker and checked on
+        every fetch, goes only when that copy fails a check."""
         if is_segment(session_id):
             for dependent in self.segments.drop(session_id):
                 self.remember_loss(dependent)
         self.device.pop(session_id)
         self.host.discard(session_id)
-        if self.remote is not None:
+        if self.remote is not None and not is_segment(session_id):
             self.remote.delete(session_id)
 
     def forget(self, session_id: str) -> None:
@@ -404,6 +404,19 @@ class CacheStore:
         self.make_room(self.device.extra_bytes(session_id, entry.nbytes()), keep=holder)
         self.device.put(session_id, entry, connected=session_id in self.connected)
         return CacheLookup("prefix", len(prompt), entry)
+
+    def _share(self, session_id: str, entry: CacheEntry) -> None:
+        """Write the cache to Redis, in the background: its own positions, naming the shared segment it starts
+        with (written there once, exact, as the host tier holds it, under the segment's owner-scoped key), or
+        every position when it starts with none."""
+        prefix = entry.cache.prefix if isinstance(entry.cache, ArenaCache) else None
+        segment = self.device.get(prefix.segment_key) if prefix is not None and prefix.segment_key else None
+        if segment is None:
+            self.remote.put(session_id, self.offloader.offload(entry, kv_dtype=self.remote_kv_dtype, whole=True))
+            return
+        if not self.remote.holds_segment(prefix.segment_key):
+            self.remote.put_segment(prefix.segment_key, self.offloader.offload(segment, whole=True))
+        self.remote.put(session_id, self.offloader.offload(entry, kv_dtype=self.remote_kv_dtype))
 
     def _segment_for(self, prompt_ids: Sequence[int], prefix_len: int, scope: str | None) -> CacheEntry | None:
         """The checked segment holding the prompt's first `prefix_len` ids: the owner's own, or a warm prompt

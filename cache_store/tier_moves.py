@@ -82,10 +82,20 @@ class TierMoves:
     def from_remote(self, session_id: str, header: RemoteHeader, segment: CacheEntry | None
                      ) -> tuple[CacheEntry | None, RemoteDecision, tuple[Check, ...]]:
         """The session's cache from the remote tier, when fetching it is estimated to be faster than
-        recomputing it; it passes every restore check before use. Where `segment` (resident) holds its first
-        positions, the cache starts with it and only the positions after it are copied onto the device."""
+        recomputing it; it passes every restore check before use. A copy that names the shared segment it
+        starts with continues that segment, found here (device or host) or fetched once from Redis (the cost
+        counts only what is fetched). A whole copy whose first positions `segment` (resident) holds starts
+        with it, and only the positions after it are copied onto the device."""
         store = self.store
-        decision = store.cost.decide(header.nbytes, header.fingerprint.num_tokens)
+        fetched_segment = None
+        if header.prefix_key is not None and header.prefix_key not in store.device \
+                and header.prefix_key not in store.host:
+            fetched_segment = store.remote.head(header.prefix_key)
+            if fetched_segment is None:  # gone from Redis: the copy cannot be continued
+                store.remote.delete(session_id)
+                return None, RemoteDecision("recompute", None, None), ()
+        decision = store.cost.decide(header.nbytes + (fetched_segment.nbytes if fetched_segment else 0),
+                                     header.fingerprint.num_tokens)
         if decision.choice == "recompute":
             return None, decision, ()
         started = time.perf_counter()
@@ -94,7 +104,11 @@ class TierMoves:
             return None, decision, ()
         if failed := self.check_host_entry(session_id, host_entry):
             return None, decision, failed
-        if segment is not None and host_entry.token_ids[:segment.num_tokens] == segment.token_ids and \
+        if header.prefix_key is not None:
+            segment, failed = self._remote_segment(header.prefix_key, host_entry, fetched_segment)
+            if failed or segment is None:
+                return None, decision, failed
+        elif segment is not None and host_entry.token_ids[:segment.num_tokens] == segment.token_ids and \
                 segment.num_tokens % GROUP_TOKENS == 0:  # (a segment is whole units: always on a key group's edge)
             skip, groups = segment.num_tokens, segment.num_tokens // GROUP_TOKENS
             host_entry = dataclasses.replace(
@@ -107,6 +121,32 @@ class TierMoves:
         entry = self.adopt(session_id, host_entry, "remote", started, segment)
         store.counters["remote_restores"] += 1
         return entry, decision, ()
+
+    def _remote_segment(self, key: str, host_entry: HostEntry, header: RemoteHeader | None
+                        ) -> tuple[CacheEntry | None, tuple[Check, ...]]:
+        """The shared segment a remote copy starts with: here (device or host, checked), or else fetched from
+        Redis (`header`, when already read) and checked like any cache; one that fails is cleared everywhere,
+        so every cache that starts with it recomputes. None without a failure when it is gone or holds other
+        positions."""
+        store = self.store
+        ids = host_entry.token_ids[:host_entry.prefix_tokens]
+        segment = self.find_segment(key, ids) if header is None else None
+        if segment is None:
+            header = header or store.remote.head(key)
+            segment_copy = store.remote.fetch(header) if header is not None else None
+            if segment_copy is None:
+                return None, ()
+            if failed := self.check_host_entry(key, segment_copy):
+                log.warning("shared segment %s from Redis failed the %s check; cleared", key, ", ".join(failed))
+                store.drop(key)  # (counted once, as the session's corruption, by the caller)
+                store.remote.delete(key)
+                return None, failed
+            segment = self.adopt(key, segment_copy, "remote", time.perf_counter())
+            segment.cache.frozen, segment.cache.segment_key = True, key
+            store.counters["remote_segment_restores"] += 1
+        if segment.token_ids != ids:
+            return None, ()
+        return segment, ()
 
     def restore(self, key: str) -> tuple[CacheEntry | None, tuple[Check, ...]]:
         """Bring a host entry (a session's, or a shared segment's) back to the device once it passes every

@@ -218,8 +218,8 @@ async def test_a_remote_cache_restored_where_its_policy_is_resident_starts_with_
 
 
 async def flip_a_policy_byte(url, session_id, _):
-    """A byte of the first layer's keys at the first positions: inside the policy, which the receiving worker
-    holds itself and does not copy; the blob's checksum still covers it."""
+    """A byte of the first layer's keys of the session's copy (its own positions, after the policy, which is
+    stored once under the policy's key and which the receiving worker holds itself)."""
     client = redis.Redis.from_url(url)
     key = f"chatd:{{{session_id}}}:kv"
     blob = bytearray(await client.get(key))
@@ -241,3 +241,53 @@ async def test_a_damaged_policy_in_redis_or_on_the_receiving_worker_is_caught_an
         tiny, redis_db, damage, source):
     done, _, counters = await policy_conversation(tiny, redis_db, damage)
     assert done.cache.source == source and counters["corrupt_checksum"] == 1
+
+
+async def flip_a_byte_of_the_shared_policy(client: redis.Redis, key: str) -> bytes:
+    blob = bytearray(await client.get(key))
+    blob[-8] ^= 0x01
+    await client.set(key, bytes(blob))
+    return bytes(blob)
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+async def test_sessions_sharing_a_policy_store_it_once_and_another_worker_fetches_it_once(tiny, redis_db, damaged):
+    """Three conversations with one policy on worker A: Redis holds the policy's positions once (each session's
+    copy holds its own positions and names the policy's segment); worker B, which has never seen the policy,
+    fetches it once and continues all three exactly. A corrupted policy in Redis is caught at its first fetch
+    and cleared: every conversation still answers right (recomputed)."""
+    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, shared_prompt_min_tokens=16)
+    async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
+        pairs = []
+        for question in QUESTIONS:
+            session_id = (await on_a.open_session(system=POLICY)).session_id
+            reference_id = (await reference.open_session(system=POLICY)).session_id
+            await (await on_a.chat(session_id, question, max_new_tokens=6)).result()
+            await (await reference.chat(reference_id, question, max_new_tokens=6)).result()
+            await wait_for_remote(redis_db.url, session_id, 1)
+            pairs.append((session_id, reference_id))
+        client = redis.Redis.from_url(redis_db.url)
+        (policy,) = [key async for key in client.scan_iter("chatd:{prefix:*}:kv")]
+        for session_id, _ in pairs:
+            meta = json.loads(await client.get(f"chatd:{{{session_id}}}:kvmeta"))
+            own = meta["fingerprint"]["num_tokens"] - meta["prefix_tokens"]
+            assert meta["prefix_key"] in policy.decode() and meta["shapes"][0][2] == own < 16 + 20
+        damage = await flip_a_byte_of_the_shared_policy(client, policy) if damaged else None
+        worker_b = servers[1].engine
+        worker_b.cache.cost.prefill_tokens_per_s = 1.0  # make worker B fetch (see `conversation`)
+        sources = []
+        for session_id, reference_id in pairs:
+            turn = await on_b.chat(session_id, "And then?", max_new_tokens=6)
+            done = await turn.result()
+            expected = await reference.chat(reference_id, "And then?", max_new_tokens=6)
+            await expected.result()
+            assert turn.deltas == expected.deltas
+            sources.append((done.cache.source, done.cache.miss_reason))
+        counters = worker_b.cache.counters
+        if damaged:
+            assert sources[0] == ("miss", "corrupt") and counters["corrupt_checksum"] == 1
+            # Cleared, then written again by worker B from the policy it recomputed: Redis is healed.
+            assert await client.get(policy) not in (None, damage)
+        else:
+            assert sources == [("remote", None)] * len(pairs) and counters["remote_segment_restores"] == 1
+        await client.aclose()
