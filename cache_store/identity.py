@@ -17,6 +17,11 @@ class CacheLayout:
     head_dim: int
     dtype: torch.dtype
 
+    @property
+    def token_bytes(self) -> int:
+        """The bytes of one position's keys and values over every layer."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+
 
 @dataclass(frozen=True)
 class Fingerprint:

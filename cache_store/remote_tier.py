@@ -93,21 +93,18 @@ class RemoteTier:
             self.errors += 1
 
     def put_segment(self, key: str, entry: HostEntry) -> None:
-        """Queue a shared segment's copy unless this tier wrote it within half its retention (a segment never
-        changes; the caches that start with it renew its retention as they are written)."""
-        now = time.monotonic()
+        """Queue a shared segment's copy, remembered as written (see `holds_segment`)."""
         with self._lock:
-            if now < self._segments_written.get(key, float("-inf")) + self.ttl_s / 2:
-                return
             if len(self._segments_written) >= SEGMENTS_REMEMBERED:  # the oldest have expired or soon will
                 for old in sorted(self._segments_written, key=self._segments_written.get)[:SEGMENTS_REMEMBERED // 2]:
                     del self._segments_written[old]
-            self._segments_written[key] = now
+            self._segments_written[key] = time.monotonic()
         self.put(key, entry)
 
     def holds_segment(self, key: str) -> bool:
-        """Whether this tier wrote the segment within half its retention (so it is still in Redis, unless
-        Redis lost it)."""
+        """Whether this tier wrote the segment within half its retention, so that it need not be written again
+        (a segment never changes, and the caches that start with it renew its retention as they are written;
+        unless Redis lost it, or another worker deleted a copy that failed its checks)."""
         with self._lock:
             return time.monotonic() < self._segments_written.get(key, float("-inf")) + self.ttl_s / 2
 

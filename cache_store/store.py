@@ -343,8 +343,8 @@ class CacheStore:
         device_sessions = [key for key in self.device if not is_segment(key)]
         cached = {*device_sessions, *(key for key in self.host.keys() if not is_segment(key))}
         entries = [self.device.peek(key) for key in self.device]  # sessions' caches and shared segments
-        layer_token_bytes = 2 * self.layout.kv_heads * self.layout.head_dim * self.layout.dtype.itemsize
-        token_bytes = self.layout.layers * layer_token_bytes
+        layer_token_bytes = self.layout.token_bytes // self.layout.layers
+        token_bytes = self.layout.token_bytes
         shared = self.segments.stats()
         stats = {
             "device_bytes": self.device.used_bytes(), "device_budget_bytes": self.device.budget_bytes,
@@ -410,13 +410,15 @@ class CacheStore:
         with (written there once, exact, as the host tier holds it, under the segment's owner-scoped key), or
         every position when it starts with none."""
         prefix = entry.cache.prefix if isinstance(entry.cache, ArenaCache) else None
-        segment = self.device.get(prefix.segment_key) if prefix is not None and prefix.segment_key else None
+        segment = self.device.peek(prefix.segment_key) if prefix is not None and prefix.segment_key else None
         if segment is None:
             self.remote.put(session_id, self.offloader.offload(entry, kv_dtype=self.remote_kv_dtype, whole=True))
             return
         if not self.remote.holds_segment(prefix.segment_key):
             self.remote.put_segment(prefix.segment_key, self.offloader.offload(segment, whole=True))
+            self.counters["remote_segment_writes"] += 1
         self.remote.put(session_id, self.offloader.offload(entry, kv_dtype=self.remote_kv_dtype))
+        self.counters["remote_shared_bytes_skipped"] += entry.prefix_tokens * self.layout.token_bytes
 
     def _segment_for(self, prompt_ids: Sequence[int], prefix_len: int, scope: str | None) -> CacheEntry | None:
         """The checked segment holding the prompt's first `prefix_len` ids: the owner's own, or a warm prompt

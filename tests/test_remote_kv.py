@@ -3,6 +3,8 @@ and passes every check; damaged blobs are caught and recomputed; the cost model 
 
 import asyncio
 import json
+import re
+import urllib.request
 
 import pytest
 import redis.asyncio as redis
@@ -290,4 +292,9 @@ async def test_sessions_sharing_a_policy_store_it_once_and_another_worker_fetche
             assert await client.get(policy) not in (None, damage)
         else:
             assert sources == [("remote", None)] * len(pairs) and counters["remote_segment_restores"] == 1
+            writer = servers[0].engine.cache.counters
+            assert writer["remote_segment_writes"] == 1 and writer["remote_shared_bytes_skipped"] > 0
+            metrics = await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{servers[1].port}/metrics")
+            assert re.search(r'chatd:kv_shared_segment_restores_total\{model_name="[^"]+",tier="remote"\} 1\.0',
+                             metrics.read().decode())
         await client.aclose()

@@ -264,4 +264,16 @@ def _segment_families(live: LiveState, name: list[str], label: list[str]):
     kinds = (("held", "device_bytes"), ("distinct", "device_kv_bytes"), ("private", "device_private_kv_bytes"))
     for kind, key in kinds:
         device.add_metric([*name, kind], live.cache.get(key, 0))
-    return segments, sessions, device
+    restores = CounterMetricFamily("chatd:kv_shared_segment_restores", "Shared segments brought back to the "
+                                   "device: from the host tier, or fetched from Redis (once, then held here).",
+                                   labels=[*label, "tier"])
+    for tier, key in (("host", "segment_restores"), ("remote", "remote_segment_restores")):
+        restores.add_metric([*name, tier], live.cache.get(key, 0))
+    remote_writes = CounterMetricFamily("chatd:kv_remote_segment_writes", "Shared segments written to Redis (once; "
+                                        "the caches that start with them renew their retention).", labels=label)
+    remote_writes.add_metric(name, live.cache.get("remote_segment_writes", 0))
+    skipped = CounterMetricFamily("chatd:kv_remote_shared_bytes_skipped", "Bytes of shared segments' keys and "
+                                  "values that caches written to Redis did not carry (stored there once).",
+                                  labels=label)
+    skipped.add_metric(name, live.cache.get("remote_shared_bytes_skipped", 0))
+    return segments, sessions, device, restores, remote_writes, skipped
