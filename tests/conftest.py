@@ -3,9 +3,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 
+from chatd.api.server import ChatServer
+from chatd.config import Settings
 from chatd.model.loader import LoadedModel, converted_checkpoint, default_cache_dir, load_model
 from tests.redis_server import DATABASES, RedisDatabase, RedisServer
 from tests.support import tiny_model
@@ -53,6 +56,23 @@ def tiny_checkpoint(tiny, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2(model_cache_dir) -> LoadedModel:
     return load_model("smollm2-135m", device="cpu", dtype="float32", cache_dir=model_cache_dir)
+
+
+@pytest.fixture
+async def openai_pair(smollm2) -> tuple[openai.AsyncOpenAI, openai.AsyncOpenAI]:
+    """SmolLM2 served with and without the session cache, an `openai` client on each (closed on the test's
+    event loop): (client, uncached)."""
+    async with ChatServer(Settings(port=0), load=lambda: smollm2) as server, \
+            ChatServer(Settings(port=0, session_cache=False), load=lambda: smollm2) as uncached:
+        await server.wait_ready()
+        await uncached.wait_ready()
+        async with openai_client(server) as client, openai_client(uncached) as reference:
+            yield client, reference
+
+
+def openai_client(server: ChatServer) -> openai.AsyncOpenAI:
+    """An `openai` client of `server`, which fails at once rather than retrying."""
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="session")

@@ -15,9 +15,7 @@ import openai
 import pytest
 from pydantic import Field
 
-from chatd.api.server import ChatServer
-from chatd.config import Settings
-from tests.test_tools_e2e import LOOKUP, MODEL, SYSTEM, TICKET, client_for
+from tests.test_tools_e2e import LOOKUP, MODEL, SYSTEM, TICKET
 
 TOOLS = [{"type": "function", "name": "lookup_order", "description": "Find an order by its id.",
           "parameters": LOOKUP, "strict": True},
@@ -25,16 +23,6 @@ TOOLS = [{"type": "function", "name": "lookup_order", "description": "Find an or
           "parameters": TICKET, "strict": True}]
 SCHEMAS = {tool["name"]: tool["parameters"] for tool in TOOLS}
 RESULTS = {"lookup_order": {"status": "lost in transit"}, "open_ticket": {"ticket": "T-88"}}
-
-
-@pytest.fixture
-async def servers(smollm2):
-    async with ChatServer(Settings(port=0), load=lambda: smollm2) as server, \
-            ChatServer(Settings(port=0, session_cache=False), load=lambda: smollm2) as uncached:
-        await server.wait_ready()
-        await uncached.wait_ready()
-        async with client_for(server) as client, client_for(uncached) as reference:  # closed on this loop
-            yield client, reference
 
 
 def _outputs(calls) -> list[dict]:
@@ -65,8 +53,8 @@ async def _tool_rounds(client: openai.AsyncOpenAI) -> list:
     return responses
 
 
-async def test_function_calls_continue_by_previous_response_id_reading_the_history_from_the_cache(servers):
-    client, uncached = servers
+async def test_function_calls_continue_by_previous_response_id_reading_the_history_from_the_cache(openai_pair):
+    client, uncached = openai_pair
     rounds, reference = await _tool_rounds(client), await _tool_rounds(uncached)
     for index, (got, expected) in enumerate(zip(rounds, reference, strict=True)):
         assert [(c.name, c.arguments) for c in _calls(got)] == [(c.name, c.arguments) for c in _calls(expected)]
@@ -87,8 +75,8 @@ async def test_function_calls_continue_by_previous_response_id_reading_the_histo
     assert [(item.type, item.call_id) for item in items] == [("function_call_output", _calls(rounds[0])[0].call_id)]
 
 
-async def test_streamed_calls_send_argument_events_and_a_conversation_takes_their_outputs(servers):
-    client, _ = servers
+async def test_streamed_calls_send_argument_events_and_a_conversation_takes_their_outputs(openai_pair):
+    client, _ = openai_pair
     question = "Where is order NW-1010?"
     whole = await client.responses.create(model=MODEL, instructions=SYSTEM, input=question, tools=TOOLS,
                                           tool_choice="required", parallel_tool_calls=False, max_output_tokens=64,
@@ -119,8 +107,8 @@ async def test_streamed_calls_send_argument_events_and_a_conversation_takes_thei
     assert items[2].call_id == items[3].call_id == call.call_id
 
 
-async def test_text_format_json_schema_replies_are_valid_and_bad_tool_input_is_refused(servers):
-    client, _ = servers
+async def test_text_format_json_schema_replies_are_valid_and_bad_tool_input_is_refused(openai_pair):
+    client, _ = openai_pair
     for question in ["My router blinks red.", "I was charged twice in May."]:
         response = await client.responses.create(
             model=MODEL, instructions="File the customer's problem as a ticket, in JSON.", input=question,
@@ -188,8 +176,8 @@ async def _support_agent(client: openai.AsyncOpenAI) -> list:
 
 
 @pytest.mark.timeout(300)
-async def test_the_agents_sdk_runs_a_support_agent_with_two_tools_over_several_turns(servers):
-    client, uncached = servers
+async def test_the_agents_sdk_runs_a_support_agent_with_two_tools_over_several_turns(openai_pair):
+    client, uncached = openai_pair
     first, second, called = await _support_agent(client)
     *reference, reference_calls = await _support_agent(uncached)
     assert called == reference_calls and {name for name, _ in called} <= {"lookup_order", "open_ticket"}

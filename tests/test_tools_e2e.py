@@ -12,9 +12,6 @@ import jsonschema
 import openai
 import pytest
 
-from chatd.api.server import ChatServer
-from chatd.config import Settings
-
 MODEL = "smollm2-135m"
 SYSTEM = "You are the support assistant of Northwind Telecom. Use the tools to look things up."
 LOOKUP = {"type": "object", "properties": {"order_id": {"type": "string", "pattern": "^NW-[0-9]{4}$"}},
@@ -28,20 +25,6 @@ TOOLS = [{"type": "function", "function": {"name": "lookup_order", "description"
          {"type": "function", "function": {"name": "open_ticket", "description": "Open a support ticket.",
                                            "parameters": TICKET, "strict": True}}]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
-
-
-def client_for(server: ChatServer) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-async def servers(smollm2):
-    async with ChatServer(Settings(port=0), load=lambda: smollm2) as server, \
-            ChatServer(Settings(port=0, session_cache=False), load=lambda: smollm2) as uncached:
-        await server.wait_ready()
-        await uncached.wait_ready()
-        async with client_for(server) as client, client_for(uncached) as reference:  # closed on this loop
-            yield client, reference
 
 
 async def _agent_loop(client: openai.AsyncOpenAI) -> list:
@@ -62,8 +45,8 @@ async def _agent_loop(client: openai.AsyncOpenAI) -> list:
     return completions
 
 
-async def test_an_agent_loop_calls_valid_functions_and_each_round_prefills_only_the_tool_results(servers):
-    client, uncached = servers
+async def test_an_agent_loop_calls_valid_functions_and_each_round_prefills_only_the_tool_results(openai_pair):
+    client, uncached = openai_pair
     rounds, reference = await _agent_loop(client), await _agent_loop(uncached)
     for index, (got, expected) in enumerate(zip(rounds, reference, strict=True)):
         message = got.choices[0].message
@@ -88,8 +71,8 @@ async def test_an_agent_loop_calls_valid_functions_and_each_round_prefills_only_
     assert rounds[1].choices[0].message.tool_calls[0].function.name == "open_ticket"
 
 
-async def test_streamed_calls_assemble_as_the_sdk_reads_them(servers):
-    client, _ = servers
+async def test_streamed_calls_assemble_as_the_sdk_reads_them(openai_pair):
+    client, _ = openai_pair
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is order NW-1010?"}]
     whole = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
                                                  tool_choice="required", max_tokens=64, temperature=0)
@@ -103,8 +86,8 @@ async def test_streamed_calls_assemble_as_the_sdk_reads_them(servers):
         [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
 
 
-async def test_json_schema_replies_are_valid_for_their_schema(servers):
-    client, _ = servers
+async def test_json_schema_replies_are_valid_for_their_schema(openai_pair):
+    client, _ = openai_pair
     for index, question in enumerate(["My router blinks red.", "I was charged twice in May.",
                                       "The phone I bought has a cracked screen."]):
         completion = await client.chat.completions.create(
@@ -122,8 +105,8 @@ async def test_json_schema_replies_are_valid_for_their_schema(servers):
     assert content.startswith("{") and (finish == "length" or isinstance(json.loads(content), dict)), (finish, content)
 
 
-async def test_bad_tool_input_is_a_400_naming_the_parameter_before_any_model_work(servers):
-    client, _ = servers
+async def test_bad_tool_input_is_a_400_naming_the_parameter_before_any_model_work(openai_pair):
+    client, _ = openai_pair
     user = [{"role": "user", "content": "Hi"}]
     orphan = [*user, {"role": "assistant", "content": "Let me look."},
               {"role": "tool", "tool_call_id": "call_nobody", "content": "{}"}]
@@ -151,12 +134,12 @@ async def test_bad_tool_input_is_a_400_naming_the_parameter_before_any_model_wor
         "the server goes on serving"
 
 
-async def test_langchain_binds_tools_and_returns_structured_output(servers, smollm2):
+async def test_langchain_binds_tools_and_returns_structured_output(openai_pair, smollm2):
     from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
     from langchain_openai import ChatOpenAI
     from pydantic import BaseModel, Field
 
-    client, _ = servers
+    client, _ = openai_pair
     chat = ChatOpenAI(model=MODEL, base_url=str(client.base_url), api_key="unused", temperature=0, max_tokens=128)
 
     class OpenTicket(BaseModel):
