@@ -298,3 +298,23 @@ async def test_sessions_sharing_a_policy_store_it_once_and_another_worker_fetche
             assert re.search(r'chatd:kv_shared_segment_restores_total\{model_name="[^"]+",tier="remote"\} 1\.0',
                              metrics.read().decode())
         await client.aclose()
+
+
+async def test_two_keys_with_the_same_policy_never_share_its_copy_in_redis(tiny, redis_db):
+    """A shared segment is scoped to its owner in Redis too: the same policy under two API keys is two segments,
+    and each session's copy names its own key's."""
+    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, shared_prompt_min_tokens=16,
+                        api_key=["key-a", "key-b"])
+    async with ChatServer(settings, load=lambda: tiny) as server:
+        await server.wait_ready()
+        named = {}
+        for key in ("key-a", "key-b"):
+            async with await ChatClient.connect(server.url, api_key=key) as client:
+                session_id = (await client.open_session(system=POLICY)).session_id
+                await (await client.chat(session_id, QUESTIONS[0], max_new_tokens=4)).result()
+            await wait_for_remote(redis_db.url, session_id, 1)
+            client = redis.Redis.from_url(redis_db.url)
+            named[key] = json.loads(await client.get(f"chatd:{{{session_id}}}:kvmeta"))["prefix_key"]
+            policies = {key async for key in client.scan_iter("chatd:{prefix:*}:kv")}
+            await client.aclose()
+        assert named["key-a"] != named["key-b"] and len(policies) == 2
