@@ -48,19 +48,22 @@ class HostTier:
             dropped.append(oldest)
         return dropped, True
 
-    def put(self, key: str, entry: HostEntry) -> None:
-        """Keep `entry`, whose buffer came from `pool` after `make_room`."""
-        if (previous := self.pop(key)) is not None:
+    def put(self, key: str, entry: HostEntry, first_to_go: bool = False) -> None:
+        """Keep `entry`, whose buffer came from `pool` after `make_room` (a copy it continues stays);
+        `first_to_go`: dropped before every other entry (a copy of a cache that is also on the device)."""
+        if (previous := self.pop(key)) is not None and previous is not entry.base and previous is not entry:
             self.release(previous)
         self._entries[key] = entry
+        self._entries.move_to_end(key, last=not first_to_go)
         self._put_at[key] = self._clock()
 
     def release(self, entry: HostEntry, copied: torch.cuda.Event | None = None) -> None:
-        """An entry taken out with `pop` is no longer needed: its buffer is free for reuse once the copy
-        that `copied` marks has completed."""
-        if entry.buffer is not None:
-            self.pool.give(entry.buffer, copied)
-            entry.buffer = None
+        """An entry taken out with `pop` is no longer needed: its buffers (the copies it continues included) are
+        free for reuse once the copy that `copied` (or a restore still reading them) marks has completed."""
+        for piece in entry.pieces():
+            if piece.buffer is not None:
+                self.pool.give(piece.buffer, copied or piece.restoring)
+                piece.buffer = None
 
     def get(self, key: str) -> HostEntry | None:
         return self._entries.get(key)
@@ -86,7 +89,8 @@ class HostTier:
         return self._put_at[key]
 
     def used_bytes(self) -> int:
-        return self.pool.held_bytes + sum(e.nbytes for e in self._entries.values() if e.buffer is None)
+        return self.pool.held_bytes + sum(piece.nbytes for entry in self._entries.values()
+                                          for piece in entry.pieces() if piece.buffer is None)
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries

@@ -27,7 +27,10 @@ from cache_store.quantize import KVDtype, dequantize, quantize, quantized_nbytes
 class HostEntry:
     """A cache in host memory: its tensors, its token ids, its fingerprint and the checksum of its
     bytes. `buffer` is the pool buffer the tensors are views of (None when they own their memory).
-    A quantised entry holds int8 `tensors` and their `scales`; its checksum covers both."""
+    A quantised entry holds int8 `tensors` and their `scales`; its checksum covers both. An entry may
+    continue an earlier copy of the same cache (`base`, kept in host memory since that copy was restored):
+    its tensors then hold only the positions after the base's, so an offload copies only the turns added
+    since, and int8 positions are quantised once."""
 
     tensors: KVTensors
     token_ids: list[int]
@@ -38,11 +41,17 @@ class HostEntry:
     scales: KVTensors | None = None
     prefix_key: str | None = None  # the shared segment it starts with (its tensors hold what comes after it)
     prefix_tokens: int = 0  # that segment's positions
+    base: HostEntry | None = None  # the earlier copy it continues (its tensors hold what comes after the base's)
+    restoring: torch.cuda.Event | None = None  # a restore still reading its buffer (CUDA), until this event
 
     @property
     def own_tokens(self) -> int:
         """The positions its tensors hold."""
-        return len(self.token_ids) - self.prefix_tokens
+        return len(self.token_ids) - (len(self.base.token_ids) if self.base is not None else self.prefix_tokens)
+
+    def pieces(self) -> list[HostEntry]:
+        """Its chain of copies, the oldest first: together they hold every position after the segment."""
+        return [*(self.base.pieces() if self.base is not None else []), self]
 
     @property
     def stored(self) -> KVTensors:
@@ -56,11 +65,10 @@ class HostEntry:
 
     @property
     def device_nbytes(self) -> int:
-        """The bytes of its keys and values once restored in `dtype`."""
-        if self.scales is None:
-            return self.nbytes
+        """The bytes of its keys and values, its base's included, once restored in `dtype`."""
         element = self.fingerprint.layout.dtype.itemsize if self.fingerprint else 4
-        return sum(k.numel() + v.numel() for k, v in self.tensors) * element
+        return sum((piece.nbytes if piece.scales is None else
+                    sum(k.numel() + v.numel() for k, v in piece.tensors) * element) for piece in self.pieces())
 
     @property
     def held_bytes(self) -> int:
@@ -73,9 +81,10 @@ def kv_nbytes(entry: CacheEntry) -> int:
     return sum(k.nbytes + v.nbytes for k, v in entry.tensors())
 
 
-def host_nbytes(entry: CacheEntry, kv_dtype: KVDtype) -> int:
-    """The bytes an offload of `entry` stores in `kv_dtype`."""
-    return kv_nbytes(entry) if kv_dtype == "same" else quantized_nbytes(entry.tensors())
+def host_nbytes(entry: CacheEntry, kv_dtype: KVDtype, start: int = 0) -> int:
+    """The bytes an offload of `entry`'s own positions from `start` on stores in `kv_dtype`."""
+    tensors = _from(entry.tensors(), start)
+    return sum(k.nbytes + v.nbytes for k, v in tensors) if kv_dtype == "same" else quantized_nbytes(tensors)
 
 
 class Offloader:
@@ -90,13 +99,17 @@ class Offloader:
         return self._stream is not None
 
     def offload(self, entry: CacheEntry, buffer: torch.Tensor | None = None, kv_dtype: KVDtype = "same",
-                whole: bool = False) -> HostEntry:
+                whole: bool = False, base: HostEntry | None = None) -> HostEntry:
         """Copy the entry to host memory, in `kv_dtype` (int8: quantised on the device, so that only the
         int8 bytes cross to the host): into views of `buffer` (from the pool), or new tensors. Its own keys and
-        values, naming the shared segment it starts with; `whole`: every position, a copy that stands alone."""
+        values, naming the shared segment it starts with; `whole`: every position, a copy that stands alone;
+        `base`: an earlier host copy of its first positions, which the new copy continues (only the positions
+        after it are copied)."""
         scales = None
         chained = isinstance(entry.cache, ArenaCache) and entry.cache.prefix is not None
         sources = chain.full_tensors(entry.cache) if whole and chained else entry.tensors()
+        if base is not None:
+            sources = _from(sources, len(base.token_ids) - entry.prefix_tokens)
         if kv_dtype == "int8":
             sources, scales = quantize(sources)
             sources = [*sources, *scales]
@@ -121,21 +134,24 @@ class Offloader:
             stamp = dataclasses.replace(stamp, quantized="int8") if stamp is not None else None
         own = chained and not whole
         return HostEntry(targets, list(entry.token_ids), stamp, digest, entry.session_version, buffer, scales,
-                         entry.cache.prefix.segment_key if own else None, entry.prefix_tokens if own else 0)
+                         entry.cache.prefix.segment_key if own else None, entry.prefix_tokens if own else 0, base)
 
     def restore(self, host: HostEntry, new_cache: NewCache, prefix: ArenaCache | None = None
                 ) -> tuple[CacheEntry, torch.cuda.Event | None]:
         """The host entry as a device cache (starting with the resident segment `prefix`, which holds the
         positions before its own), and the event after which its host memory may be reused (None: at once)."""
-        copied = None
-        if self._stream is None:
-            tensors = [(k.clone(), v.clone()) for k, v in host.tensors] if host.scales is None else host.tensors
-            scales = host.scales
-        else:
-            moved, copied = self._to_device(host.stored)
-            tensors, scales = moved[:len(host.tensors)], moved[len(host.tensors):] or None
-        if scales is not None:
-            tensors = dequantize(tensors, scales, host.fingerprint.layout.dtype)
+        copied, parts = None, []
+        for piece in host.pieces():
+            if self._stream is None:
+                tensors = [(k.clone(), v.clone()) for k, v in piece.tensors] if piece.scales is None else piece.tensors
+                scales = piece.scales
+            else:
+                moved, copied = self._to_device(piece.stored)
+                tensors, scales = moved[:len(piece.tensors)], moved[len(piece.tensors):] or None
+            parts.append(dequantize(tensors, scales, host.fingerprint.layout.dtype) if scales is not None else tensors)
+        tensors = parts[0] if len(parts) == 1 else [
+            (torch.cat([part[layer][0] for part in parts], dim=2), torch.cat([part[layer][1] for part in parts], dim=2))
+            for layer in range(len(parts[0]))]
         entry = entry_from_tensors(new_cache, tensors, host.token_ids, host.fingerprint, prefix=prefix)
         entry.session_version = host.session_version
         return entry, copied
@@ -152,6 +168,11 @@ class Offloader:
             keys.record_stream(compute)
             values.record_stream(compute)
         return tensors, restored
+
+
+def _from(tensors: KVTensors, start: int) -> KVTensors:
+    """The positions from `start` on."""
+    return tensors if start == 0 else [(k[..., start:, :], v[..., start:, :]) for k, v in tensors]
 
 
 def _views(buffer: torch.Tensor, like: KVTensors) -> KVTensors:

@@ -156,6 +156,8 @@ class CacheStore:
             return CacheLookup("miss", 0, miss_reason="drift")
         entry.crop(reusable)
         entry.checksum = None  # the turn changes it; write-back takes a new one
+        if (kept := self.host.get(session_id)) is not None and len(kept.token_ids) > reusable:
+            self.host.discard(session_id)  # positions it holds are computed again: its next offload is whole
         return CacheLookup(source, reusable, entry, remote=decision)
 
     def put(self, session_id: str, entry: CacheEntry, session_version: int = 0) -> None:

@@ -17,7 +17,7 @@ from typing import Literal, Protocol
 import torch
 
 import cache_store.chain as chain
-from cache_store.arena import ArenaFull
+from cache_store.arena import ArenaCache, ArenaFull
 from cache_store.cost_model import CostModel, RemoteDecision
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry, NewCache
@@ -176,22 +176,29 @@ class TierMoves:
         if is_segment(key):
             entry.cache.frozen, entry.cache.segment_key = True, key
             store.host.touch(key)
+        else:  # kept, first to go: the session's next offload copies only what its turns add to it
+            store.host.put(key, host_entry, first_to_go=True)
         store.counters["segment_restores" if is_segment(key) else "restores"] += 1
         return entry, ()
 
     def check_host_entry(self, owner: str, host_entry: HostEntry) -> tuple[Check, ...]:
         """Identity, shapes, the checksum of every stored byte (scales included), values finite (for a
-        quantised entry: its scales, since int8 cannot be NaN)."""
+        quantised entry: its scales, since int8 cannot be NaN); for each copy it continues too."""
+        for piece in host_entry.pieces():
+            if failed := self._check_piece(owner, piece):
+                return (failed,)
+        return ()
+
+    def _check_piece(self, owner: str, host_entry: HostEntry) -> Check | None:
         store = self.store
         tokens, quantized = host_entry.own_tokens, host_entry.scales is not None
         stored_layout = dataclasses.replace(store.layout, dtype=torch.int8) if quantized else store.layout
-        failed = (check_identity(host_entry.fingerprint, store.model_key, owner, host_entry.token_ids, store.layout)
-                  or (quantized and host_entry.fingerprint.quantized != "int8" and "fingerprint")
-                  or check_tensors(host_entry.tensors, tokens, stored_layout)
-                  or (quantized and check_scales(host_entry.scales, tokens, store.layout))
-                  or (checksum(host_entry.stored) != host_entry.checksum and "checksum")
-                  or check_finite(host_entry.scales if quantized else host_entry.tensors))
-        return (failed,) if failed else ()
+        return (check_identity(host_entry.fingerprint, store.model_key, owner, host_entry.token_ids, store.layout)
+                or (quantized and host_entry.fingerprint.quantized != "int8" and "fingerprint")
+                or check_tensors(host_entry.tensors, tokens, stored_layout)
+                or (quantized and check_scales(host_entry.scales, tokens, store.layout))
+                or (checksum(host_entry.stored) != host_entry.checksum and "checksum")
+                or check_finite(host_entry.scales if quantized else host_entry.tensors))
 
     def adopt(self, session_id: str, host_entry: HostEntry, tier: Literal["host", "remote"],
                started: float, segment: CacheEntry | None = None) -> CacheEntry:
@@ -207,11 +214,13 @@ class TierMoves:
             store.make_room(store.device.extra_bytes(session_id, host_entry.device_nbytes), keep=keep)
         copy_started = time.perf_counter()
         entry, copied = store.offloader.restore(host_entry, store.new_cache, segment.cache if segment else None)
-        if not (tier == "host" and is_segment(session_id)):  # (a segment's host copy stays: see _restore)
-            store.host.release(host_entry, copied)
+        for piece in host_entry.pieces():  # (a host copy stays: see `restore`)
+            piece.restoring = copied
         # The checksum verified on the host is the device's when both are read the same way (on a CPU, at
-        # full precision); a GPU reads the device copy with its own kind, and a dequantised copy is new bytes.
-        same_bytes = entry.tensors()[0][0].device.type == "cpu" and host_entry.scales is None
+        # full precision, one copy); a GPU reads the device copy with its own kind, and a dequantised copy or a
+        # chain of copies is new bytes.
+        same_bytes = entry.tensors()[0][0].device.type == "cpu" and host_entry.scales is None \
+            and host_entry.base is None
         remote_sliced = tier == "remote" and segment is not None
         entry.checksum = host_entry.checksum if same_bytes and not remote_sliced else checksum(entry.tensors())
         store.device.put(session_id, entry, connected=session_id in store.connected)
@@ -225,32 +234,48 @@ class TierMoves:
         entry = store.device.pop(session_id)
         store.counters["segment_offloads" if is_segment(session_id) else "device_evictions"] += 1
         kv_dtype = "same" if is_segment(session_id) else store.host_kv_dtype  # a segment is held once: exact
+        base = None if is_segment(session_id) else store.host.pop(session_id)  # kept from its restore
+        if base is not None and not _continued_by(base, entry, kv_dtype):
+            store.host.release(base)
+            base = None
+        start = len(base.token_ids) - entry.prefix_tokens if base is not None else 0
         started = time.perf_counter()
+        if base is not None and start == entry.own_tokens:  # nothing added since it was restored
+            store.host.put(session_id, base)
+            store.counters["host_offload_bytes_skipped"] += base.device_nbytes
+            store.on_copy("offload", "host", time.perf_counter() - started)
+            return
         buffer = None
         try:
             store.faults.check("offload", session_id)
-            need = host_nbytes(entry, kv_dtype)
+            need = host_nbytes(entry, kv_dtype, start)
             dropped, fits = store.host.make_room(need)
             for key in dropped:
                 store.remember_loss(key)
                 store.counters["host_evictions"] += 1
             if not fits:
+                if base is not None:
+                    store.host.release(base)
                 store.remember_loss(session_id)
                 store.counters["host_evictions"] += 1
                 return
             buffer = store.host.pool.take(need)
-            host_entry = store.offloader.offload(entry, buffer, kv_dtype)
+            host_entry = store.offloader.offload(entry, buffer, kv_dtype, base=base)
         except Exception:
             log.exception("offloading session %s's cache failed; it is dropped and its next turn recomputes",
                           session_id)
             if buffer is not None:
                 store.host.pool.give(buffer)
+            if base is not None:
+                store.host.release(base)
             store.faults.disarm(session_id)
             store.counters["offload_failures"] += 1
             store.drop(session_id)
             store.remember_loss(session_id)
             return
         store.on_copy("offload", "host", time.perf_counter() - started)
+        store.counters["host_offload_bytes"] += need
+        store.counters["host_offload_bytes_skipped"] += base.device_nbytes if base is not None else 0
         if not _left_intact(entry, host_entry):  # changed while resident: never launder it into the host tier
             store.host.release(host_entry)
             store.report_corruption(session_id, ("checksum",))
@@ -258,10 +283,23 @@ class TierMoves:
         store.host.put(session_id, host_entry)
 
 
+def _continued_by(base: HostEntry, entry: CacheEntry, kv_dtype: KVDtype) -> bool:
+    """Whether `entry` (resident) continues the host copy `base` it was restored from: the same owner, segment,
+    first positions and storage, so that an offload may copy only the positions after it."""
+    prefix = entry.cache.prefix if isinstance(entry.cache, ArenaCache) else None
+    return (base.fingerprint is not None and entry.fingerprint is not None
+            and base.fingerprint.owner == entry.fingerprint.owner
+            and base.prefix_key == (prefix.segment_key if prefix is not None else None)
+            and base.prefix_tokens == entry.prefix_tokens and len(base.token_ids) <= entry.num_tokens
+            and entry.token_ids[:len(base.token_ids)] == base.token_ids
+            and all((piece.scales is not None) == (kv_dtype == "int8") for piece in base.pieces()))
+
+
 def _left_intact(entry: CacheEntry, host_entry: HostEntry) -> bool:
     """Whether the cache reached the host with the bytes it was written back with."""
     if entry.checksum is None:
         return True
-    if host_entry.scales is None and entry.checksum.split(":")[0] == host_entry.checksum.split(":")[0]:
+    if host_entry.base is None and host_entry.scales is None and \
+            entry.checksum.split(":")[0] == host_entry.checksum.split(":")[0]:
         return host_entry.checksum == entry.checksum  # read the same way: the copy's checksum says it
     return checksum(entry.tensors()) == entry.checksum

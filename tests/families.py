@@ -115,19 +115,25 @@ class Int8Reference:
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
         self.cache: DynamicCache | None = None  # every layer keeps every token, as the arena does
+        self.kept = 0  # positions a host copy kept from the last restore holds (0: none)
 
     def reply(self, prompt_ids: Sequence[int], cached_tokens: int, max_new_tokens: int, exact: int = 0) -> list[int]:
         """`exact`: the leading positions held by a shared segment, which the host tier keeps exact (it is held
-        once); the session's own positions after them are quantised on their own."""
+        once); the session's own positions after them are quantised on their own, each only once: an offload
+        continues the host copy its cache was restored from (quantising only the positions after it) unless the
+        turn recomputed some of that copy's positions."""
         cache = DynamicCache()
         if self.cache is not None and cached_tokens:
-            layers = [(layer.keys[:, :, exact:], layer.values[:, :, exact:]) for layer in self.cache.layers]
+            start = self.kept or exact
+            layers = [(layer.keys[:, :, start:], layer.values[:, :, start:]) for layer in self.cache.layers]
             quantized, scales = quantize(layers)
             for index, (keys, values) in enumerate(dequantize(quantized, scales, self.loaded.model.dtype)):
                 layer = self.cache.layers[index]
-                keys = torch.cat([layer.keys[:, :, :exact], keys], dim=2)
-                values = torch.cat([layer.values[:, :, :exact], values], dim=2)
+                keys = torch.cat([layer.keys[:, :, :start], keys], dim=2)
+                values = torch.cat([layer.values[:, :, :start], values], dim=2)
                 cache.update(keys[:, :, :cached_tokens], values[:, :, :cached_tokens], index)
+            length = self.cache.get_seq_length()
+            self.kept = length if cached_tokens >= length else 0
         reply = reference_reply(self.loaded, prompt_ids, max_new_tokens, cache)
         self.cache = cache
         return reply

