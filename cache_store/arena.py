@@ -325,15 +325,25 @@ class ArenaCache(Cache):
         """Copy its own keys and values `[1, heads, tokens, head_dim]` per layer (those after its chain; never
         views of another arena cache: see `chain.start_from`) into a region of their own, with room for `room`
         positions (the chain included)."""
-        tokens = max((keys.shape[-2] for keys, _ in tensors), default=0)
+        self.load_parts([tensors], room)
+
+    def load_parts(self, parts: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], room: int = 0) -> None:
+        """`load` for keys and values given as consecutive parts (a chain of host copies): each copied once,
+        straight into its place in the region."""
+        layers = min(len(self.layers), *(len(part) for part in parts))
+        tokens = max((sum(part[index][0].shape[-2] for part in parts) for index in range(layers)), default=0)
         self.reserve(max(self.offset + tokens, room, self.offset + 1))
         start = self.region.start
-        for layer, keys_buffer, values_buffer, (keys, values) in zip(
-                self.layers, self.arena.keys, self.arena.values, tensors, strict=False):
-            length = keys.shape[-2]
-            keys_buffer[:, start:start + length] = keys[0]
-            values_buffer[:, start:start + length] = values[0]
-            layer.length = length
+        for index, (layer, keys_buffer, values_buffer) in enumerate(
+                zip(self.layers[:layers], self.arena.keys, self.arena.values, strict=False)):
+            position = start
+            for part in parts:
+                keys, values = part[index]
+                length = keys.shape[-2]
+                keys_buffer[:, position:position + length] = keys[0]
+                values_buffer[:, position:position + length] = values[0]
+                position += length
+            layer.length = position - start
 
     def nbytes(self) -> int:
         """The bytes its own region holds in the arena (a shared segment's are counted once, as its own)."""

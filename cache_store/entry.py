@@ -113,21 +113,27 @@ class CacheEntry:
                                owned=True).cache
 
 
-def entry_from_tensors(new_cache: NewCache, tensors: KVTensors, token_ids: list[int],
-                       fingerprint: Fingerprint | None = None, owned: bool = True,
-                       prefix: ArenaCache | None = None) -> CacheEntry:
-    """Existing key/value tensors (never views of an arena cache: see `CacheEntry.clone`) as a cache: copied
-    into a region of the arena, or taken by a `DynamicCache` as they are (copied first unless they are
-    `owned`). With a `prefix` (a segment holding the positions before them) the cache starts with it; outside
-    the arena the segment's keys and values are copied in front."""
+def entry_from_parts(new_cache: NewCache, parts: list[KVTensors], token_ids: list[int],
+                     fingerprint: Fingerprint | None = None, owned: bool = True,
+                     prefix: ArenaCache | None = None) -> CacheEntry:
+    """Existing key/value tensors (never views of an arena cache: see `CacheEntry.clone`), given as consecutive
+    parts (a chain of host copies; often one), as a cache: each part copied once into its place in a region of
+    the arena, or taken by a `DynamicCache` (joined, or as they are: copied first unless they are `owned`).
+    With a `prefix` (a segment holding the positions before them) the cache starts with it; outside the arena
+    the segment's keys and values are copied in front."""
     cache = new_cache(len(token_ids))
-    if prefix is not None and isinstance(cache, ArenaCache):
-        chain.attach(cache, prefix)
-    elif prefix is not None:
-        tensors = [(torch.cat([k0, k], dim=2), torch.cat([v0, v], dim=2))
-                   for (k0, v0), (k, v) in zip(chain.full_tensors(prefix), tensors, strict=True)]
-        owned = True
-    return _fill(cache, tensors, token_ids, fingerprint, owned)
+    if isinstance(cache, ArenaCache):
+        if prefix is not None:
+            chain.attach(cache, prefix)
+        cache.load_parts(parts)
+        return CacheEntry(cache, list(token_ids), fingerprint)
+    if prefix is not None:
+        parts = [chain.full_tensors(prefix), *parts]
+    if len(parts) > 1:
+        joined = [(torch.cat([part[layer][0] for part in parts], dim=2),
+                   torch.cat([part[layer][1] for part in parts], dim=2)) for layer in range(len(parts[0]))]
+        parts, owned = [joined], True
+    return _fill(cache, parts[0], token_ids, fingerprint, owned)
 
 
 def _fill(cache: DynamicCache | ArenaCache, tensors: KVTensors, token_ids: list[int],

@@ -17,7 +17,7 @@ import torch
 
 import cache_store.chain as chain
 from cache_store.arena import ArenaCache
-from cache_store.entry import CacheEntry, KVTensors, NewCache, entry_from_tensors
+from cache_store.entry import CacheEntry, KVTensors, NewCache, entry_from_parts
 from cache_store.identity import Fingerprint
 from cache_store.integrity import checksum
 from cache_store.quantize import KVDtype, dequantize, quantize, quantized_nbytes
@@ -143,16 +143,14 @@ class Offloader:
         copied, parts = None, []
         for piece in host.pieces():
             if self._stream is None:
-                tensors = [(k.clone(), v.clone()) for k, v in piece.tensors] if piece.scales is None else piece.tensors
-                scales = piece.scales
+                tensors, scales = piece.tensors, piece.scales
             else:
                 moved, copied = self._to_device(piece.stored)
                 tensors, scales = moved[:len(piece.tensors)], moved[len(piece.tensors):] or None
             parts.append(dequantize(tensors, scales, host.fingerprint.layout.dtype) if scales is not None else tensors)
-        tensors = parts[0] if len(parts) == 1 else [
-            (torch.cat([part[layer][0] for part in parts], dim=2), torch.cat([part[layer][1] for part in parts], dim=2))
-            for layer in range(len(parts[0]))]
-        entry = entry_from_tensors(new_cache, tensors, host.token_ids, host.fingerprint, prefix=prefix)
+        # Views of host buffers (exact copies on a CPU) are copied where they land; anything else is new memory.
+        views = self._stream is None and host.scales is None
+        entry = entry_from_parts(new_cache, parts, host.token_ids, host.fingerprint, owned=not views, prefix=prefix)
         entry.session_version = host.session_version
         return entry, copied
 

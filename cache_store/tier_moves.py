@@ -32,6 +32,9 @@ from cache_store.segments import SharedSegments, is_segment
 from cache_store.stage_faults import FaultPoints
 
 log = logging.getLogger(__name__)
+# A chain of host copies is restored copy by copy (each checked, each copied into place): past this many, an
+# offload writes the whole cache again, so that a restore stays as fast as a single copy's (docs/benchmarks.md).
+MAX_HOST_COPIES = 4
 
 
 class TierOwner(Protocol):
@@ -235,7 +238,7 @@ class TierMoves:
         store.counters["segment_offloads" if is_segment(session_id) else "device_evictions"] += 1
         kv_dtype = "same" if is_segment(session_id) else store.host_kv_dtype  # a segment is held once: exact
         base = None if is_segment(session_id) else store.host.pop(session_id)  # kept from its restore
-        if base is not None and not _continued_by(base, entry, kv_dtype):
+        if base is not None and (len(base.pieces()) >= MAX_HOST_COPIES or not _continued_by(base, entry, kv_dtype)):
             store.host.release(base)
             base = None
         start = len(base.token_ids) - entry.prefix_tokens if base is not None else 0

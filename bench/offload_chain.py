@@ -1,0 +1,99 @@
+"""What an offload and a restore move at turn 2, 5 and 10 of a conversation (issue 33): one SmolLM2 session
+through the ten turns of the internet-support scenario, offloaded to the host tier after every turn and
+restored for the next; per turn the bytes the offload wrote and its time, the bytes the restore read and its
+time. Run for this checkout and, with --a-checkout DIR, for another (the commit before, in a `git worktree`),
+one after the other, alone on the machine.
+
+    .venv/bin/python bench/offload_chain.py --a-checkout /tmp/w/old [--kv-dtype same int8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+TURNS = (2, 5, 10)
+
+
+def worker(kv_dtype: str) -> dict:
+    """The measurement in this process (the checkout on PYTHONPATH)."""
+    import time
+
+    import torch
+
+    from chatd.model.loader import load_model
+    from sessions import Session
+    from tests.support import run_turn, running_engine
+
+    torch.manual_seed(0)
+    loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
+    scenario = json.loads((HERE.parent / "scenarios" / "internet_support.json").read_text())
+    copies: list[tuple[str, float]] = []
+    report = {}
+    with running_engine(loaded, host_kv_dtype=kv_dtype, verify_sample_rate=0.0) as engine:
+        engine.call(lambda store: setattr(store, "on_copy", lambda direction, tier, seconds: copies.append(
+            (direction, seconds)))).result()
+        session = Session("customer", system=scenario["system"])
+        for turn, content in enumerate(scenario["turns"], start=1):
+            copies.clear()
+            done, _ = run_turn(engine, session, content, max_new_tokens=32)
+            restore = [seconds for direction, seconds in copies if direction == "restore"]
+            read = report.get(turn - 1, {}).get("host_bytes_held", 0)
+
+            def offload(store):
+                started = time.perf_counter()
+                store.evict_idle()
+                entry = store.host.get("customer")
+                return time.perf_counter() - started, entry.nbytes, sum(p.nbytes for p in _pieces(entry))
+
+            offload_s, written, held = engine.call(offload).result()
+            report[turn] = {"tokens": len(done.conversation_ids), "offload_bytes": written,
+                            "offload_ms": round(offload_s * 1000, 2), "host_bytes_held": held,
+                            "restore_bytes": read if turn > 1 else 0,
+                            "restore_ms": round(statistics.fsum(restore) * 1000, 2) if restore else None}
+    # A turn's restore is of the copy the turn before offloaded: report it with the turn that restores it.
+    later = [report[turn] for turn in range(2, len(report) + 1)]
+    means = {key: round(statistics.fmean(row[key] for row in later), 2)
+             for key in ("offload_bytes", "offload_ms", "restore_ms")}
+    return {**{str(turn): report[turn] for turn in TURNS}, "mean of turns 2-10": means}
+
+
+def _pieces(entry) -> list:
+    """A host entry's chain of copies (one, before chains existed)."""
+    return entry.pieces() if hasattr(entry, "pieces") else [entry]
+
+
+def run(checkout: Path, kv_dtype: str) -> dict:
+    """The measurement in a fresh process for `checkout` (this script's code, that checkout's chatd)."""
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    output = subprocess.run([sys.executable, str(HERE), "--worker", kv_dtype], cwd=checkout, env=env, check=True,
+                            capture_output=True, text=True).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--a-checkout", type=Path, help="also measure this checkout (the commit before)")
+    parser.add_argument("--kv-dtype", nargs="+", default=["same", "int8"], choices=["same", "int8"])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker)))
+        return
+    checkouts = {"after": HERE.parent.parent, **({"before": args.a_checkout} if args.a_checkout else {})}
+    report = {kv_dtype: {label: run(checkout, kv_dtype) for label, checkout in checkouts.items()}
+              for kv_dtype in args.kv_dtype}
+    print(json.dumps(report, indent=2))
+    results = HERE.parent / "results"
+    results.mkdir(exist_ok=True)
+    (results / "offload_chain.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
