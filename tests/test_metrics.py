@@ -112,6 +112,10 @@ async def test_metrics_and_stats_move_by_exactly_what_the_run_did(tiny):
     assert moved(before, after, "chatd:cache_evictions_total", tier="device") == offloads
     assert moved(before, after, "chatd:cache_evictions_total", tier="host") == 0
     assert moved(before, after, "chatd:cache_offload_seconds_count", tier="host") == offloads
+    written = moved(before, after, "chatd:cache_offload_bytes_total", kind="written")
+    assert written == store_stats["host_offload_bytes"] > 0
+    # Restored turns kept their host copies, so later offloads wrote only what those turns added.
+    assert moved(before, after, "chatd:cache_offload_bytes_total", kind="skipped") > 0
     assert moved(before, after, "chatd:cache_restore_seconds_count", tier="host") == sources.count("host")
     assert moved(before, after, "chatd:time_to_first_token_seconds_count") == len(results)
     assert moved(before, after, "chatd:e2e_request_latency_seconds_count") == len(results)

@@ -198,6 +198,11 @@ class _LiveCollector(Collector):
         offload_failures = CounterMetricFamily("chatd:cache_offload_failures", "Evicted caches whose copy to the "
                                                "host failed; each was dropped.", labels=label)
         offload_failures.add_metric(name, live.cache.get("offload_failures", 0))
+        offload_bytes = CounterMetricFamily("chatd:cache_offload_bytes", "Bytes offloads to the host tier wrote, and "
+                                            "bytes they did not have to write (already in the host copy the cache was "
+                                            "restored from).", labels=[*label, "kind"])
+        for kind, key in (("written", "host_offload_bytes"), ("skipped", "host_offload_bytes_skipped")):
+            offload_bytes.add_metric([*name, kind], live.cache.get(key, 0))
         steps = CounterMetricFamily("chatd:decode_steps", "Decode steps, by how many turns each advanced at once.",
                                     labels=[*label, "batch_size"])
         for batch_size, count in sorted(live.decode_steps.items()):
@@ -213,7 +218,7 @@ class _LiveCollector(Collector):
         yield from _arena_families(live, name, label)
         yield from _segment_families(live, name, label)
         yield from (running, waiting, usage, sessions, evictions, corruptions, engine_up, failures, remote_errors,
-                    offload_failures, steps, tier_info, tier_sessions)
+                    offload_failures, offload_bytes, steps, tier_info, tier_sessions)
 
 
 _ARENA_COUNTERS = [  # (metric, help, key of the engine's published counters)
