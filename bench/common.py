@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +26,15 @@ def synthetic_history(scenario: dict, renderer: PromptRenderer, tokens: int) -> 
         question = scenario["turns"][len(messages) // 2 % len(scenario["turns"])]
         messages += [Message("user", question), Message("assistant", REPLY)]
     return messages
+
+
+def in_checkout(script: Path, checkout: Path, *args: str) -> dict:
+    """Run `script --worker ARGS` in a fresh process on `checkout`'s packages (this one, or the commit before in
+    a `git worktree`) and return the JSON its last line printed."""
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    output = subprocess.run([sys.executable, str(script), "--worker", *args], cwd=checkout, env=env, check=True,
+                            capture_output=True, text=True).stdout
+    return json.loads(output.strip().splitlines()[-1])
 
 
 def write_result(path: Path, result: object) -> None:

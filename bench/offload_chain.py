@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
+
+from common import in_checkout, write_result
 
 HERE = Path(__file__).resolve()
 TURNS = (2, 5, 10)
@@ -69,14 +68,6 @@ def _pieces(entry) -> list:
     return entry.pieces() if hasattr(entry, "pieces") else [entry]
 
 
-def run(checkout: Path, kv_dtype: str) -> dict:
-    """The measurement in a fresh process for `checkout` (this script's code, that checkout's chatd)."""
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
-    output = subprocess.run([sys.executable, str(HERE), "--worker", kv_dtype], cwd=checkout, env=env, check=True,
-                            capture_output=True, text=True).stdout
-    return json.loads(output.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--a-checkout", type=Path, help="also measure this checkout (the commit before)")
@@ -87,12 +78,10 @@ def main() -> None:
         print(json.dumps(worker(args.worker)))
         return
     checkouts = {"after": HERE.parent.parent, **({"before": args.a_checkout} if args.a_checkout else {})}
-    report = {kv_dtype: {label: run(checkout, kv_dtype) for label, checkout in checkouts.items()}
+    report = {kv_dtype: {label: in_checkout(HERE, checkout, kv_dtype) for label, checkout in checkouts.items()}
               for kv_dtype in args.kv_dtype}
     print(json.dumps(report, indent=2))
-    results = HERE.parent / "results"
-    results.mkdir(exist_ok=True)
-    (results / "offload_chain.json").write_text(json.dumps(report, indent=2))
+    write_result(HERE.parent / "results" / "offload_chain.json", report)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from common import in_checkout
 
 HERE = Path(__file__).resolve()
 POLICY_LINE = ("Refunds are issued within 14 days to the original payment method once the returned item has been "
@@ -175,17 +174,10 @@ def capacity(gb: float = 1.0, prompt: int = 2000, own: int = 300, sessions: int 
     return {"prompt_tokens": prompt, "own_tokens": own, "gb": gb, "sessions_per_gb": counts}
 
 
-def run(checkout: Path, measure: str) -> dict:
-    """One measurement in a fresh process for `checkout` (this script's code, that checkout's chatd)."""
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
-    output = subprocess.run([sys.executable, str(HERE), "--worker", measure], cwd=checkout, env=env, check=True,
-                            capture_output=True, text=True).stdout
-    return json.loads(output.strip().splitlines()[-1])
-
-
 def _median_of_rounds(checkouts: dict[str, Path], rounds: int) -> dict:
     """The decode measurement `rounds` times per checkout, alternating: each prompt's median step."""
-    runs = [{label: run(checkout, "decode") for label, checkout in checkouts.items()} for _ in range(rounds)]
+    runs = [{label: in_checkout(HERE, checkout, "decode") for label, checkout in checkouts.items()}
+            for _ in range(rounds)]
     report = {}
     for label in checkouts:
         report[label] = {}
@@ -216,7 +208,7 @@ def main() -> None:
         if measure == "decode" and args.rounds > 1:
             report[measure] = _median_of_rounds(checkouts, args.rounds)
             continue
-        report[measure] = {label: run(checkout, measure) for label, checkout in checkouts.items()}
+        report[measure] = {label: in_checkout(HERE, checkout, measure) for label, checkout in checkouts.items()}
     print(json.dumps(report, indent=2))
     results = HERE.parent / "results"
     results.mkdir(exist_ok=True)
