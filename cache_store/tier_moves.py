@@ -245,7 +245,7 @@ class TierMoves:
         started = time.perf_counter()
         if base is not None and start == entry.own_tokens:  # nothing added since it was restored
             store.host.put(session_id, base)
-            store.counters["host_offload_bytes_skipped"] += base.device_nbytes
+            store.counters["host_offload_bytes_skipped"] += _stored_bytes(base)
             store.on_copy("offload", "host", time.perf_counter() - started)
             return
         buffer = None
@@ -278,12 +278,17 @@ class TierMoves:
             return
         store.on_copy("offload", "host", time.perf_counter() - started)
         store.counters["host_offload_bytes"] += need
-        store.counters["host_offload_bytes_skipped"] += base.device_nbytes if base is not None else 0
+        store.counters["host_offload_bytes_skipped"] += _stored_bytes(base) if base is not None else 0
         if not _left_intact(entry, host_entry):  # changed while resident: never launder it into the host tier
             store.host.release(host_entry)
             store.report_corruption(session_id, ("checksum",))
             return
         store.host.put(session_id, host_entry)
+
+
+def _stored_bytes(entry: HostEntry) -> int:
+    """The host bytes of a chain of copies: what an offload that continues it did not write again."""
+    return sum(piece.nbytes for piece in entry.pieces())
 
 
 def _continued_by(base: HostEntry, entry: CacheEntry, kv_dtype: KVDtype) -> bool:
