@@ -65,6 +65,14 @@ class HostTier:
                 self.pool.give(piece.buffer, copied or piece.restoring)
                 piece.buffer = None
 
+    def release_after(self, entry: HostEntry, keep: HostEntry) -> None:
+        """Release the copies of `entry`'s chain that come after `keep` (which stays in use)."""
+        kept = {id(piece) for piece in keep.pieces()}
+        for piece in entry.pieces():
+            if id(piece) not in kept and piece.buffer is not None:
+                self.pool.give(piece.buffer, piece.restoring)
+                piece.buffer = None
+
     def get(self, key: str) -> HostEntry | None:
         return self._entries.get(key)
 
@@ -81,9 +89,6 @@ class HostTier:
     def discard(self, key: str) -> None:
         if (entry := self.pop(key)) is not None:
             self.release(entry)
-
-    def nbytes(self, key: str) -> int:
-        return self._entries[key].nbytes
 
     def put_at(self, key: str) -> float:
         return self._put_at[key]

@@ -30,7 +30,7 @@ class CacheLookup:
     cached_tokens: int
     entry: CacheEntry | None = None
     miss_reason: MissReason | None = None
-    cleared: tuple[Check, ...] = ()  # the checks that failed, when miss_reason is "corrupt"
+    cleared: tuple[Check, ...] = ()  # the checks that failed: a "corrupt" miss, or a host chain's later copy
     remote: RemoteDecision | None = None  # when a remote cache existed: fetched or recomputed, and why
 
     @property

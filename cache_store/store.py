@@ -126,10 +126,12 @@ class CacheStore:
         entry = self.device.get(session_id)
         if entry is not None and (failed := self._check_resident(session_id, entry)):
             return self.report_corruption(session_id, failed)
+        cleared: tuple[Check, ...] = ()
         if entry is None and session_id in self.host:
-            entry, failed = self._moves.restore(session_id)
-            if failed:
-                return self.report_corruption(session_id, failed)
+            entry, cleared = self._moves.restore(session_id)
+            if cleared and entry is None:
+                return self.report_corruption(session_id, cleared)
+            self._count_corruption(cleared)  # (a later copy failed: the turn recomputes from the last good one)
             source = "host"  # (or nothing: the segment it starts with is gone, and it was dropped)
         decision = None
         header = self.remote.head(session_id) if entry is None and self.remote is not None else None
@@ -158,7 +160,7 @@ class CacheStore:
         entry.checksum = None  # the turn changes it; write-back takes a new one
         if (kept := self.host.get(session_id)) is not None and len(kept.token_ids) > reusable:
             self.host.discard(session_id)  # positions it holds are computed again: its next offload is whole
-        return CacheLookup(source, reusable, entry, remote=decision)
+        return CacheLookup(source, reusable, entry, cleared=cleared, remote=decision)
 
     def put(self, session_id: str, entry: CacheEntry, session_version: int = 0) -> None:
         """Write a session's cache back after its turn, with the fingerprint and checksum that its next
@@ -265,15 +267,16 @@ class CacheStore:
         it never evicts a running cache, and does nothing if the cache is not in the host tier."""
         if not self.enabled or session_id not in self.host or session_id in self.device:
             return False
-        if not self.device.can_fit(self.host.nbytes(session_id)):
+        if not self.device.can_fit(self.host.get(session_id).device_nbytes):
             return False
         try:
-            _, failed = self._moves.restore(session_id)
+            entry, failed = self._moves.restore(session_id)
         except ArenaFull:
             return False  # no room on the device after all; it stays in the host tier
-        if failed:
+        if failed and entry is None:
             self.report_corruption(session_id, failed)
-        return not failed
+        self._count_corruption(failed if entry is not None else ())
+        return entry is not None
 
     def report_corruption(self, session_id: str, failed: tuple[Check, ...]) -> CacheLookup:
         """A check failed: clear the session's cache (or the shared segment's, and every resident cache that
@@ -282,9 +285,12 @@ class CacheStore:
                     f"shared segment {session_id}" if is_segment(session_id) else f"session {session_id}",
                     ", ".join(failed))
         self.drop(session_id)
+        self._count_corruption(failed)
+        return CacheLookup("miss", 0, miss_reason="corrupt", cleared=failed)
+
+    def _count_corruption(self, failed: tuple[Check, ...]) -> None:
         for check in failed:
             self.counters[f"corrupt_{check}"] += 1
-        return CacheLookup("miss", 0, miss_reason="corrupt", cleared=failed)
 
     def drop(self, session_id: str) -> None:
         """Drop a session's cache from every tier; its next turn recomputes. Dropping a shared segment drops

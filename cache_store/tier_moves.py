@@ -154,15 +154,23 @@ class TierMoves:
     def restore(self, key: str) -> tuple[CacheEntry | None, tuple[Check, ...]]:
         """Bring a host entry (a session's, or a shared segment's) back to the device once it passes every
         check, starting with the segment it names (resident, or restored first); else report what failed. None
-        without a failure when that segment is gone: the entry is dropped and its turn recomputes."""
+        without a failure when that segment is gone: the entry is dropped and its turn recomputes. A chain of
+        copies whose later copy fails is restored up to its last good copy (with the failure: the turn
+        recomputes only the rest)."""
         store = self.store
         started = time.perf_counter()
         # First: making room offloads others into the host tier. A segment never changes, so its host copy stays
         # there: when the device lets it go again, nothing is copied.
         host_entry = store.host.get(key) if is_segment(key) else store.host.pop(key)
-        if failed := self.check_host_entry(key, host_entry):
+        good, failed = self._last_good(key, host_entry)
+        if good is None:
             store.host.discard(key) if is_segment(key) else store.host.release(host_entry)
             return None, failed
+        if failed:
+            log.warning("session %s: a host copy of its cache failed the %s check; restoring the copies before it",
+                        key, ", ".join(failed))
+            store.host.release_after(host_entry, good)
+            host_entry = good
         segment = None
         if host_entry.prefix_key is not None:
             segment = self.find_segment(host_entry.prefix_key, host_entry.token_ids[:host_entry.prefix_tokens])
@@ -182,7 +190,17 @@ class TierMoves:
         else:  # kept, first to go: the session's next offload copies only what its turns add to it
             store.host.put(key, host_entry, first_to_go=True)
         store.counters["segment_restores" if is_segment(key) else "restores"] += 1
-        return entry, ()
+        return entry, failed
+
+    def _last_good(self, owner: str, host_entry: HostEntry) -> tuple[HostEntry | None, tuple[Check, ...]]:
+        """The newest copy of the chain whose copies all pass every check (None: not even the first), and the
+        failure of the copy after it."""
+        good = None
+        for piece in host_entry.pieces():
+            if failed := self._check_piece(owner, piece):
+                return good, (failed,)
+            good = piece
+        return good, ()
 
     def check_host_entry(self, owner: str, host_entry: HostEntry) -> tuple[Check, ...]:
         """Identity, shapes, the checksum of every stored byte (scales included), values finite (for a

@@ -186,6 +186,28 @@ def test_an_offload_after_a_turn_copies_only_what_the_turn_added(kv_dtype):
     assert store.lookup("a", ids(27)).miss_reason == "corrupt"
 
 
+def test_a_damaged_later_copy_restores_the_chain_up_to_its_last_good_copy():
+    """Only what the damaged copy held is recomputed: the turn reuses the copies before it, and says what
+    failed."""
+    store = make_store(device_tokens=24)
+    first = make_entry(ids(20), seed=3)
+    expected = [(k.clone(), v.clone()) for k, v in first.tensors()]
+    store.put("a", first)
+    store.put("b", make_entry(ids(20), seed=4))
+    entry = store.lookup("a", ids(21)).entry
+    for layer, (keys, values) in enumerate(make_entry(ids(6, start=100), seed=5).tensors()):
+        entry.cache.update(keys, values, layer)
+    entry.token_ids = ids(20) + ids(6, start=100)
+    store.put("a", entry, session_version=1)
+    store.put("c", make_entry(ids(20), seed=6))
+    store.host.get("a").tensors[2][1].view(-1)[0] += 1  # the turn's copy, not the first
+    lookup = store.lookup("a", ids(20) + ids(6, start=100) + [7])
+    assert (lookup.source, lookup.cached_tokens, lookup.cleared) == ("host", 20, ("checksum",))
+    for (k, v), (k0, v0) in zip(lookup.entry.tensors(), expected, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert store.counters["corrupt_checksum"] == 1
+
+
 def test_a_full_host_tier_drops_the_least_recent_and_its_next_turn_is_a_miss_evicted():
     store = make_store(device_tokens=10, host_tokens=10)
     for name in "abc":
