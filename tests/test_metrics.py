@@ -145,6 +145,8 @@ async def test_metrics_and_stats_move_by_exactly_what_the_run_did(tiny):
     assert after["chatd:cache_tier_info", frozenset({("tier", "host"), ("kv_dtype", "float64")})] == 1
     assert after["chatd:cache_tier_sessions", frozenset({("tier", "host")})] == store_stats["host_sessions"]
     tiers = stats["now"]["tiers"]
+    assert tiers["host"]["offload"] == {"written_bytes": store_stats["host_offload_bytes"],
+                                        "skipped_bytes": store_stats["host_offload_bytes_skipped"]}
     assert tiers["device"]["kv_dtype"] == tiers["host"]["kv_dtype"] == "float64"
     assert tiers["remote"]["kv_dtype"] is None  # no remote tier
     # (a session restored from the host keeps its host copy while resident: the next offload adds only its turns)

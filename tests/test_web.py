@@ -171,6 +171,7 @@ async def test_dashboard_draws_live_charts_after_traffic(server, browser):
     stats = server.engine.cache_stats
     assert (int(segments), int(sessions)) == (stats["prefixes"], stats["shared_sessions"])
     assert await page.locator("#summary tr").count() >= 4
+    await expect(page.locator("#summary")).to_contain_text("Host offloads: written / not written again")
     first_update = await page.locator("#updated").inner_text()
     await asyncio.sleep(3.5)
     assert await page.locator("#updated").inner_text() != first_update  # it refreshes by itself

@@ -52,6 +52,8 @@ function tiles(stats) {
     ["KV arena: compactions", `${arena.compactions ?? 0} (${mb(arena.compaction_bytes ?? 0)} moved)`],
     ["Shared segments: device (warm) / host", `${shared.segments ?? 0} (${shared.pinned ?? 0}) / ${shared.host_segments ?? 0}`],
     ["Device: held / distinct KV / as private copies", `${mb(device.bytes)} / ${mb(device.kv_bytes ?? 0)} / ${mb(device.private_kv_bytes ?? 0)}`],
+    ["Host offloads: written / not written again", `${mb(now.tiers.host.offload?.written_bytes ?? 0)} / ${mb(now.tiers.host.offload?.skipped_bytes ?? 0)}`],
+    ["Redis: shared segments written / fetched, bytes not sent", `${now.tiers.remote.shared?.segment_writes ?? 0} / ${now.tiers.remote.shared?.segment_restores ?? 0}, ${mb(now.tiers.remote.shared?.skipped_bytes ?? 0)}`],
   ];
   const body = byId("summary");
   body.replaceChildren(...rows.map(([name, value]) => {

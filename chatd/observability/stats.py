@@ -111,6 +111,13 @@ class StatsRecorder:
         tiers["device"]["shared"] = {key: live.cache.get(stat, 0) for key, stat in (
             ("segments", "prefixes"), ("pinned", "segments_pinned"), ("sessions", "shared_sessions"),
             ("users", "segment_users"), ("bytes", "segment_bytes"), ("host_segments", "host_segments"))}
+        # Offloads that continued the host copy a cache was restored from wrote only what its turns added.
+        tiers["host"]["offload"] = {"written_bytes": live.cache.get("host_offload_bytes", 0),
+                                    "skipped_bytes": live.cache.get("host_offload_bytes_skipped", 0)}
+        # Shared segments are written to Redis once; the caches that start with them do not carry them.
+        tiers["remote"]["shared"] = {"segment_writes": live.cache.get("remote_segment_writes", 0),
+                                     "segment_restores": live.cache.get("remote_segment_restores", 0),
+                                     "skipped_bytes": live.cache.get("remote_shared_bytes_skipped", 0)}
         arena = {key.removeprefix("arena_"): value for key, value in live.cache.items() if key.startswith("arena_")}
         if arena:
             arena["outside_arena_turns"] = live.cache.get("outside_arena_turns", 0)
