@@ -303,19 +303,29 @@ class ProseStream:
 
     def __init__(self, trigger: str | None):
         self._trigger, self._text, self._released = trigger, "", 0
+        self._opened: int | None = None  # where the trigger starts, once seen
 
     def push(self, piece: str) -> str:
+        """The text `piece` lets go out now. Once per token, on the event loop: only the new text (and a trigger it
+        may complete) is searched, never the whole reply."""
+        searched = len(self._text)
         self._text += piece
         if self._trigger is None:
             end = len(self._text)
-        elif (opened := self._text.find(self._trigger)) >= 0:
-            end = opened
-        else:  # hold back a tail that may still become the trigger
-            end = len(self._text) - next((n for n in range(len(self._trigger) - 1, 0, -1)
-                                          if self._text.endswith(self._trigger[:n])), 0)
-        if self._trigger is not None:  # whitespace before a call is not prose: held until more text follows it
-            end = len(self._text[:end].rstrip())
-        released, self._released = self._text[self._released:max(end, self._released)], max(end, self._released)
+        else:
+            if self._opened is None and \
+                    (found := self._text.find(self._trigger, max(0, searched - len(self._trigger) + 1))) >= 0:
+                self._opened = found
+            if self._opened is not None:
+                end = self._opened
+            else:  # hold back a tail that may still become the trigger
+                end = len(self._text) - next((n for n in range(len(self._trigger) - 1, 0, -1)
+                                              if self._text.endswith(self._trigger[:n])), 0)
+            while end > self._released and self._text[end - 1].isspace():  # whitespace before a call is not prose:
+                end -= 1                                                     # held until more text follows it
+        if end <= self._released:
+            return ""
+        released, self._released = self._text[self._released:end], end
         return released
 
     def rest(self, prose: str, has_calls: bool) -> str:
