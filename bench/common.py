@@ -28,6 +28,11 @@ def synthetic_history(scenario: dict, renderer: PromptRenderer, tokens: int) -> 
     return messages
 
 
+def checkouts(script: Path, a_checkout: Path | None) -> dict[str, Path]:
+    """The checkouts a comparison measures: this one (`after`), and with --a-checkout the other (`before`)."""
+    return {"after": script.parent.parent, **({"before": a_checkout} if a_checkout else {})}
+
+
 def in_checkout(script: Path, checkout: Path, *args: str) -> dict:
     """Run `script --worker ARGS` in a fresh process on `checkout`'s packages (this one, or the commit before in
     a `git worktree`) and return the JSON its last line printed."""

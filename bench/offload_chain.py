@@ -14,7 +14,7 @@ import json
 import statistics
 from pathlib import Path
 
-from common import in_checkout, write_result
+from common import checkouts, in_checkout, write_result
 
 HERE = Path(__file__).resolve()
 TURNS = (2, 5, 10)
@@ -77,8 +77,8 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return
-    checkouts = {"after": HERE.parent.parent, **({"before": args.a_checkout} if args.a_checkout else {})}
-    report = {kv_dtype: {label: in_checkout(HERE, checkout, kv_dtype) for label, checkout in checkouts.items()}
+    compared = checkouts(HERE, args.a_checkout)
+    report = {kv_dtype: {label: in_checkout(HERE, checkout, kv_dtype) for label, checkout in compared.items()}
               for kv_dtype in args.kv_dtype}
     print(json.dumps(report, indent=2))
     write_result(HERE.parent / "results" / "offload_chain.json", report)

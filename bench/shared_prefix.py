@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import in_checkout
+from common import checkouts, in_checkout
 
 HERE = Path(__file__).resolve()
 POLICY_LINE = ("Refunds are issued within 14 days to the original payment method once the returned item has been "
@@ -174,12 +174,12 @@ def capacity(gb: float = 1.0, prompt: int = 2000, own: int = 300, sessions: int 
     return {"prompt_tokens": prompt, "own_tokens": own, "gb": gb, "sessions_per_gb": counts}
 
 
-def _median_of_rounds(checkouts: dict[str, Path], rounds: int) -> dict:
+def _median_of_rounds(compared: dict[str, Path], rounds: int) -> dict:
     """The decode measurement `rounds` times per checkout, alternating: each prompt's median step."""
-    runs = [{label: in_checkout(HERE, checkout, "decode") for label, checkout in checkouts.items()}
+    runs = [{label: in_checkout(HERE, checkout, "decode") for label, checkout in compared.items()}
             for _ in range(rounds)]
     report = {}
-    for label in checkouts:
+    for label in compared:
         report[label] = {}
         for prompt, first in runs[0][label].items():
             steps = [numbers[label][prompt]["step_ms"] for numbers in runs]
@@ -199,16 +199,16 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return
-    checkouts = {"after": HERE.parent.parent, **({"before": args.a_checkout} if args.a_checkout else {})}
+    compared = checkouts(HERE, args.a_checkout)
     report = {}
     for measure in args.measure:
         if measure == "capacity":
             report[measure] = capacity()
             continue
         if measure == "decode" and args.rounds > 1:
-            report[measure] = _median_of_rounds(checkouts, args.rounds)
+            report[measure] = _median_of_rounds(compared, args.rounds)
             continue
-        report[measure] = {label: in_checkout(HERE, checkout, measure) for label, checkout in checkouts.items()}
+        report[measure] = {label: in_checkout(HERE, checkout, measure) for label, checkout in compared.items()}
     print(json.dumps(report, indent=2))
     results = HERE.parent / "results"
     results.mkdir(exist_ok=True)
