@@ -126,7 +126,9 @@ def _redis_bytes(loaded, renderer, per_token: int) -> dict:
                     conversations.append(len(done.conversation_ids))
                     engine.wait_shared(session.session_id, 30)
             client = redis.Redis.from_url(server.url)
-            held = sum(client.strlen(key) for key in client.scan_iter("chatd:*:kv"))
+            # sessions' own keys (and their segments' before chunks), and chains' chunks where there are chunks
+            held = sum(client.strlen(key) for pattern in ("chatd:*:kv", "chatd:kvchunk:*")
+                       for key in client.scan_iter(pattern))
             client.close()
         finally:
             server.stop()

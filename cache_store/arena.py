@@ -332,11 +332,24 @@ class ArenaCache(Cache):
         straight into its place in the region."""
         layers = min(len(self.layers), *(len(part) for part in parts))
         tokens = max((sum(part[index][0].shape[-2] for part in parts) for index in range(layers)), default=0)
+        for layer in self.layers:
+            layer.length = 0  # (what it held, if anything, is replaced)
         self.reserve(max(self.offset + tokens, room, self.offset + 1))
+        self._write_after(parts, layers)
+
+    def append_parts(self, parts: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Copy keys and values given as consecutive parts after the positions it holds (the rest of a cache,
+        fetched from a lower tier), growing its region."""
+        added = sum(part[0][0].shape[-2] for part in parts)
+        self.reserve(self.total_tokens() + added)
+        self._write_after(parts, len(self.layers))
+
+    def _write_after(self, parts: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], layers: int) -> None:
+        """Copy each part once, straight into its place after each layer's positions (the region holds them)."""
         start = self.region.start
         for index, (layer, keys_buffer, values_buffer) in enumerate(
                 zip(self.layers[:layers], self.arena.keys, self.arena.values, strict=False)):
-            position = start
+            position = start + layer.length
             for part in parts:
                 keys, values = part[index]
                 length = keys.shape[-2]

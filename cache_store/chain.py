@@ -117,6 +117,19 @@ def full_tensors(cache: ArenaCache) -> KVTensors:
             for index in range(len(cache.layers))]
 
 
+def tensors_from(cache: ArenaCache, start: int) -> KVTensors:
+    """The keys and values of positions `start` on, the chain's and its own, as new tensors where they span
+    pieces (views of one piece's region otherwise): what a snapshot of a cache's later positions copies."""
+    pieces = [piece for piece in [*segments(cache), cache] if piece.total_tokens() > start]
+    layers = []
+    for index in range(len(cache.layers)):
+        parts = [(piece.layers[index].keys[..., max(0, start - piece.offset):, :],
+                  piece.layers[index].values[..., max(0, start - piece.offset):, :]) for piece in pieces]
+        layers.append(parts[0] if len(parts) == 1 else (torch.cat([k for k, _ in parts], dim=2),
+                                                        torch.cat([v for _, v in parts], dim=2)))
+    return layers
+
+
 def _cut(source: ArenaCache, tokens: int) -> tuple[ArenaCache | None, ArenaCache]:
     """(base, holder): the deepest segment of `source`'s chain (`source` included when it is frozen) ending
     within `tokens` positions, and the piece after it, whose region starts with the positions after `base`."""

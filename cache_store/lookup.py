@@ -10,8 +10,7 @@ from typing import Literal, Protocol
 from cache_store.cost_model import RemoteDecision, Throughput
 from cache_store.entry import CacheEntry
 from cache_store.integrity import Check
-from cache_store.offload import HostEntry
-from cache_store.remote_tier import RemoteHeader
+from cache_store.remote_tier import RemoteCopy, RemoteHeader, RemoteSnapshot
 
 CacheSource = Literal["device", "host", "remote", "prefix", "miss"]
 CopyObserver = Callable[[Literal["offload", "restore"], Literal["host", "remote"], float], None]
@@ -49,22 +48,27 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class RemoteCaches(Protocol):
-    """Where caches are shared beyond this process (`RemoteTier`: Redis): what the store asks of it."""
+    """Where caches are shared beyond this process (`RemoteTier`: Redis, as chains of chunks): what the store asks
+    of it."""
 
     throughput: Throughput
     errors: int
     write_errors: int
+    chunk_tokens: int
+    counters: dict[str, int]
 
-    def put(self, session_id: str, entry: HostEntry) -> None: ...
+    def known_chunks(self, chunks: list[str]) -> int: ...
 
-    def put_segment(self, key: str, entry: HostEntry) -> None: ...
+    def chunks_known(self) -> int: ...
 
-    def holds_segment(self, key: str) -> bool: ...
+    def put(self, session_id: str, snapshot: RemoteSnapshot) -> None: ...
 
     def head(self, session_id: str) -> RemoteHeader | None: ...
 
-    def fetch(self, header: RemoteHeader) -> HostEntry | None: ...
+    def fetch(self, header: RemoteHeader, first: int = 0) -> RemoteCopy | None: ...
 
     def delete(self, session_id: str) -> None: ...
+
+    def delete_chunk(self, name: str) -> None: ...
 
     def usage(self) -> tuple[int, int]: ...

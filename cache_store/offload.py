@@ -113,21 +113,7 @@ class Offloader:
         if kv_dtype == "int8":
             sources, scales = quantize(sources)
             sources = [*sources, *scales]
-        targets = _views(buffer, sources) if buffer is not None else [
-            (torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)) for k, v in sources]
-        if self._stream is None:
-            for (host_keys, host_values), (keys, values) in zip(targets, sources, strict=True):
-                host_keys.copy_(keys)
-                host_values.copy_(values)
-        else:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                for (host_keys, host_values), (keys, values) in zip(targets, sources, strict=True):
-                    host_keys.copy_(keys, non_blocking=True)
-                    host_values.copy_(values, non_blocking=True)
-                    keys.record_stream(self._stream)  # keep the device memory until the copy has run
-                    values.record_stream(self._stream)
-            self._stream.synchronize()  # the checksum needs the bytes on the host
+        targets = self._to_host(sources, buffer)
         digest, stamp = checksum(targets), entry.fingerprint  # every stored byte, scales included
         if scales is not None:
             targets, scales = targets[:len(targets) - len(scales)], targets[len(targets) - len(scales):]
@@ -136,23 +122,68 @@ class Offloader:
         return HostEntry(targets, list(entry.token_ids), stamp, digest, entry.session_version, buffer, scales,
                          entry.cache.prefix.segment_key if own else None, entry.prefix_tokens if own else 0, base)
 
+    def snapshot(self, entry: CacheEntry, start: int, kv_dtype: KVDtype = "same"
+                 ) -> tuple[KVTensors, KVTensors | None]:
+        """Its keys and values from position `start` on (its shared segments' included), in host memory and in
+        `kv_dtype` (int8: quantised on the device, `start` being on a key-scale group's edge), with their scales:
+        the part of a Redis copy that Redis does not hold yet."""
+        if isinstance(entry.cache, ArenaCache):
+            sources = chain.tensors_from(entry.cache, start)
+        else:
+            sources = _from(entry.tensors(), start)
+        scales = None
+        if kv_dtype == "int8":
+            sources, scales = quantize(sources)
+        targets = self._to_host([*sources, *(scales or [])])
+        return (targets, None) if scales is None else (targets[:len(sources)], targets[len(sources):])
+
+    def _to_host(self, sources: KVTensors, buffer: torch.Tensor | None = None) -> KVTensors:
+        """Host copies of `sources`: views of `buffer` (from the pool), or new tensors; complete on return."""
+        targets = _views(buffer, sources) if buffer is not None else [
+            (torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)) for k, v in sources]
+        if self._stream is None:
+            for (host_keys, host_values), (keys, values) in zip(targets, sources, strict=True):
+                host_keys.copy_(keys)
+                host_values.copy_(values)
+            return targets
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for (host_keys, host_values), (keys, values) in zip(targets, sources, strict=True):
+                host_keys.copy_(keys, non_blocking=True)
+                host_values.copy_(values, non_blocking=True)
+                keys.record_stream(self._stream)  # keep the device memory until the copy has run
+                values.record_stream(self._stream)
+        self._stream.synchronize()  # checksums need the bytes on the host
+        return targets
+
     def restore(self, host: HostEntry, new_cache: NewCache, prefix: ArenaCache | None = None
                 ) -> tuple[CacheEntry, torch.cuda.Event | None]:
         """The host entry as a device cache (starting with the resident segment `prefix`, which holds the
         positions before its own), and the event after which its host memory may be reused (None: at once)."""
-        copied, parts = None, []
-        for piece in host.pieces():
-            if self._stream is None:
-                tensors, scales = piece.tensors, piece.scales
-            else:
-                moved, copied = self._to_device(piece.stored)
-                tensors, scales = moved[:len(piece.tensors)], moved[len(piece.tensors):] or None
-            parts.append(dequantize(tensors, scales, host.fingerprint.layout.dtype) if scales is not None else tensors)
+        dtype = host.fingerprint.layout.dtype if host.fingerprint is not None else None  # (what int8 becomes)
+        parts, copied = self._device_parts([(piece.tensors, piece.scales) for piece in host.pieces()], dtype)
         # Views of host buffers (exact copies on a CPU) are copied where they land; anything else is new memory.
         views = self._stream is None and host.scales is None
         entry = entry_from_parts(new_cache, parts, host.token_ids, host.fingerprint, owned=not views, prefix=prefix)
         entry.session_version = host.session_version
         return entry, copied
+
+    def to_device(self, parts: list[tuple[KVTensors, KVTensors | None]], dtype: torch.dtype) -> list[KVTensors]:
+        """Host keys and values (int8 with their scales, or exact) as the device's, in `dtype`: a Redis copy's
+        chunks, whose memory is nobody else's."""
+        return self._device_parts(parts, dtype)[0]
+
+    def _device_parts(self, parts: list[tuple[KVTensors, KVTensors | None]], dtype: torch.dtype | None
+                      ) -> tuple[list[KVTensors], torch.cuda.Event | None]:
+        """Each part on the device (dequantised where it has scales), and the event after which the host memory
+        may be reused (None: at once)."""
+        copied, moved_parts = None, []
+        for tensors, scales in parts:
+            if self._stream is not None:
+                moved, copied = self._to_device([*tensors, *(scales or [])])
+                tensors, scales = moved[:len(tensors)], moved[len(tensors):] or None
+            moved_parts.append(dequantize(tensors, scales, dtype) if scales is not None else tensors)
+        return moved_parts, copied
 
     def _to_device(self, host_tensors: KVTensors) -> tuple[KVTensors, torch.cuda.Event]:
         with torch.cuda.stream(self._stream):

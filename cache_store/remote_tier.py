@@ -1,40 +1,97 @@
 """Caches serialized to Redis, shared by every worker: a session can move to another worker (or
 survive a restart) without recomputing its history, when fetching is cheaper than recomputing.
 
-Each cache is two keys with one TTL: `chatd:{id}:kv` holds the bytes (the token ids as int32, then
-every layer's keys and values), `chatd:{id}:kvmeta` a JSON header (format version, fingerprint,
-session version, shapes, dtype, checksum). The bytes are written before the header, so a reader
-that finds a header finds its bytes unless they expired; a header whose bytes are gone is deleted
-and counts as a miss. Writes happen on a background thread, latest snapshot first.
+A cache is a chain of immutable chunks (`cache_store/chunks.py`) plus its session's own two keys, all with one
+TTL. `chatd:kvchunk:{name}` holds one chunk: a JSON frame (its name, shapes, dtype, checksum) and its bytes, the
+same key for every session of one owner whose history starts with the same ids. `chatd:{id}:kv` holds the
+session's token ids (int32) and the keys and values of its tail (the positions after its last whole chunk);
+`chatd:{id}:kvmeta` a JSON header (format version, fingerprint, session version, the chunks' names, the tail's
+shapes, dtype and checksum). A write renews the chunks Redis holds and sends only those it lacks, then the
+session's bytes, then its header, so a reader that finds a header finds its bytes unless they expired; one whose
+bytes are gone is deleted and counts as a miss, and a chunk gone or damaged ends what a reader takes from the
+chain there. Writes happen on a background thread, latest snapshot first.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import queue
+import struct
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import redis
 import torch
 
+from cache_store.chunks import CHUNK_TOKENS
 from cache_store.cost_model import Throughput
+from cache_store.entry import KVTensors
 from cache_store.identity import CacheLayout, Fingerprint
-from cache_store.offload import HostEntry
+from cache_store.integrity import checksum
+from cache_store.quantize import GROUP_TOKENS
 from sessions.encoding import UNREACHABLE, pack_ids, redis_key, unpack_ids
 
 log = logging.getLogger(__name__)
 
 # 2: checksums carry their kind (xxh3:…); 3: int8 caches with their scales; 4: key scales per group; 5: a cache may
-# hold only its own positions, naming the shared segment it starts with (stored once, under the segment's key)
-FORMAT_VERSION = 5
+# hold only its own positions, naming the shared segment it starts with; 6: chains of chunks
+FORMAT_VERSION = 6
 PROBE_BYTES = 4 * 2**20
 BACK_OFF_S = 5.0  # after a failure, turns skip the remote tier this long instead of waiting on Redis
 USAGE_EVERY_S = 5.0
-SEGMENTS_REMEMBERED = 10_000  # shared segments this tier remembers writing (beyond: it may write one again)
+CHUNKS_REMEMBERED = 100_000  # chunks this tier remembers Redis holding (beyond: the oldest are sent again)
+_FRAME = struct.Struct("<I")  # the length of a chunk's JSON frame, before it
+
+
+def chunk_key(name: str) -> str:
+    """A chunk's Redis key: a hash tag of its own, so that chunks spread over a Redis Cluster."""
+    return f"chatd:kvchunk:{{{name}}}"
+
+
+@dataclass
+class StoredKV:
+    """Keys and values as Redis stored them (int8 with their scales, or exact), with the checksum written with
+    them: a chunk (`name`) or a session's tail."""
+
+    tensors: KVTensors
+    scales: KVTensors | None
+    checksum: str
+    name: str | None = None
+
+    @property
+    def stored(self) -> KVTensors:
+        """Every tensor it stores, scales included: what its checksum covers."""
+        return [*self.tensors, *(self.scales or [])]
+
+    @property
+    def tokens(self) -> int:
+        return self.tensors[0][0].shape[2] if self.tensors else 0
+
+    def after(self, skip: int) -> StoredKV:
+        """Its positions after the first `skip` (a whole number of key-scale groups), as views."""
+        if skip == 0:
+            return self
+        groups = skip // GROUP_TOKENS
+        return StoredKV([(k[..., skip:, :], v[..., skip:, :]) for k, v in self.tensors],
+                        None if self.scales is None else [(ks[..., groups:, :], vs[..., skip:, :])
+                                                          for ks, vs in self.scales], self.checksum, self.name)
+
+
+@dataclass
+class RemoteSnapshot:
+    """A session's cache on its way to Redis: the names of its whole chunks, and its keys and values (in host
+    memory, int8 with their scales or exact) from the first chunk Redis is not known to hold on."""
+
+    token_ids: list[int]
+    fingerprint: Fingerprint
+    session_version: int
+    kind: str  # how its chunks' bytes are stored (part of their names: `chunks.chunk_identity`)
+    chunks: list[str]
+    start: int  # the first chunk whose bytes it carries (those before it Redis held when it was taken)
+    tensors: KVTensors  # the positions from `start` chunks on
+    scales: KVTensors | None
 
 
 @dataclass(frozen=True)
@@ -44,13 +101,30 @@ class RemoteHeader:
     session_id: str
     fingerprint: Fingerprint
     session_version: int
-    shapes: list[list[int]]
+    kind: str
+    chunks: list[str]
+    chunk_tokens: int
+    chunk_nbytes: int  # the stored bytes of one chunk
+    shapes: list[list[int]]  # of the tail's tensors
     dtype: torch.dtype
-    checksum: str
-    nbytes: int
-    scale_shapes: list[list[int]]  # of a quantised cache's float32 scales (after its int8 tensors), or none
-    prefix_key: str | None = None  # the shared segment its first positions are in (its tensors hold the rest)
-    prefix_tokens: int = 0  # that segment's positions
+    scale_shapes: list[list[int]]  # of a quantised tail's float32 scales (after its int8 tensors), or none
+    checksum: str  # of the tail
+    nbytes: int  # of the session's own key: its token ids and tail
+
+    def fetch_nbytes(self, first: int) -> int:
+        """The bytes a fetch of the chunks from `first` on and the session's own key moves."""
+        return (len(self.chunks) - first) * self.chunk_nbytes + self.nbytes
+
+
+@dataclass
+class RemoteCopy:
+    """What a fetch brought: the session's token ids, its chunks from the first asked for (None: gone from Redis)
+    and its tail. Nothing in it is checked yet."""
+
+    token_ids: list[int]
+    first: int
+    chunks: list[StoredKV | None]
+    tail: StoredKV
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -58,23 +132,26 @@ def _dtype(name: str) -> torch.dtype:
 
 
 class RemoteTier:
-    """Caches in Redis, written in the background, shared by every worker."""
+    """Caches in Redis as chains of chunks, written in the background, shared by every worker."""
 
-    def __init__(self, url: str, ttl_s: float, timeout_s: float = 1.0):
+    def __init__(self, url: str, ttl_s: float, timeout_s: float = 1.0, chunk_tokens: int = CHUNK_TOKENS):
         self.ttl_s = int(ttl_s)
+        self.chunk_tokens = chunk_tokens
         self.throughput = Throughput()
         self.errors = 0  # reads that failed
         self.write_errors = 0  # snapshots that could not be written
+        self.counters = {"chunks_written": 0, "chunk_bytes_written": 0, "chunks_renewed": 0,
+                         "chunk_bytes_not_sent": 0, "chunks_lost": 0}  # (written by the writer thread)
         self._write_error_logged_at = float("-inf")
         self._down_until = 0.0
         self._usage = (0, 0)
         self._usage_at = float("-inf")
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._writes: queue.Queue[str | None] = queue.Queue()
-        self._latest: dict[str, HostEntry] = {}
+        self._latest: dict[str, RemoteSnapshot] = {}
         self._lock = threading.Lock()
         self._unwritten: set[str] = set()  # sessions with a snapshot queued or being written
-        self._segments_written: dict[str, float] = {}  # shared segment -> when this tier last wrote it
+        self._held: dict[str, float] = {}  # chunk -> when this tier last wrote or renewed it in Redis
         self._written = threading.Condition(self._lock)
         self._writer = threading.Thread(target=self._write_loop, name="chatd-remote-kv", daemon=True)
         self._writer.start()
@@ -92,27 +169,30 @@ class RemoteTier:
         except UNREACHABLE:
             self.errors += 1
 
-    def put_segment(self, key: str, entry: HostEntry) -> None:
-        """Queue a shared segment's copy, remembered as written (see `holds_segment`)."""
+    def chunks_known(self) -> int:
+        """How many chunks this tier knows Redis holds (written or renewed by it within their retention)."""
         with self._lock:
-            if len(self._segments_written) >= SEGMENTS_REMEMBERED:  # the oldest have expired or soon will
-                for old in sorted(self._segments_written, key=self._segments_written.get)[:SEGMENTS_REMEMBERED // 2]:
-                    del self._segments_written[old]
-            self._segments_written[key] = time.monotonic()
-        self.put(key, entry)
+            return len(self._held)
 
-    def holds_segment(self, key: str) -> bool:
-        """Whether this tier wrote the segment within half its retention, so that it need not be written again
-        (a segment never changes, and the caches that start with it renew its retention as they are written;
-        unless Redis lost it, or another worker deleted a copy that failed its checks)."""
+    def known_chunks(self, chunks: list[str]) -> int:
+        """How many leading `chunks` this tier wrote or renewed in Redis within half their retention, so that a
+        snapshot need not carry them (every write renews the chunks it names; Redis may still have lost one, or
+        another worker deleted one that failed its checks: the writer finds out and sends it again next time)."""
+        deadline = time.monotonic() - self.ttl_s / 2
         with self._lock:
-            return time.monotonic() < self._segments_written.get(key, float("-inf")) + self.ttl_s / 2
+            count = 0
+            for name in chunks:
+                if self._held.get(name, float("-inf")) < deadline:
+                    break
+                count += 1
+            return count
 
-    def put(self, session_id: str, entry: HostEntry) -> None:
-        """Queue a snapshot for writing; only the newest snapshot of a session is written."""
+    def put(self, session_id: str, snapshot: RemoteSnapshot) -> None:
+        """Queue a snapshot for writing; only the newest snapshot of a session is written. (A newer snapshot
+        carries the bytes of every chunk an older one did: chunks are known held only once written.)"""
         with self._lock:
             fresh = session_id not in self._latest
-            self._latest[session_id] = entry
+            self._latest[session_id] = snapshot
             self._unwritten.add(session_id)
         if fresh:
             self._writes.put(session_id)
@@ -140,19 +220,25 @@ class RemoteTier:
             stamp = meta["fingerprint"]
             layout = CacheLayout(**{**stamp["layout"], "dtype": _dtype(stamp["layout"]["dtype"])})
             return RemoteHeader(session_id, Fingerprint(**{**stamp, "layout": layout}), meta["session_version"],
-                                meta["shapes"], _dtype(meta["dtype"]), meta["checksum"], meta["nbytes"],
-                                meta["scale_shapes"], meta["prefix_key"], meta["prefix_tokens"])
+                                meta["kind"], list(meta["chunks"]), meta["chunk_tokens"], meta["chunk_nbytes"],
+                                meta["shapes"], _dtype(meta["dtype"]), meta["scale_shapes"], meta["checksum"],
+                                meta["nbytes"])
         except (KeyError, TypeError, ValueError, AttributeError):
             log.warning("session %s: unreadable remote cache header; deleting it", session_id)
             self.delete(session_id)
             return None
 
-    def fetch(self, header: RemoteHeader) -> HostEntry | None:
-        """The cache behind `header`, or None if its bytes are gone (the header is then deleted)."""
+    def fetch(self, header: RemoteHeader, first: int = 0) -> RemoteCopy | None:
+        """The session's token ids, tail and chunks from `first` on, in one round trip; None if its own bytes are
+        gone (the header is then deleted) or Redis cannot be reached."""
         try:
             started = time.perf_counter()
-            blob = self._redis.get(redis_key(header.session_id, "kv"))
-            self.throughput.record(len(blob or b""), time.perf_counter() - started)
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.get(redis_key(header.session_id, "kv"))
+            for name in header.chunks[first:]:
+                pipe.get(chunk_key(name))
+            blob, *chunks = pipe.execute()
+            self.throughput.record(sum(len(b or b"") for b in (blob, *chunks)), time.perf_counter() - started)
         except UNREACHABLE:
             self._failed()
             return None
@@ -160,16 +246,30 @@ class RemoteTier:
             log.warning("session %s: remote cache header without bytes; deleting it", header.session_id)
             self.delete(header.session_id)
             return None
-        return _deserialize(header, blob)
+        num_tokens = header.fingerprint.num_tokens
+        tail = _stored(_byte_tensor(blob[4 * num_tokens:]), header.shapes, header.dtype, header.scale_shapes,
+                       header.checksum)
+        return RemoteCopy(unpack_ids(blob[:4 * num_tokens]), first,
+                          [_decode_chunk(chunk) if chunk is not None else None for chunk in chunks], tail)
 
     def delete(self, session_id: str) -> None:
-        """Best effort: a header left behind is refused later by its version or fingerprint."""
-        with self._lock:
-            self._segments_written.pop(session_id, None)
+        """Best effort: a header left behind is refused later by its version or fingerprint. Its chunks stay for
+        the other sessions that start with them, until their retention runs out."""
         if time.monotonic() < self._down_until:
             return
         try:
             self._redis.delete(redis_key(session_id, "kvmeta"), redis_key(session_id, "kv"))
+        except UNREACHABLE:
+            self._failed()
+
+    def delete_chunk(self, name: str) -> None:
+        """A chunk failed its checks: gone from Redis, so that the next writer that has it sends it again."""
+        with self._lock:
+            self._held.pop(name, None)
+        if time.monotonic() < self._down_until:
+            return
+        try:
+            self._redis.delete(chunk_key(name))
         except UNREACHABLE:
             self._failed()
 
@@ -203,9 +303,9 @@ class RemoteTier:
         out of memory, refused) is counted and logged once per back-off, and the next snapshot goes on."""
         while (session_id := self._writes.get()) is not None:
             with self._lock:
-                entry = self._latest.pop(session_id)
+                snapshot = self._latest.pop(session_id)
             try:
-                self._write(session_id, entry)
+                self._write(session_id, snapshot)
             except Exception as error:
                 self.write_errors += 1
                 now = time.monotonic()
@@ -220,37 +320,122 @@ class RemoteTier:
                         self._unwritten.discard(session_id)
                         self._written.notify_all()
 
-    def _write(self, session_id: str, entry: HostEntry) -> None:
-        tensors = [t for pair in entry.tensors for t in pair]
-        scales = [t for pair in entry.scales or [] for t in pair]
-        blob = pack_ids(entry.token_ids) + b"".join(
-            t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors + scales)
-        stamp = dataclasses.asdict(entry.fingerprint)
-        stamp["layout"]["dtype"] = str(entry.fingerprint.layout.dtype)
-        meta = {"format": FORMAT_VERSION, "fingerprint": stamp, "session_version": entry.session_version,
-                "shapes": [list(t.shape) for t in tensors], "dtype": str(tensors[0].dtype),
-                "scale_shapes": [list(t.shape) for t in scales], "checksum": entry.checksum, "nbytes": len(blob),
-                "prefix_key": entry.prefix_key, "prefix_tokens": entry.prefix_tokens}
+    def _write(self, session_id: str, snapshot: RemoteSnapshot) -> None:
+        """Renew the chunks Redis holds and send those it lacks (that the snapshot carries), then the session's
+        token ids and tail, then its header: one round trip to learn what Redis holds, one to write."""
         started = time.perf_counter()
-        self._redis.set(redis_key(session_id, "kv"), blob, ex=self.ttl_s)  # bytes first, then the header
-        self._redis.set(redis_key(session_id, "kvmeta"), json.dumps(meta), ex=self.ttl_s)
-        if entry.prefix_key is not None:  # the segment lives as long as a cache that starts with it
-            for part in ("kv", "kvmeta"):
-                self._redis.expire(redis_key(entry.prefix_key, part), self.ttl_s)
-        self.throughput.record(len(blob), time.perf_counter() - started)
+        renew = self._redis.pipeline(transaction=False)
+        for name in snapshot.chunks:
+            renew.expire(chunk_key(name), self.ttl_s)
+        held = renew.execute()
+        pieces = _split(snapshot, self.chunk_tokens)
+        tail = pieces.pop()
+        write = self._redis.pipeline(transaction=False)
+        sent, lost, chunk_nbytes = 0, [], 0
+        for index, name in enumerate(snapshot.chunks):
+            piece = pieces[index - snapshot.start] if index >= snapshot.start else None
+            blob = _encode_chunk(name, piece) if piece is not None else None
+            chunk_nbytes = len(blob) if blob is not None else chunk_nbytes
+            if held[index]:
+                self.counters["chunks_renewed"] += 1
+                if blob is not None:
+                    self.counters["chunk_bytes_not_sent"] += len(blob)  # another session or worker wrote it
+            elif blob is not None:
+                write.set(chunk_key(name), blob, ex=self.ttl_s)
+                sent += len(blob)
+                self.counters["chunks_written"] += 1
+            else:
+                lost.append(name)  # gone from Redis, and this snapshot does not carry it: the next one will
+        tail_bytes = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in _flat(tail.stored))
+        blob = pack_ids(snapshot.token_ids) + tail_bytes
+        stamp = asdict(snapshot.fingerprint)
+        stamp["layout"]["dtype"] = str(snapshot.fingerprint.layout.dtype)
+        meta = {"format": FORMAT_VERSION, "fingerprint": stamp, "session_version": snapshot.session_version,
+                "kind": snapshot.kind, "chunks": snapshot.chunks, "chunk_tokens": self.chunk_tokens,
+                "chunk_nbytes": chunk_nbytes or _chunk_nbytes(tail, self.chunk_tokens),
+                "shapes": [list(t.shape) for t in _flat(tail.tensors)], "dtype": str(tail.tensors[0][0].dtype),
+                "scale_shapes": [list(t.shape) for t in _flat(tail.scales or [])], "checksum": tail.checksum,
+                "nbytes": len(blob)}
+        write.set(redis_key(session_id, "kv"), blob, ex=self.ttl_s)  # bytes first, then the header
+        write.set(redis_key(session_id, "kvmeta"), json.dumps(meta), ex=self.ttl_s)
+        write.execute()
+        self.counters["chunk_bytes_written"] += sent
+        self.throughput.record(sent + len(blob), time.perf_counter() - started)
+        now = time.monotonic()
+        with self._lock:
+            if len(self._held) >= CHUNKS_REMEMBERED:  # the oldest have expired or soon will
+                for old in sorted(self._held, key=self._held.get)[:CHUNKS_REMEMBERED // 2]:
+                    del self._held[old]
+            for name in snapshot.chunks:
+                self._held[name] = now
+            for name in lost:
+                self._held.pop(name, None)
+                self.counters["chunks_lost"] += 1
 
 
-def _deserialize(header: RemoteHeader, blob: bytes) -> HostEntry:
-    """Split the blob back into token ids and tensors as the header describes them; a blob shorter or
-    longer than that still yields tensors, for the checks to refuse."""
-    num_tokens = header.fingerprint.num_tokens
-    ids = unpack_ids(blob[:4 * num_tokens])
-    data = torch.frombuffer(bytearray(blob[4 * num_tokens:]), dtype=torch.uint8)
-    tensors, offset = _tensors(data, 0, header.shapes, header.dtype)
-    scales, _ = _tensors(data, offset, header.scale_shapes, torch.float32)
-    return HostEntry(_pairs(tensors), ids, header.fingerprint, header.checksum, header.session_version,
-                     scales=_pairs(scales) if header.scale_shapes else None, prefix_key=header.prefix_key,
-                     prefix_tokens=header.prefix_tokens)
+def _split(snapshot: RemoteSnapshot, chunk_tokens: int) -> list[StoredKV]:
+    """The snapshot's chunks from its first carried one, then its tail, each contiguous with its checksum."""
+    groups = chunk_tokens // GROUP_TOKENS
+    carried = len(snapshot.chunks) - snapshot.start
+    pieces = []
+    for index in range(carried + 1):
+        start, end = index * chunk_tokens, (index + 1) * chunk_tokens if index < carried else None
+        tensors = [(k[..., start:end, :].contiguous(), v[..., start:end, :].contiguous())
+                   for k, v in snapshot.tensors]
+        scales = None if snapshot.scales is None else [
+            (ks[..., index * groups:(index + 1) * groups if end else None, :].contiguous(),
+             vs[..., start:end, :].contiguous()) for ks, vs in snapshot.scales]
+        piece = StoredKV(tensors, scales, "")
+        piece.checksum = checksum(piece.stored)
+        pieces.append(piece)
+    return pieces
+
+
+def _chunk_nbytes(tail: StoredKV, chunk_tokens: int) -> int:
+    """What one chunk would store, from the tail's bytes per position (for a cache with no chunk written yet)."""
+    per_token = sum(k.element_size() * k.shape[1] * k.shape[3] * 2 for k, _ in tail.tensors)
+    scale_bytes = 0 if tail.scales is None else sum(
+        4 * ks.shape[1] * ks.shape[3] * (chunk_tokens // GROUP_TOKENS) + 4 * vs.shape[1] * chunk_tokens
+        for ks, vs in tail.scales)
+    return per_token * chunk_tokens + scale_bytes
+
+
+def _encode_chunk(name: str, piece: StoredKV) -> bytes:
+    frame = json.dumps({"name": name, "shapes": [list(t.shape) for t in _flat(piece.tensors)],
+                        "dtype": str(piece.tensors[0][0].dtype),
+                        "scale_shapes": [list(t.shape) for t in _flat(piece.scales or [])],
+                        "checksum": piece.checksum}).encode()
+    return _FRAME.pack(len(frame)) + frame + b"".join(
+        t.view(torch.uint8).numpy().tobytes() for t in _flat(piece.stored))
+
+
+def _decode_chunk(blob: bytes) -> StoredKV:
+    """A chunk as Redis holds it; an unreadable frame yields a chunk with no layers, which the checks refuse."""
+    try:
+        (length,) = _FRAME.unpack_from(blob)
+        frame = json.loads(blob[_FRAME.size:_FRAME.size + length])
+        piece = _stored(_byte_tensor(blob[_FRAME.size + length:]), frame["shapes"], _dtype(frame["dtype"]),
+                        frame["scale_shapes"], frame["checksum"])
+        piece.name = frame["name"]
+        return piece
+    except (struct.error, KeyError, TypeError, ValueError, AttributeError):
+        return StoredKV([], None, "unreadable")
+
+
+def _stored(data: torch.Tensor, shapes: list[list[int]], dtype: torch.dtype, scale_shapes: list[list[int]],
+            digest: str) -> StoredKV:
+    tensors, offset = _tensors(data, 0, shapes, dtype)
+    scales, _ = _tensors(data, offset, scale_shapes, torch.float32)
+    return StoredKV(_pairs(tensors), _pairs(scales) if scale_shapes else None, digest)
+
+
+def _byte_tensor(raw: bytes) -> torch.Tensor:
+    """Bytes from Redis as a writable uint8 tensor of their own (one zero byte for none: an empty tail)."""
+    return torch.frombuffer(bytearray(raw) or bytearray(1), dtype=torch.uint8)
+
+
+def _flat(pairs: KVTensors) -> list[torch.Tensor]:
+    return [t for pair in pairs for t in pair]
 
 
 def _tensors(data: torch.Tensor, offset: int, shapes: list[list[int]], dtype: torch.dtype

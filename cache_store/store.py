@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import cache_store.chain as chain
 from cache_store.arena import UNIT, ArenaCache, ArenaFull, TemporaryCache
+from cache_store.chunks import chain_hashes, chunk_identity
 from cache_store.cost_model import CostModel, Throughput
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry, NewCache
@@ -34,6 +35,7 @@ from cache_store.lookup import (
 from cache_store.offload import Offloader
 from cache_store.policy import EvictionPolicy
 from cache_store.quantize import KVDtype
+from cache_store.remote_tier import RemoteSnapshot
 from cache_store.segments import SharedSegments, is_segment, segment_key
 from cache_store.sizing import layer_tokens_needed
 from cache_store.stage_faults import FaultPoints
@@ -41,6 +43,7 @@ from cache_store.tier_moves import TierMoves
 
 log = logging.getLogger(__name__)
 _REMEMBERED_LOSSES = 100_000
+_UNKNOWN = object()
 
 
 class CacheStore:
@@ -79,6 +82,7 @@ class CacheStore:
         self.min_shared_tokens = min_shared_tokens
         self._holders: OrderedDict[str, tuple[str, weakref.ref[CacheEntry]]] = OrderedDict()
         self._turns: dict[str, object] = {}  # session id -> its running turn, from admit to put or abandon
+        self._scopes: OrderedDict[str, str | None] = OrderedDict()  # session id -> its owner, as its turns said
 
     # ##### Public API #####
 
@@ -116,10 +120,11 @@ class CacheStore:
             self.admit(session_id, turn, 0, alone=True)
         if not self.enabled:
             return CacheLookup("miss", 0, miss_reason="disabled")
+        self._remember_scope(session_id, scope)
+        # Another worker completed turns of this session since this worker's copy was written: Redis, which that
+        # worker wrote, may hold the newest, which continues this copy (or else this copy is of no use).
         stale = self._older_than(session_id, session_version)
-        if stale:
-            # Another worker completed turns of this session since this worker's copy was written: it goes,
-            # and the remote tier, which that worker wrote, may hold the newest.
+        if stale and self.remote is None:
             self.device.pop(session_id)
             self.host.discard(session_id)
         source: CacheSource = "device"
@@ -134,20 +139,24 @@ class CacheStore:
             self._count_corruption(cleared)  # (a later copy failed: the turn recomputes from the last good one)
             source = "host"  # (or nothing: the segment it starts with is gone, and it was dropped)
         decision = None
-        header = self.remote.head(session_id) if entry is None and self.remote is not None else None
+        header = self.remote.head(session_id) if (entry is None or stale) and self.remote is not None else None
         if header is not None and header.fingerprint.quantized and self.remote_kv_dtype == "same":
             header = None  # a quantised copy never stands in for an exact one where exact ones are asked for
         if header is not None and header.session_version < session_version:
             self.remote.delete(session_id)
-            return CacheLookup("miss", 0, miss_reason="stale")
+            header = None
         if header is not None:
-            segment = self._segment_for(prompt_ids, prefix_len, scope)
-            entry, decision, failed = self._moves.from_remote(session_id, header, segment)
-            if failed:
+            held = entry or self._segment_for(prompt_ids, prefix_len, scope)
+            fetched, decision, failed = self._moves.from_remote(session_id, header, held, self._scope(session_id))
+            if failed and fetched is None:
                 return self.report_corruption(session_id, failed)
-            if entry is not None:
-                source = "remote"
-        if entry is None and stale:
+            self._count_corruption(failed)  # (a chunk failed: the turn recomputes from the last good one)
+            if fetched is not None:
+                entry, source, cleared = fetched, "remote", failed
+                self._hold_policy(session_id, entry, prompt_ids, prefix_len, scope)
+        if stale and source != "remote":
+            self.device.pop(session_id)
+            self.host.discard(session_id)
             return CacheLookup("miss", 0, miss_reason="stale", remote=decision)
         if entry is None:
             return dataclasses.replace(self._start_from_prefix(session_id, prompt_ids, prefix_len, scope),
@@ -295,8 +304,8 @@ class CacheStore:
     def drop(self, session_id: str) -> None:
         """Drop a session's cache from every tier; its next turn recomputes. Dropping a shared segment drops
         every resident cache that starts with it (a cache that names it in a lower tier finds it again, or
-        recomputes), and this process's copies of it: its Redis copy, shared by every worker and checked on
-        every fetch, goes only when that copy fails a check."""
+        recomputes) and its host copy. A session's chunks in Redis stay for the sessions that share them (each is
+        checked on every fetch, and deleted when it fails)."""
         if is_segment(session_id):
             for dependent in self.segments.drop(session_id):
                 self.remember_loss(dependent)
@@ -309,6 +318,7 @@ class CacheStore:
         """The session is closed: drop its cache and everything known about it."""
         self.drop(session_id)
         self._lost.pop(session_id, None)
+        self._scopes.pop(session_id, None)
         self.connected.discard(session_id)
 
     def evict_one(self) -> bool:
@@ -375,6 +385,8 @@ class CacheStore:
         if self.remote is not None:
             stats["remote_bytes"], stats["remote_budget_bytes"] = self.remote.usage()
             stats["remote_read_errors"], stats["remote_write_errors"] = self.remote.errors, self.remote.write_errors
+            stats.update({f"remote_{name}": value for name, value in self.remote.counters.items()})
+            stats["remote_chunks_known"] = self.remote.chunks_known()
         return stats
 
     # ##### Helpers #####
@@ -414,19 +426,50 @@ class CacheStore:
         return CacheLookup("prefix", len(prompt), entry)
 
     def _share(self, session_id: str, entry: CacheEntry) -> None:
-        """Write the cache to Redis, in the background: its own positions, naming the shared segment it starts
-        with (written there once, exact, as the host tier holds it, under the segment's owner-scoped key), or
-        every position when it starts with none."""
-        prefix = entry.cache.prefix if isinstance(entry.cache, ArenaCache) else None
-        segment = self.device.peek(prefix.segment_key) if prefix is not None and prefix.segment_key else None
-        if segment is None:
-            self.remote.put(session_id, self.offloader.offload(entry, kv_dtype=self.remote_kv_dtype, whole=True))
+        """Write the cache to Redis, in the background, as a chain of chunks named for its owner: the snapshot
+        copies only the positions from the first chunk Redis is not known to hold (a shared policy's chunks, and
+        the turns before, are there already), int8 quantised once, when first written."""
+        kind = "int8" if self.remote_kv_dtype == "int8" else "from-int8" if entry.quantized else "exact"
+        chunks = chain_hashes(entry.token_ids, chunk_identity(self.model_key, self._scope(session_id), self.layout,
+                                                              kind), self.remote.chunk_tokens)
+        start = self.remote.known_chunks(chunks)
+        tensors, scales = self.offloader.snapshot(entry, start * self.remote.chunk_tokens, self.remote_kv_dtype)
+        stamp = dataclasses.replace(entry.fingerprint, quantized="int8") if scales is not None else entry.fingerprint
+        self.remote.put(session_id, RemoteSnapshot(list(entry.token_ids), stamp, entry.session_version, kind, chunks,
+                                                   start, tensors, scales))
+        self.counters["remote_snapshot_bytes"] += sum(k.nbytes + v.nbytes for k, v in [*tensors, *(scales or [])])
+        # the keys and values (in the model's dtype) of the chunks Redis holds: neither copied nor sent
+        self.counters["remote_snapshot_kv_bytes_skipped"] += start * self.remote.chunk_tokens * self.layout.token_bytes
+
+    def _scope(self, session_id: str) -> str:
+        """Whose chunks the session's cache is made of: its owner's (every owner's when the server has no keys);
+        a session never looked up here (no owner known) has chunks of its own."""
+        scope = self._scopes.get(session_id, _UNKNOWN)
+        return f"session:{session_id}" if scope is _UNKNOWN else f"owner:{scope or '*'}"
+
+    def _remember_scope(self, session_id: str, scope: str | None) -> None:
+        self._scopes[session_id] = scope
+        self._scopes.move_to_end(session_id)
+        while len(self._scopes) > _REMEMBERED_LOSSES:
+            self._scopes.popitem(last=False)
+
+    def _hold_policy(self, session_id: str, entry: CacheEntry, prompt_ids: Sequence[int], prefix_len: int,
+                     scope: str | None) -> None:
+        """After a restore from Redis, make the whole units of the prompt's system prompt a shared segment here
+        (nothing copied) when none holds it yet: the next session with that policy starts with it, and a later
+        restore from Redis fetches none of its chunks."""
+        tokens = prefix_len // UNIT * UNIT
+        key = segment_key(prompt_ids[:prefix_len], scope)
+        if (tokens < max(UNIT, self.min_shared_tokens) or not isinstance(entry.cache, ArenaCache)
+                or entry.prefix_tokens or entry.num_tokens <= tokens or key in self.device
+                or entry.token_ids[:prefix_len] != list(prompt_ids[:prefix_len])):
             return
-        if not self.remote.holds_segment(prefix.segment_key):
-            self.remote.put_segment(prefix.segment_key, self.offloader.offload(segment, whole=True))
-            self.counters["remote_segment_writes"] += 1
-        self.remote.put(session_id, self.offloader.offload(entry, kv_dtype=self.remote_kv_dtype))
-        self.counters["remote_shared_bytes_skipped"] += entry.prefix_tokens * self.layout.token_bytes
+        segment = CacheEntry(chain.split(entry.cache, tokens), entry.token_ids[:tokens])
+        segment.cache.segment_key = key
+        self.segments.stamp(key, segment)
+        self.device.put(key, segment)
+        entry.checksum = checksum(entry.tensors())
+        self.counters["remote_policies_held"] += 1
 
     def _segment_for(self, prompt_ids: Sequence[int], prefix_len: int, scope: str | None) -> CacheEntry | None:
         """The checked segment holding the prompt's first `prefix_len` ids: the owner's own, or a warm prompt

@@ -1,6 +1,7 @@
 """Moving caches between tiers, checked both ways: an evicted cache offloaded to the host tier (exact or
-int8; a shared segment once, exact), a host or Redis copy checked and restored onto the device, starting with
-the shared segment it names (resident, or restored first), so that a segment is never copied twice.
+int8; a shared segment once, exact), a host copy checked and restored onto the device, starting with the shared
+segment it names (resident, or restored first), so that a segment is never copied twice; a Redis copy's chunks
+fetched and checked from the first the device does not hold.
 
 Part of the cache store (`CacheStore` decides what moves; this does the moving), in the engine thread.
 """
@@ -12,22 +13,31 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
 import cache_store.chain as chain
 from cache_store.arena import ArenaCache, ArenaFull
+from cache_store.chunks import chain_hashes, chunk_identity, shared_chunks
 from cache_store.cost_model import CostModel, RemoteDecision
 from cache_store.device_tier import DeviceTier
-from cache_store.entry import CacheEntry, NewCache
+from cache_store.entry import CacheEntry, NewCache, entry_from_parts
 from cache_store.host_tier import HostTier
 from cache_store.identity import CacheLayout
-from cache_store.integrity import Check, check_finite, check_identity, check_scales, check_tensors, checksum
+from cache_store.integrity import (
+    Check,
+    check_finite,
+    check_identity,
+    check_scales,
+    check_tensors,
+    checksum,
+    fingerprint,
+)
 from cache_store.lookup import CopyObserver, RemoteCaches
 from cache_store.offload import HostEntry, Offloader, host_nbytes
-from cache_store.quantize import GROUP_TOKENS, KVDtype
-from cache_store.remote_tier import RemoteHeader
+from cache_store.quantize import KVDtype
+from cache_store.remote_tier import RemoteCopy, RemoteHeader, StoredKV
 from cache_store.segments import SharedSegments, is_segment
 from cache_store.stage_faults import FaultPoints
 
@@ -82,74 +92,110 @@ class TierMoves:
             store.report_corruption(key, failed)
         return segment
 
-    def from_remote(self, session_id: str, header: RemoteHeader, segment: CacheEntry | None
-                     ) -> tuple[CacheEntry | None, RemoteDecision, tuple[Check, ...]]:
-        """The session's cache from the remote tier, when fetching it is estimated to be faster than
-        recomputing it; it passes every restore check before use. A copy that names the shared segment it
-        starts with continues that segment, found here (device or host) or fetched once from Redis (the cost
-        counts only what is fetched). A whole copy whose first positions `segment` (resident) holds starts
-        with it, and only the positions after it are copied onto the device."""
+    def from_remote(self, session_id: str, header: RemoteHeader, held: CacheEntry | None, scope: str
+                    ) -> tuple[CacheEntry | None, RemoteDecision, tuple[Check, ...]]:
+        """The session's cache from Redis, when fetching is estimated to be faster than recomputing. `held` (a
+        checked cache on the device: the session's own older copy, or the shared segment its prompt starts with)
+        keeps the positions whose chunks it has, and only the chunks after them and the tail are fetched (the cost
+        counts only those bytes). Every chunk passes every check before use; a chunk gone or damaged ends the
+        chain there (a damaged one is deleted from Redis): the cache is restored up to the last good chunk, with
+        the failure, and its turn recomputes the rest."""
         store = self.store
-        fetched_segment = None
-        if header.prefix_key is not None and header.prefix_key not in store.device \
-                and header.prefix_key not in store.host:
-            fetched_segment = store.remote.head(header.prefix_key)
-            if fetched_segment is None:  # gone from Redis: the copy cannot be continued
-                store.remote.delete(session_id)
-                return None, RemoteDecision("recompute", None, None), ()
-        decision = store.cost.decide(header.nbytes + (fetched_segment.nbytes if fetched_segment else 0),
-                                     header.fingerprint.num_tokens)
+        size = header.chunk_tokens
+        identity = chunk_identity(store.model_key, scope, store.layout, header.kind)
+        held = held if held is not None and isinstance(held.cache, ArenaCache) else None
+        keep = 0
+        if held is not None and held.cache.frozen:  # a segment: started with whole, if the ids say it may be
+            keep = held.num_tokens if held.num_tokens <= header.fingerprint.num_tokens else 0
+        elif held is not None:
+            matched = shared_chunks(chain_hashes(held.token_ids, identity, size), header.chunks)
+            keep = min(max(matched * size, held.prefix_tokens), held.num_tokens, header.fingerprint.num_tokens)
+        held = held if keep else None
+        first = keep // size
+        decision = store.cost.decide(header.fetch_nbytes(first), header.fingerprint.num_tokens - keep)
         if decision.choice == "recompute":
             return None, decision, ()
         started = time.perf_counter()
-        host_entry = store.remote.fetch(header)
-        if host_entry is None:
+        copy = store.remote.fetch(header, first)
+        if copy is None:
             return None, decision, ()
-        if failed := self.check_host_entry(session_id, host_entry):
+        failed = check_identity(header.fingerprint, store.model_key, session_id, copy.token_ids, store.layout) \
+            or (chain_hashes(copy.token_ids, identity, size) != header.chunks and "fingerprint")
+        if failed:
+            return None, decision, (failed,)
+        if held is not None and copy.token_ids[:keep] != held.token_ids[:keep]:
+            return None, decision, ()  # (the held positions are not this cache's after all)
+        parts, failed = self._good_parts(header, copy, keep - first * size)
+        store.counters["remote_chunks_fetched"] += len(copy.chunks)
+        store.counters["remote_bytes_not_fetched"] += first * header.chunk_nbytes
+        if not parts and keep == 0:
             return None, decision, failed
-        if header.prefix_key is not None:
-            segment, failed = self._remote_segment(header.prefix_key, host_entry, fetched_segment)
-            if failed or segment is None:
-                return None, decision, failed
-        elif segment is not None and host_entry.token_ids[:segment.num_tokens] == segment.token_ids and \
-                segment.num_tokens % GROUP_TOKENS == 0:  # (a segment is whole units: always on a key group's edge)
-            skip, groups = segment.num_tokens, segment.num_tokens // GROUP_TOKENS
-            host_entry = dataclasses.replace(
-                host_entry, tensors=[(k[..., skip:, :], v[..., skip:, :]) for k, v in host_entry.tensors],
-                scales=None if host_entry.scales is None else [(ks[..., groups:, :], vs[..., skip:, :])
-                                                               for ks, vs in host_entry.scales],
-                prefix_key=segment.cache.segment_key, prefix_tokens=skip)
+        covered = keep + sum(part.tokens for part in parts)
+        tensors = store.offloader.to_device([(part.tensors, part.scales) for part in parts], store.layout.dtype)
+        fetched_s = time.perf_counter() - started
+        own_bytes = (covered - (held.prefix_tokens if held is not None else 0)) * store.layout.token_bytes
+        keep_keys = [session_id, *(s.segment_key for s in chain.segments(held.cache))] if held is not None else []
+        if held is not None and held.cache.frozen:
+            keep_keys.append(held.cache.segment_key)
+        store.make_room(store.device.extra_bytes(session_id, own_bytes), keep=keep_keys or session_id)
+        copy_started = time.perf_counter()
+        if held is not None and not held.cache.frozen:  # the session's own older copy: continued in place
+            held.crop(keep)
+            held.cache.append_parts(tensors)
+            held.token_ids[keep:] = copy.token_ids[keep:covered]
+            entry = held
         else:
-            segment = None
-        entry = self.adopt(session_id, host_entry, "remote", started, segment)
+            entry = entry_from_parts(store.new_cache, tensors, copy.token_ids[:covered], owned=True,
+                                     prefix=held.cache if held is not None else None)
+        lossy = header.fingerprint.quantized or (held.quantized if held is not None else None)
+        entry.fingerprint = dataclasses.replace(header.fingerprint, quantized=lossy)
+        if covered < header.fingerprint.num_tokens:
+            entry.fingerprint = dataclasses.replace(fingerprint(entry, store.model_key, session_id, store.layout),
+                                                    quantized=lossy)
+        entry.checksum = checksum(entry.tensors())
+        entry.session_version = header.session_version
+        store.device.put(session_id, entry, connected=session_id in store.connected)
+        store.on_copy("restore", "remote", fetched_s + time.perf_counter() - copy_started)
         store.counters["remote_restores"] += 1
-        return entry, decision, ()
+        return entry, decision, failed
 
-    def _remote_segment(self, key: str, host_entry: HostEntry, header: RemoteHeader | None
-                        ) -> tuple[CacheEntry | None, tuple[Check, ...]]:
-        """The shared segment a remote copy starts with: here (device or host, checked), or else fetched from
-        Redis (`header`, when already read) and checked like any cache; one that fails is cleared everywhere,
-        so every cache that starts with it recomputes. None without a failure when it is gone or holds other
-        positions."""
+    def _good_parts(self, header: RemoteHeader, copy: RemoteCopy, skip: int
+                    ) -> tuple[list[StoredKV], tuple[Check, ...]]:
+        """The fetched chunks (the first after `skip` positions the device holds), then the tail, up to the first
+        that is gone or fails a check; and that failure."""
         store = self.store
-        ids = host_entry.token_ids[:host_entry.prefix_tokens]
-        segment = self.find_segment(key, ids) if header is None else None
-        if segment is None:
-            header = header or store.remote.head(key)
-            segment_copy = store.remote.fetch(header) if header is not None else None
-            if segment_copy is None:
-                return None, ()
-            if failed := self.check_host_entry(key, segment_copy):
-                log.warning("shared segment %s from Redis failed the %s check; cleared", key, ", ".join(failed))
-                store.drop(key)  # (counted once, as the session's corruption, by the caller)
-                store.remote.delete(key)
-                return None, failed
-            segment = self.adopt(key, segment_copy, "remote", time.perf_counter())
-            segment.cache.frozen, segment.cache.segment_key = True, key
-            store.counters["remote_segment_restores"] += 1
-        if segment.token_ids != ids:
-            return None, ()
-        return segment, ()
+        quantized, size = header.kind == "int8", header.chunk_tokens
+        parts: list[StoredKV] = []
+        for index, piece in enumerate(copy.chunks, start=copy.first):
+            if piece is None:
+                store.counters["remote_chunks_missing"] += 1
+                log.warning("session %s: chunk %d of its Redis copy is gone; restoring the chunks before it",
+                            header.session_id, index)
+                return parts, ()
+            failed = (piece.name != header.chunks[index] and "fingerprint") \
+                or self._check_stored(piece, size, quantized)
+            if failed:
+                log.warning("session %s: chunk %d of its Redis copy failed the %s check; deleted, restoring the "
+                            "chunks before it", header.session_id, index, failed)
+                store.remote.delete_chunk(header.chunks[index])
+                return parts, (failed,)
+            parts.append(piece.after(skip))
+            skip = 0
+        tail_tokens = header.fingerprint.num_tokens - len(header.chunks) * size
+        if failed := self._check_stored(copy.tail, tail_tokens, quantized):
+            log.warning("session %s: the tail of its Redis copy failed the %s check", header.session_id, failed)
+            return parts, (failed,)
+        return [*parts, copy.tail.after(skip)], ()
+
+    def _check_stored(self, piece: StoredKV, tokens: int, quantized: bool) -> Check | None:
+        """Shapes, the checksum of every stored byte (scales included) and finite values (of the scales, for int8)
+        of a chunk or tail from Redis."""
+        layout = self.store.layout
+        stored_layout = dataclasses.replace(layout, dtype=torch.int8) if quantized else layout
+        return (check_tensors(piece.tensors, tokens, stored_layout)
+                or (quantized and (check_scales(piece.scales, tokens, layout) if piece.scales else "shape"))
+                or (checksum(piece.stored) != piece.checksum and "checksum")
+                or check_finite(piece.scales if quantized else piece.tensors))
 
     def restore(self, key: str) -> tuple[CacheEntry | None, tuple[Check, ...]]:
         """Bring a host entry (a session's, or a shared segment's) back to the device once it passes every
@@ -179,7 +225,7 @@ class TierMoves:
                 store.remember_loss(key)
                 return None, ()
         try:
-            entry = self.adopt(key, host_entry, "host", started, segment)
+            entry = self.adopt(key, host_entry, started, segment)
         except ArenaFull:
             if not is_segment(key):
                 store.host.put(key, host_entry)  # kept where it was, for when there is room
@@ -221,8 +267,8 @@ class TierMoves:
                 or (checksum(host_entry.stored) != host_entry.checksum and "checksum")
                 or check_finite(host_entry.scales if quantized else host_entry.tensors))
 
-    def adopt(self, session_id: str, host_entry: HostEntry, tier: Literal["host", "remote"],
-               started: float, segment: CacheEntry | None = None) -> CacheEntry:
+    def adopt(self, session_id: str, host_entry: HostEntry, started: float, segment: CacheEntry | None = None
+              ) -> CacheEntry:
         """Put a checked host entry back on the device, starting with `segment` when it names one. Its restore
         time, observed from `started`, counts the fetch, the checks and the copy, not the evictions that made
         room for it."""
@@ -242,10 +288,9 @@ class TierMoves:
         # chain of copies is new bytes.
         same_bytes = entry.tensors()[0][0].device.type == "cpu" and host_entry.scales is None \
             and host_entry.base is None
-        remote_sliced = tier == "remote" and segment is not None
-        entry.checksum = host_entry.checksum if same_bytes and not remote_sliced else checksum(entry.tensors())
+        entry.checksum = host_entry.checksum if same_bytes else checksum(entry.tensors())
         store.device.put(session_id, entry, connected=session_id in store.connected)
-        store.on_copy("restore", tier, fetched_s + time.perf_counter() - copy_started)
+        store.on_copy("restore", "host", fetched_s + time.perf_counter() - copy_started)
         return entry
 
     def offload(self, session_id: str) -> None:

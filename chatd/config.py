@@ -11,6 +11,7 @@ import torch
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from cache_store.chunks import CHUNK_TOKENS
 from cache_store.quantize import KVDtype
 from chatd.model.loader import default_cache_dir
 
@@ -82,6 +83,9 @@ class Settings(BaseSettings):
     remote_kv_dtype: KVDtype = Field("same", description="how caches are kept in Redis: same (exact) or int8 "
                                                          "(a quarter of the bytes in float32; with same, int8 "
                                                          "copies written by other workers are not used)")
+    remote_kv_chunk_tokens: int = Field(CHUNK_TOKENS, ge=16, multiple_of=16, description=(
+        "positions per chunk of a cache in Redis: a chunk Redis holds (a shared policy, earlier turns) is not "
+        "written or fetched again (docs/benchmarks.md)"))
     shared_prompt_min_tokens: int = Field(
         256, ge=16, description="a system prompt of at least this many tokens is held once on the device, a "
                                 "segment that its sessions start with and that a batched step reads once; a "

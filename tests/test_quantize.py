@@ -128,11 +128,12 @@ def test_a_corrupted_int8_host_entry_is_caught(damage):
 def test_redis_holds_under_a_third_of_the_bytes_and_a_flipped_byte_is_caught(redis_db):
     writer_tier = RemoteTier(redis_db.url, ttl_s=60)
     writer = store("same", host_budget_bytes=10 * CACHE_BYTES, remote=writer_tier, remote_kv_dtype="int8")
+    writer.lookup("s", [3, 4])  # (a turn looks its cache up, then writes it back)
     writer.put("s", entry(3, "s"))
     writer_tier.close()  # flushes the background write
     reader_tier = RemoteTier(redis_db.url, ttl_s=60)
     header = reader_tier.head("s")
-    assert header.fingerprint.quantized == "int8" and header.nbytes < CACHE_BYTES / 3.4
+    assert header.fingerprint.quantized == "int8" and header.fetch_nbytes(0) < CACHE_BYTES / 3.4
     exact_only = store("same", host_budget_bytes=10 * CACHE_BYTES, remote=reader_tier)
     prompt = list(range(3, 3 + TOKENS)) + [7]
     assert exact_only.lookup("s", prompt).source == "miss"  # an int8 copy never passes for an exact one
@@ -142,5 +143,7 @@ def test_redis_holds_under_a_third_of_the_bytes_and_a_flipped_byte_is_caught(red
     raw[-10] ^= 0x01  # a byte of the last scale
     reader_tier._redis.set(blob_key, bytes(raw))
     lookup = reader.lookup("s", prompt)  # nothing measured yet: the cost model fetches
-    assert lookup.source == "miss" and lookup.cleared == ("checksum",), lookup
+    whole_chunks = TOKENS // reader_tier.chunk_tokens * reader_tier.chunk_tokens
+    assert (lookup.source, lookup.cached_tokens, lookup.cleared) == ("remote", whole_chunks, ("checksum",)), \
+        "restored up to the damaged tail"
     reader_tier.close()

@@ -8,10 +8,15 @@ import urllib.request
 
 import pytest
 import redis.asyncio as redis
+import torch
+from transformers import DynamicCache
 from websockets.asyncio.client import connect
 
+from cache_store import CacheEntry, CacheLayout, Offloader
+from cache_store.chunks import chain_hashes, chunk_identity
 from cache_store.cost_model import CostModel, Throughput
-from cache_store.remote_tier import RemoteTier
+from cache_store.integrity import fingerprint
+from cache_store.remote_tier import RemoteSnapshot, RemoteTier, chunk_key
 from chatd.api.server import ChatServer
 from chatd.config import Settings
 from chatd.tools.client import ChatClient
@@ -138,21 +143,18 @@ def test_after_a_failure_the_remote_tier_is_skipped_instead_of_waited_on():
     remote.close()
 
 
-def snapshot(tokens: int):
-    """A host copy of a small cache, as the store hands the remote writer."""
-    import torch
-    from transformers import DynamicCache
-
-    from cache_store import CacheEntry, CacheLayout, Offloader
-    from cache_store.integrity import fingerprint
-
+def snapshot(tokens: int) -> RemoteSnapshot:
+    """A small cache's snapshot, as the store hands the remote writer."""
     cache = DynamicCache()
     for layer in range(2):
         keys = torch.randn(1, 2, tokens, 8)
         cache.update(keys, keys + 1, layer)
     entry = CacheEntry(cache, list(range(tokens)))
-    entry.fingerprint = fingerprint(entry, "model", "owner", CacheLayout(2, 2, 8, torch.float32))
-    return Offloader(torch.device("cpu")).offload(entry)
+    layout = CacheLayout(2, 2, 8, torch.float32)
+    entry.fingerprint = fingerprint(entry, "model", "owner", layout)
+    chunks = chain_hashes(entry.token_ids, chunk_identity("model", "owner:*", layout, "exact"))
+    tensors, scales = Offloader(torch.device("cpu")).snapshot(entry, 0)
+    return RemoteSnapshot(entry.token_ids, entry.fingerprint, 0, "exact", chunks, 0, tensors, scales)
 
 
 async def test_the_remote_writer_goes_on_after_redis_refuses_a_write(redis_server):
@@ -186,10 +188,13 @@ POLICY = ("You are the support agent of Northwind Internet. Refunds take 14 days
           "the order number first.")
 
 
+CHUNKED = {"remote_kv_chunk_tokens": 16}  # short chunks, so that the tiny model's short conversations have some
+
+
 async def policy_conversation(tiny, redis_db, damage=None):
     """Two turns of a session on worker A, another session with the same policy on worker B (which then holds
     the policy's segment), optional damage, and the session's third turn on worker B."""
-    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, shared_prompt_min_tokens=16)
+    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, shared_prompt_min_tokens=16, **CHUNKED)
     async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
         session_id = (await on_a.open_session(system=POLICY)).session_id
         reference_id = (await reference.open_session(system=POLICY)).session_id
@@ -215,19 +220,18 @@ async def policy_conversation(tiny, redis_db, damage=None):
 
 async def test_a_remote_cache_restored_where_its_policy_is_resident_starts_with_it(tiny, redis_db):
     done, chained, counters = await policy_conversation(tiny, redis_db)
-    assert done.cache.source == "remote" and chained, "only the positions after worker B's own policy copied"
+    assert done.cache.source == "remote" and chained, "only the chunks after worker B's own policy fetched"
+    assert counters["remote_bytes_not_fetched"] > 0
     assert not [name for name in counters if name.startswith("corrupt_")]
 
 
-async def flip_a_policy_byte(url, session_id, _):
-    """A byte of the first layer's keys of the session's copy (its own positions, after the policy, which is
-    stored once under the policy's key and which the receiving worker holds itself)."""
+async def flip_a_byte_of_its_last_chunk(url, session_id, _):
+    """A byte of the keys of the session's last whole chunk (after the policy, which the receiving worker holds)."""
     client = redis.Redis.from_url(url)
-    key = f"chatd:{{{session_id}}}:kv"
-    blob = bytearray(await client.get(key))
-    header = json.loads(await client.get(f"chatd:{{{session_id}}}:kvmeta"))
-    blob[4 * header["fingerprint"]["num_tokens"] + 16] ^= 0x01
-    await client.set(key, bytes(blob))
+    name = json.loads(await client.get(f"chatd:{{{session_id}}}:kvmeta"))["chunks"][-1]
+    blob = bytearray(await client.get(chunk_key(name)))
+    blob[-100] ^= 0x01
+    await client.set(chunk_key(name), bytes(blob))
     await client.aclose()
 
 
@@ -238,14 +242,14 @@ async def corrupt_the_resident_policy(_, __, engine):
         lambda store: [corrupt(store, key, "bitflip", "device") for key in store.device if is_segment(key)]))
 
 
-@pytest.mark.parametrize(("damage", "source"), [(flip_a_policy_byte, "miss"), (corrupt_the_resident_policy, "remote")])
-async def test_a_damaged_policy_in_redis_or_on_the_receiving_worker_is_caught_and_the_reply_is_right(
-        tiny, redis_db, damage, source):
+@pytest.mark.parametrize("damage", [flip_a_byte_of_its_last_chunk, corrupt_the_resident_policy])
+async def test_a_damaged_chunk_in_redis_or_policy_on_the_receiving_worker_is_caught_and_the_reply_is_right(
+        tiny, redis_db, damage):
     done, _, counters = await policy_conversation(tiny, redis_db, damage)
-    assert done.cache.source == source and counters["corrupt_checksum"] == 1
+    assert done.cache.source == "remote" and counters["corrupt_checksum"] == 1
 
 
-async def flip_a_byte_of_the_shared_policy(client: redis.Redis, key: str) -> bytes:
+async def flip_a_byte_of_a_shared_chunk(client: redis.Redis, key: str) -> bytes:
     blob = bytearray(await client.get(key))
     blob[-8] ^= 0x01
     await client.set(key, bytes(blob))
@@ -253,12 +257,13 @@ async def flip_a_byte_of_the_shared_policy(client: redis.Redis, key: str) -> byt
 
 
 @pytest.mark.parametrize("damaged", [False, True])
-async def test_sessions_sharing_a_policy_store_it_once_and_another_worker_fetches_it_once(tiny, redis_db, damaged):
-    """Three conversations with one policy on worker A: Redis holds the policy's positions once (each session's
-    copy holds its own positions and names the policy's segment); worker B, which has never seen the policy,
-    fetches it once and continues all three exactly. A corrupted policy in Redis is caught at its first fetch
-    and cleared: every conversation still answers right (recomputed)."""
-    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, shared_prompt_min_tokens=16)
+async def test_sessions_sharing_a_policy_store_its_chunks_once_and_another_worker_fetches_them_once(
+        tiny, redis_db, damaged):
+    """Three conversations with one policy on worker A: their chains in Redis start with the same chunks, stored
+    once; worker B, which has never seen the policy, fetches them once (then holds the policy as a segment) and
+    continues all three exactly. A corrupted policy chunk in Redis is caught at its first fetch and deleted: every
+    conversation still answers right, and the next write heals Redis."""
+    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, shared_prompt_min_tokens=16, **CHUNKED)
     async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
         pairs = []
         for question in QUESTIONS:
@@ -269,12 +274,13 @@ async def test_sessions_sharing_a_policy_store_it_once_and_another_worker_fetche
             await wait_for_remote(redis_db.url, session_id, 1)
             pairs.append((session_id, reference_id))
         client = redis.Redis.from_url(redis_db.url)
-        (policy,) = [key async for key in client.scan_iter("chatd:{prefix:*}:kv")]
-        for session_id, _ in pairs:
-            meta = json.loads(await client.get(f"chatd:{{{session_id}}}:kvmeta"))
-            own = meta["fingerprint"]["num_tokens"] - meta["prefix_tokens"]
-            assert meta["prefix_key"] in policy.decode() and meta["shapes"][0][2] == own < 16 + 20
-        damage = await flip_a_byte_of_the_shared_policy(client, policy) if damaged else None
+        chains = [json.loads(await client.get(f"chatd:{{{session_id}}}:kvmeta"))["chunks"] for session_id, _ in pairs]
+        policy_chunks = [name for name in chains[0] if all(name in chain for chain in chains)]
+        assert policy_chunks and policy_chunks == chains[0][:len(policy_chunks)]
+        held = {key.decode() async for key in client.scan_iter("chatd:kvchunk:*")}
+        assert held == {chunk_key(name) for chain in chains for name in chain}, "each chunk once"
+        shared = chunk_key(policy_chunks[0])
+        damage = await flip_a_byte_of_a_shared_chunk(client, shared) if damaged else None
         worker_b = servers[1].engine
         worker_b.cache.cost.prefill_tokens_per_s = 1.0  # make worker B fetch (see `conversation`)
         sources = []
@@ -288,33 +294,58 @@ async def test_sessions_sharing_a_policy_store_it_once_and_another_worker_fetche
         counters = worker_b.cache.counters
         if damaged:
             assert sources[0] == ("miss", "corrupt") and counters["corrupt_checksum"] == 1
-            # Cleared, then written again by worker B from the policy it recomputed: Redis is healed.
-            assert await client.get(policy) not in (None, damage)
+            # Deleted, then written again by worker B from the policy it recomputed: Redis is healed.
+            await wait_for_remote(redis_db.url, pairs[0][0], 2)
+            assert await client.get(shared) not in (None, damage)
         else:
-            assert sources == [("remote", None)] * len(pairs) and counters["remote_segment_restores"] == 1
-            writer = servers[0].engine.cache.counters
-            assert writer["remote_segment_writes"] == 1 and writer["remote_shared_bytes_skipped"] > 0
+            assert sources == [("remote", None)] * len(pairs) and counters["remote_policies_held"] == 1
+            assert counters["remote_bytes_not_fetched"] > 0, "the policy's chunks fetched once"
+            writer = servers[0].engine.cache.stats()
+            assert writer["remote_chunks_renewed"] > 0 and writer["remote_snapshot_kv_bytes_skipped"] > 0
             metrics = await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{servers[1].port}/metrics")
-            assert re.search(r'chatd:kv_shared_segment_restores_total\{model_name="[^"]+",tier="remote"\} 1\.0',
+            assert re.search(r'chatd:kv_remote_chunk_bytes_total\{kind="not_fetched",model_name="[^"]+"\} [1-9]',
                              metrics.read().decode())
         await client.aclose()
 
 
-async def test_two_keys_with_the_same_policy_never_share_its_copy_in_redis(tiny, redis_db):
-    """A shared segment is scoped to its owner in Redis too: the same policy under two API keys is two segments,
-    and each session's copy names its own key's."""
+async def test_two_keys_with_the_same_policy_never_share_its_chunks_in_redis(tiny, redis_db):
+    """Chunks are named for their owner: the same policy under two API keys is two chains."""
     settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, shared_prompt_min_tokens=16,
-                        api_key=["key-a", "key-b"])
+                        api_key=["key-a", "key-b"], **CHUNKED)
     async with ChatServer(settings, load=lambda: tiny) as server:
         await server.wait_ready()
-        named = {}
+        chains = {}
         for key in ("key-a", "key-b"):
             async with await ChatClient.connect(server.url, api_key=key) as client:
                 session_id = (await client.open_session(system=POLICY)).session_id
                 await (await client.chat(session_id, QUESTIONS[0], max_new_tokens=4)).result()
             await wait_for_remote(redis_db.url, session_id, 1)
             client = redis.Redis.from_url(redis_db.url)
-            named[key] = json.loads(await client.get(f"chatd:{{{session_id}}}:kvmeta"))["prefix_key"]
-            policies = {key async for key in client.scan_iter("chatd:{prefix:*}:kv")}
+            chains[key] = json.loads(await client.get(f"chatd:{{{session_id}}}:kvmeta"))["chunks"]
             await client.aclose()
-        assert named["key-a"] != named["key-b"] and len(policies) == 2
+        assert chains["key-a"] and chains["key-b"] and not set(chains["key-a"]) & set(chains["key-b"])
+
+
+async def test_a_conversation_alternating_workers_fetches_only_the_chunks_each_lacks(tiny, redis_db):
+    """Turn by turn on worker A, then B, then A...: each turn continues the copy its worker holds from two turns
+    before with only the chunks after it, and answers as a server with no cache at all."""
+    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, **CHUNKED)
+    async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
+        for server in servers[:2]:
+            server.engine.cache.cost.prefill_tokens_per_s = 1.0  # always fetch (see `conversation`)
+        session_id = (await on_a.open_session(system="Be brief.")).session_id
+        reference_id = (await reference.open_session(system="Be brief.")).session_id
+        questions = [*QUESTIONS, "Can you check again?", "Thanks.", "One more thing."]
+        for turn_number, question in enumerate(questions):
+            client = (on_a, on_b)[turn_number % 2]
+            turn = await client.chat(session_id, question, max_new_tokens=6)
+            done = await turn.result()
+            expected = await reference.chat(reference_id, question, max_new_tokens=6)
+            await expected.result()
+            assert turn.deltas == expected.deltas
+            if turn_number:
+                assert done.cache.source == "remote" and done.usage.cached_tokens > 0
+            await wait_for_remote(redis_db.url, session_id, turn_number + 1)
+        for server in servers[:2]:
+            counters = server.engine.cache.counters
+            assert counters["remote_bytes_not_fetched"] > 0, "later fetches skipped the chunks the worker held"

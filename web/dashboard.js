@@ -33,7 +33,7 @@ function tiles(stats) {
   const arena = now.arena || {};
   byId("tile-arena").textContent = arena.used_tokens === undefined ? "–"
     : `${arena.used_tokens} / ${arena.reserved_tokens} / ${arena.free_tokens}`;
-  const device = now.tiers.device, shared = device.shared || {};
+  const device = now.tiers.device, shared = device.shared || {}, chunks = now.tiers.remote.chunks || {};
   byId("tile-shared").textContent = shared.segments === undefined ? "–"
     : `${shared.segments} / ${shared.sessions} · ${mb(device.bytes)} vs ${mb(device.private_kv_bytes)}`;
   byId("model").textContent = `${stats.model} · up ${Math.round(stats.uptime_s)} s`;
@@ -53,7 +53,8 @@ function tiles(stats) {
     ["Shared segments: device (warm) / host", `${shared.segments ?? 0} (${shared.pinned ?? 0}) / ${shared.host_segments ?? 0}`],
     ["Device: held / distinct KV / as private copies", `${mb(device.bytes)} / ${mb(device.kv_bytes ?? 0)} / ${mb(device.private_kv_bytes ?? 0)}`],
     ["Host offloads: written / not written again", `${mb(now.tiers.host.offload?.written_bytes ?? 0)} / ${mb(now.tiers.host.offload?.skipped_bytes ?? 0)}`],
-    ["Redis: shared segments written / fetched, bytes not sent", `${now.tiers.remote.shared?.segment_writes ?? 0} / ${now.tiers.remote.shared?.segment_restores ?? 0}, ${mb(now.tiers.remote.shared?.skipped_bytes ?? 0)}`],
+    ["Redis chunks: known / written / renewed / fetched", `${chunks.known ?? 0} / ${chunks.written ?? 0} / ${chunks.renewed ?? 0} / ${chunks.fetched ?? 0}`],
+    ["Redis chunks: bytes written / not moved", `${mb(chunks.written_bytes ?? 0)} / ${mb((chunks.not_sent_bytes ?? 0) + (chunks.not_copied_bytes ?? 0) + (chunks.not_fetched_bytes ?? 0))}`],
   ];
   const body = byId("summary");
   body.replaceChildren(...rows.map(([name, value]) => {

@@ -217,6 +217,7 @@ class _LiveCollector(Collector):
                 tier_sessions.add_metric([*name, tier], live.cache[f"{tier}_sessions"])
         yield from _arena_families(live, name, label)
         yield from _segment_families(live, name, label)
+        yield from _remote_chunks(live, name, label)
         yield from (running, waiting, usage, sessions, evictions, corruptions, engine_up, failures, remote_errors,
                     offload_failures, offload_bytes, steps, tier_info, tier_sessions)
 
@@ -270,15 +271,27 @@ def _segment_families(live: LiveState, name: list[str], label: list[str]):
     for kind, key in kinds:
         device.add_metric([*name, kind], live.cache.get(key, 0))
     restores = CounterMetricFamily("chatd:kv_shared_segment_restores", "Shared segments brought back to the "
-                                   "device: from the host tier, or fetched from Redis (once, then held here).",
-                                   labels=[*label, "tier"])
-    for tier, key in (("host", "segment_restores"), ("remote", "remote_segment_restores")):
-        restores.add_metric([*name, tier], live.cache.get(key, 0))
-    remote_writes = CounterMetricFamily("chatd:kv_remote_segment_writes", "Shared segments written to Redis (once; "
-                                        "the caches that start with them renew their retention).", labels=label)
-    remote_writes.add_metric(name, live.cache.get("remote_segment_writes", 0))
-    skipped = CounterMetricFamily("chatd:kv_remote_shared_bytes_skipped", "Bytes of shared segments' keys and "
-                                  "values that caches written to Redis did not carry (stored there once).",
-                                  labels=label)
-    skipped.add_metric(name, live.cache.get("remote_shared_bytes_skipped", 0))
-    return segments, sessions, device, restores, remote_writes, skipped
+                                   "device from the host tier.", labels=label)
+    restores.add_metric(name, live.cache.get("segment_restores", 0))
+    return segments, sessions, device, restores
+
+
+def _remote_chunks(live: LiveState, name: list[str], label: list[str]):
+    """Redis copies as chains of chunks: chunks written, renewed (held already: another session's or turn's),
+    fetched and found missing, and the bytes chunks kept from moving."""
+    held = GaugeMetricFamily("chatd:kv_remote_chunks_known", "Chunks this worker knows Redis holds (written or "
+                             "renewed by it within their retention).", labels=label)
+    held.add_metric(name, live.cache.get("remote_chunks_known", 0))
+    chunks = CounterMetricFamily("chatd:kv_remote_chunks", "Chunks of caches in Redis: written (Redis lacked "
+                                 "them), renewed (Redis held them: not sent again), fetched, missing at a fetch "
+                                 "(the chain ends there), lost (gone when renewed).", labels=[*label, "event"])
+    for event in ("written", "renewed", "fetched", "missing", "lost"):
+        chunks.add_metric([*name, event], live.cache.get(f"remote_chunks_{event}", 0))
+    moved = CounterMetricFamily("chatd:kv_remote_chunk_bytes", "Bytes of caches' chunks: written to Redis, and "
+                                "not moved thanks to chunks: carried but held there already (not_sent), not "
+                                "copied from the device at all (not_copied, keys and values in the model's "
+                                "dtype), and held by the fetching worker (not_fetched).", labels=[*label, "kind"])
+    for kind, key in (("written", "remote_chunk_bytes_written"), ("not_sent", "remote_chunk_bytes_not_sent"),
+                      ("not_copied", "remote_snapshot_kv_bytes_skipped"), ("not_fetched", "remote_bytes_not_fetched")):
+        moved.add_metric([*name, kind], live.cache.get(key, 0))
+    return held, chunks, moved

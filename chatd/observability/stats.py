@@ -114,10 +114,13 @@ class StatsRecorder:
         # Offloads that continued the host copy a cache was restored from wrote only what its turns added.
         tiers["host"]["offload"] = {"written_bytes": live.cache.get("host_offload_bytes", 0),
                                     "skipped_bytes": live.cache.get("host_offload_bytes_skipped", 0)}
-        # Shared segments are written to Redis once; the caches that start with them do not carry them.
-        tiers["remote"]["shared"] = {"segment_writes": live.cache.get("remote_segment_writes", 0),
-                                     "segment_restores": live.cache.get("remote_segment_restores", 0),
-                                     "skipped_bytes": live.cache.get("remote_shared_bytes_skipped", 0)}
+        # Caches in Redis are chains of chunks: one Redis holds is renewed, not written again, nor fetched by a
+        # worker that holds its positions.
+        tiers["remote"]["chunks"] = {key: live.cache.get(f"remote_{stat}", 0) for key, stat in (
+            ("known", "chunks_known"), ("written", "chunks_written"), ("written_bytes", "chunk_bytes_written"),
+            ("renewed", "chunks_renewed"), ("not_sent_bytes", "chunk_bytes_not_sent"),
+            ("not_copied_bytes", "snapshot_kv_bytes_skipped"), ("fetched", "chunks_fetched"),
+            ("not_fetched_bytes", "bytes_not_fetched"), ("missing", "chunks_missing"), ("lost", "chunks_lost"))}
         arena = {key.removeprefix("arena_"): value for key, value in live.cache.items() if key.startswith("arena_")}
         if arena:
             arena["outside_arena_turns"] = live.cache.get("outside_arena_turns", 0)

@@ -1,0 +1,198 @@
+"""Caches in Redis as chains of chunks, between two cache stores (two workers) on a real redis-server: a prefix
+shared by an owner's sessions is stored once, a turn writes only its new chunks, a worker fetches only the chunks
+it lacks, and a chunk that is damaged, gone or another owner's ends what is restored at the chunk before it."""
+
+import pytest
+import torch
+
+from cache_store import CacheEntry, CacheStore, Offloader
+from cache_store.arena import ArenaCache, KVArena
+from cache_store.chunks import chain_hashes, chunk_identity
+from cache_store.remote_tier import RemoteTier, chunk_key
+from tests.test_cache_store import BYTES_PER_TOKEN, HEAD_DIM, HEADS, LAYERS, LAYOUT, Clock, make_entry
+
+CHUNK = 16
+POLICY = list(range(1000, 1040))  # 40 tokens: two whole chunks, and part of a third
+
+
+def worker(url: str, tokens: int = 2000, **kwargs) -> tuple[CacheStore, RemoteTier]:
+    """A cache store on a KV arena, with a remote tier of 16-token chunks."""
+    arena = KVArena(LAYERS, HEADS, HEAD_DIM, torch.float32, torch.device("cpu"), tokens=tokens)
+    remote = RemoteTier(url, ttl_s=600, chunk_tokens=CHUNK)
+    store = CacheStore(new_cache=lambda n: ArenaCache(arena), offloader=Offloader(torch.device("cpu")), layout=LAYOUT,
+                       model_key="test-model", device_budget_bytes=tokens * BYTES_PER_TOKEN,
+                       host_budget_bytes=tokens * BYTES_PER_TOKEN, clock=Clock(), remote=remote, **kwargs)
+    store.cost.prefill_tokens_per_s = 1.0  # always fetch: what is tested is the chain, not the cost model
+    return store, remote
+
+
+def history(session: int, tokens: int) -> list[int]:
+    """The policy, then the session's own ids."""
+    return (POLICY + list(range(session * 10_000, session * 10_000 + tokens)))[:tokens]
+
+
+def write_turn(store: CacheStore, remote: RemoteTier, session_id: str, token_ids: list[int], version: int,
+               scope: str | None = None) -> CacheEntry:
+    """A turn of `session_id` that ends with a cache of `token_ids` (the same bytes for the same ids), written to
+    Redis before this returns."""
+    store.lookup(session_id, [*token_ids, 7], session_version=version - 1, scope=scope)
+    store.put(session_id, keyed_entry(token_ids), session_version=version)
+    assert remote.wait_written(session_id, 10)
+    return store.device.peek(session_id)
+
+
+def keyed_entry(token_ids: list[int]) -> CacheEntry:
+    """A cache whose every position's keys and values depend only on its id and place: two sessions with the same
+    ids have the same bytes, as a model would give them."""
+    entry = make_entry(token_ids)
+    for keys, values in entry.tensors():
+        for position, token in enumerate(token_ids):
+            keys[..., position, :] = token + position / 100
+            values[..., position, :] = -token - position / 100
+    return entry
+
+
+def chunk_names(token_ids: list[int], scope: str = "owner:*", kind: str = "exact") -> list[str]:
+    return chain_hashes(token_ids, chunk_identity("test-model", scope, LAYOUT, kind), CHUNK)
+
+
+def same_tensors(entry: CacheEntry, expected: CacheEntry, tokens: int) -> bool:
+    from cache_store import chain
+    got = chain.full_tensors(entry.cache) if isinstance(entry.cache, ArenaCache) else entry.tensors()
+    want = expected.tensors()
+    return all(k.equal(wk[..., :tokens, :]) and v.equal(wv[..., :tokens, :])
+               for (k, v), (wk, wv) in zip(got, want, strict=True))
+
+
+@pytest.fixture
+def workers(redis_db):
+    made = []
+
+    def make(**kwargs):
+        made.append(worker(redis_db.url, **kwargs))
+        return made[-1]
+
+    yield make
+    for _, remote in made:
+        remote.close()
+
+
+def test_sessions_of_one_owner_share_their_policy_chunks_and_write_them_once(workers, redis_db):
+    store, remote = workers()
+    for session in range(3):
+        write_turn(store, remote, f"s{session}", history(session, 64), 1)
+    client = remote._redis
+    held = {key.decode() for key in client.scan_iter("chatd:kvchunk:*")}
+    # each 64-token history is four chunks: the first two (policy only) shared, then two of its own
+    assert held == {chunk_key(name) for session in range(3) for name in chunk_names(history(session, 64))}
+    assert len(held) == 2 + 3 * 2
+    assert remote.counters["chunks_written"] == 8
+    stats = store.stats()
+    assert stats["remote_snapshot_kv_bytes_skipped"] == 2 * 2 * CHUNK * BYTES_PER_TOKEN, "policy chunks not copied"
+    assert stats["remote_chunks_renewed"] == 2 * 2
+
+
+def test_a_later_turn_copies_and_writes_only_its_new_chunks(workers):
+    store, remote = workers()
+    write_turn(store, remote, "s", history(0, 40), 1)
+    snapshot_bytes = store.counters["remote_snapshot_bytes"]
+    assert remote.counters["chunks_written"] == 2
+    write_turn(store, remote, "s", history(0, 100), 2)
+    assert remote.counters["chunks_written"] == 100 // CHUNK, "chunks 2 to 5: only the new ones"
+    assert store.counters["remote_snapshot_bytes"] - snapshot_bytes == (100 - 32) * BYTES_PER_TOKEN
+
+
+def test_a_worker_holding_an_older_copy_fetches_only_the_chunks_it_lacks(workers):
+    writer, writer_remote = workers()
+    reader, _ = workers()
+    write_turn(writer, writer_remote, "s", history(0, 50), 1)
+    first = reader.lookup("s", [*history(0, 50), 7], session_version=1)
+    assert first.source == "remote" and first.cached_tokens == 50
+    assert reader.counters["remote_chunks_fetched"] == 3
+    reader.put("s", first.entry, session_version=1)  # (its turn ends; the writer goes on with the next turns)
+    write_turn(writer, writer_remote, "s", history(0, 130), 3)
+    later = reader.lookup("s", [*history(0, 130), 7], session_version=3)
+    assert later.source == "remote" and later.cached_tokens == 130
+    assert reader.counters["remote_chunks_fetched"] == 3 + (130 // CHUNK - 3), "chunks 3 to 7 only"
+    assert reader.counters["remote_bytes_not_fetched"] > 0
+    assert same_tensors(later.entry, keyed_entry(history(0, 130)), 130)
+
+
+def test_a_restored_policy_becomes_a_segment_and_the_next_session_fetches_none_of_its_chunks(workers):
+    writer, writer_remote = workers()
+    reader, _ = workers(min_shared_tokens=16)
+    for session in range(2):
+        write_turn(writer, writer_remote, f"s{session}", history(session, 80), 1)
+    first = reader.lookup("s0", [*history(0, 80), 7], prefix_len=len(POLICY), session_version=1)
+    assert first.source == "remote" and reader.counters["remote_policies_held"] == 1
+    assert first.entry.prefix_tokens == 32, "the policy's whole units: a segment here now"
+    fetched = reader.counters["remote_chunks_fetched"]
+    second = reader.lookup("s1", [*history(1, 80), 7], prefix_len=len(POLICY), session_version=1)
+    assert second.source == "remote" and second.entry.cache.prefix is first.entry.cache.prefix
+    assert reader.counters["remote_chunks_fetched"] - fetched == 80 // CHUNK - 2
+    assert same_tensors(second.entry, keyed_entry(history(1, 80)), 80)
+
+
+def test_a_damaged_chunk_shared_by_several_sessions_ends_each_restore_at_the_chunk_before_it(workers):
+    writer, writer_remote = workers()
+    reader, reader_remote = workers()
+    for session in range(3):
+        write_turn(writer, writer_remote, f"s{session}", history(session, 64), 1)
+    shared = chunk_key(chunk_names(history(0, 64))[1])
+    blob = bytearray(reader_remote._redis.get(shared))
+    blob[-5] ^= 0x01
+    reader_remote._redis.set(shared, bytes(blob))
+    lookups = [reader.lookup(f"s{session}", [*history(session, 64), 7], session_version=1) for session in range(3)]
+    assert [(found.source, found.cached_tokens, found.cleared) for found in lookups] == [
+        ("remote", CHUNK, ("checksum",)), ("remote", CHUNK, ()), ("remote", CHUNK, ())]
+    assert reader.counters["corrupt_checksum"] == 1 and reader.counters["remote_chunks_missing"] == 2
+    assert all(same_tensors(found.entry, keyed_entry(history(session, 64)), CHUNK)
+               for session, found in enumerate(lookups))
+    # The turn recomputes the rest; its write-back sends the chunk again (this worker never wrote it): healed.
+    reader.put("s0", keyed_entry(history(0, 64)), session_version=2)
+    assert reader_remote.wait_written("s0", 10)
+    assert reader_remote._redis.get(shared) not in (None, bytes(blob))
+
+
+def test_a_chunk_gone_from_redis_is_sent_again_by_the_next_write(workers):
+    writer, writer_remote = workers()
+    write_turn(writer, writer_remote, "s", history(0, 64), 1)
+    gone = chunk_key(chunk_names(history(0, 64))[2])
+    writer_remote._redis.delete(gone)
+    write_turn(writer, writer_remote, "s", history(0, 70), 2)  # renews the chunks: finds the third gone
+    assert writer_remote.counters["chunks_lost"] == 1 and writer_remote._redis.get(gone) is None
+    write_turn(writer, writer_remote, "s", history(0, 75), 3)  # no longer known held: carried and written
+    assert writer_remote._redis.get(gone) is not None
+
+
+def test_a_chunk_of_another_owners_chain_is_never_served(workers):
+    writer, writer_remote = workers()
+    reader, _ = workers()
+    write_turn(writer, writer_remote, "a", history(0, 48), 1, scope="key-a")
+    write_turn(writer, writer_remote, "b", history(0, 48), 1, scope="key-b")
+    names_a, names_b = chunk_names(history(0, 48), "owner:key-a"), chunk_names(history(0, 48), "owner:key-b")
+    assert not set(names_a) & set(names_b), "the same ids under two keys: two chains"
+    client = writer_remote._redis
+    client.set(chunk_key(names_b[0]), client.get(chunk_key(names_a[0])))
+    found = reader.lookup("b", [*history(0, 48), 7], session_version=1, scope="key-b")
+    assert (found.source, found.miss_reason, found.cleared) == ("miss", "corrupt", ("fingerprint",))
+    assert client.get(chunk_key(names_b[0])) is None, "deleted: the next write of that chain sends its own"
+
+
+def test_an_int8_chunk_is_quantised_once_when_first_written(workers):
+    writer, writer_remote = workers(remote_kv_dtype="int8")
+    reader, reader_remote = workers(remote_kv_dtype="int8")
+    write_turn(writer, writer_remote, "s", history(0, 50), 1)
+    names = chunk_names(history(0, 50), kind="int8")
+    written = [writer_remote._redis.get(chunk_key(name)) for name in names]
+    found = reader.lookup("s", [*history(0, 50), 7], session_version=1)
+    assert found.source == "remote" and found.quantized == "int8"
+    grown = found.entry.clone(reader.new_cache)  # its next turn: the restored (dequantised) positions, then more
+    more = keyed_entry(history(0, 90))
+    for (keys, values), (new_keys, new_values) in zip(grown.tensors(), more.tensors(), strict=True):
+        new_keys[..., :50, :], new_values[..., :50, :] = keys, values
+    more.fingerprint = found.entry.fingerprint
+    reader.put("s", more, session_version=2)
+    assert reader_remote.wait_written("s", 10)
+    assert [reader_remote._redis.get(chunk_key(name)) for name in names] == written, "never quantised again"
+    assert reader_remote.counters["chunks_renewed"] == len(names)
