@@ -96,6 +96,8 @@ def worker(measure: str) -> dict:
         return result
     if measure == "redis":
         return _redis_bytes(loaded, renderer, per_token)
+    if measure == "host":
+        return _host_bytes(loaded, renderer, per_token)
     raise ValueError(measure)
 
 
@@ -135,6 +137,34 @@ def _redis_bytes(loaded, renderer, per_token: int) -> dict:
     distinct = prompt + sum(conversations) - 16 * prompt
     return {"sessions": 16, "policy_tokens": prompt, "redis_kv_bytes": held, "distinct_kv_bytes": distinct * per_token,
             "held_over_distinct": round(held / (distinct * per_token), 3)}
+
+
+def _host_bytes(loaded, renderer, per_token: int) -> dict:
+    """16 sessions sharing a ~1,000-token policy, one short turn each, then every cache offloaded to the host tier:
+    the host bytes held (whole pool buffers) and the bytes of the copies, against the distinct keys and values."""
+    from sessions import Message, Session
+    from tests.support import run_turn, running_engine
+
+    system = policy(1000, renderer)
+    prompt = len(renderer.render([Message("system", system)], add_generation_prompt=False))
+    with running_engine(loaded, device_cache_mb=256, verify_sample_rate=0.0) as engine:
+        conversations = []
+        for index in range(16):
+            session = Session(f"s{index}", system=system)
+            done, _ = run_turn(engine, session, QUESTIONS[index % len(QUESTIONS)], max_new_tokens=8)
+            conversations.append(len(done.conversation_ids))
+
+        def offload_all(store) -> tuple[int, int, int]:
+            store.evict_idle()
+            copies = sum(piece.nbytes for key in store.host.keys()
+                         for piece in getattr(store.host.get(key), "pieces", lambda key=key: [store.host.get(key)])())
+            return store.host.used_bytes(), copies, len(store.host)
+
+        held, copies, entries = engine.call(offload_all).result()
+    distinct = (prompt + sum(conversations) - 16 * prompt) * per_token
+    return {"sessions": 16, "policy_tokens": prompt, "host_entries": entries, "host_bytes": held,
+            "host_copy_bytes": copies, "distinct_kv_bytes": distinct, "held_over_distinct": round(held / distinct, 3),
+            "copies_over_distinct": round(copies / distinct, 3)}
 
 
 def _time_steps(engine, store, session_ids: list[str], steps: int = 12) -> float:

@@ -17,7 +17,7 @@ from sessions.encoding import pack_ids
 
 # Positions per chunk: whole key-scale groups (an int8 chunk is quantised alone, once), small enough that a turn
 # rewrites little besides what it added, large enough that a long history is few keys (docs/benchmarks.md).
-CHUNK_TOKENS = 64
+CHUNK_TOKENS = 32
 
 
 def chunk_identity(model_key: str, scope: str, layout: CacheLayout, kind: str) -> str:

@@ -1,7 +1,8 @@
 """Caches offloaded to host memory, under a byte budget that counts the memory really held: the pool's
-buffers, in use or free, plus any entry that owns its memory. The first offloaded are dropped first
-(they were the least recently used on the device when they left it), sessions' caches before shared
-segments (which every cache that starts with one needs)."""
+buffers, in use or free, plus any entry that owns its memory (a shared segment once, whatever starts with it).
+What no cache needs goes first (a shared segment nothing starts with any more), then the first offloaded (they
+were the least recently used on the device when they left it), sessions' caches before shared segments (which
+every cache that starts with one needs)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ class HostTier:
         self._entries: OrderedDict[str, HostEntry] = OrderedDict()  # first offloaded first
         self._put_at: dict[str, float] = {}
 
-    def make_room(self, nbytes: int) -> tuple[list[str], bool]:
-        """Drop the oldest entries (and release free buffers) until a buffer for `nbytes` fits under the
-        budget; return the keys dropped and whether it fits now."""
+    def make_room(self, nbytes: int, needed: Callable[[str], bool] = lambda key: True) -> tuple[list[str], bool]:
+        """Drop entries (and release free buffers) until a buffer for `nbytes` fits under the budget: shared
+        segments not `needed` first (no cache here starts with them), then the oldest sessions' caches, then the
+        oldest segments; return the keys dropped and whether it fits now."""
         if size_class(nbytes) > self.budget_bytes:
             return [], False
         need = 0 if self.pool.reusable(nbytes) else size_class(nbytes)
@@ -40,8 +42,9 @@ class HostTier:
                 continue
             if not self._entries:  # the rest is still being copied back to the device
                 return dropped, False
-            # Sessions' caches go first: dropping a shared segment would lose every cache that starts with it.
-            oldest = next((key for key in self._entries if not is_segment(key)), next(iter(self._entries)))
+            # Then sessions' caches: dropping a shared segment would lose every cache that starts with it.
+            oldest = next((key for key in self._entries if is_segment(key) and not needed(key)), None) or \
+                next((key for key in self._entries if not is_segment(key)), next(iter(self._entries)))
             entry = self._entries.pop(oldest)
             self._put_at.pop(oldest)
             self.release(entry)

@@ -267,6 +267,12 @@ class TierMoves:
                 or (checksum(host_entry.stored) != host_entry.checksum and "checksum")
                 or check_finite(host_entry.scales if quantized else host_entry.tensors))
 
+    def _segment_needed(self, key: str) -> bool:
+        """Whether a shared segment's host copy is needed: a host copy of a session's cache starts with it (one
+        still on the device keeps its own; a new session finds it on the device, or recomputes it)."""
+        host = self.store.host
+        return any(host.get(other).prefix_key == key for other in host.keys())
+
     def adopt(self, session_id: str, host_entry: HostEntry, started: float, segment: CacheEntry | None = None
               ) -> CacheEntry:
         """Put a checked host entry back on the device, starting with `segment` when it names one. Its restore
@@ -315,7 +321,7 @@ class TierMoves:
         try:
             store.faults.check("offload", session_id)
             need = host_nbytes(entry, kv_dtype, start)
-            dropped, fits = store.host.make_room(need)
+            dropped, fits = store.host.make_room(need, needed=self._segment_needed)
             for key in dropped:
                 store.remember_loss(key)
                 store.counters["host_evictions"] += 1

@@ -95,7 +95,8 @@ def run_turn(engine: Engine, session: Session, content: str, on_text=None, recor
             finished.set()
 
     turn = Turn(turn_id=f"t{len(session.messages)}", session_id=session.session_id,
-                messages=session.prompt_messages(content), params=SamplingParams(**params), emit=emit)
+                messages=session.prompt_messages(content), params=SamplingParams(**params), emit=emit,
+                session_version=session.version)
     engine.submit(turn)
     assert finished.wait(120), "the engine did not finish the turn"
     final = events[-1]

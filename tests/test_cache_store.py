@@ -417,3 +417,28 @@ def test_a_pinned_allocation_that_fails_falls_back_to_ordinary_memory_with_one_w
     assert pool.held_bytes == size_class(1000) + size_class(5000) == pool.free_bytes
     assert pool.release_free() == size_class(1000) + size_class(5000)
     assert pool.held_bytes == pool.free_bytes == 0
+
+
+def test_the_host_tier_drops_a_segment_nothing_starts_with_first_then_sessions_then_segments():
+    from cache_store.host_pool import size_class
+    from cache_store.host_tier import HostTier
+    from cache_store.offload import HostEntry
+
+    def host_copy(prefix_key: str | None = None) -> HostEntry:
+        tensors = [(keys.clone(), values.clone()) for keys, values in make_entry(ids(64)).tensors()]
+        return HostEntry(tensors, ids(64), None, "", prefix_key=prefix_key)
+
+    one = host_copy().nbytes
+    tier = HostTier(budget_bytes=4 * one)
+    for key, copy in (("prefix:unused", host_copy()), ("prefix:used", host_copy()), ("old", host_copy("prefix:used")),
+                      ("new", host_copy("prefix:used"))):
+        tier.put(key, copy)
+
+    def needed(key: str) -> bool:
+        return any(tier.get(other).prefix_key == key for other in tier.keys())
+
+    assert one == size_class(one)
+    assert tier.make_room(one, needed=needed) == (["prefix:unused"], True), "what no session needs first"
+    assert tier.make_room(2 * one, needed=needed) == (["old"], True), "then the oldest sessions"
+    assert tier.make_room(3 * one, needed=needed) == (["new"], True)
+    assert tier.make_room(4 * one, needed=needed) == (["prefix:used"], True), "segments last"

@@ -90,11 +90,17 @@ async def flip_a_byte(client, session_id, _):
     await client.set(key, bytes(blob))
 
 
-@pytest.mark.parametrize(("damage", "check"), [(truncate, "length"), (swap_in_other, "fingerprint"),
-                                               (flip_a_byte, "checksum")])
-async def test_a_damaged_remote_cache_is_caught_and_recomputed(tiny, redis_db, damage, check):
+@pytest.mark.parametrize(("damage", "check", "source"), [
+    (truncate, "length", "remote"), (flip_a_byte, "checksum", "remote"), (swap_in_other, "fingerprint", "miss")])
+async def test_a_damaged_remote_cache_is_caught_and_recomputed(tiny, redis_db, damage, check, source):
+    """A damaged tail (in the session's own key) is caught, and the cache restored up to its last whole chunk; a
+    copy of another session's is refused whole."""
     done = await conversation(tiny, redis_db, damage)
-    assert (done.cache.source, done.cache.miss_reason, done.cache.cleared) == ("miss", "corrupt", [check])
+    assert (done.cache.source, done.cache.cleared) == (source, [check])
+    if source == "remote":
+        assert 0 < done.usage.cached_tokens and done.usage.cached_tokens % 32 == 0, "its whole chunks"
+    else:
+        assert done.cache.miss_reason == "corrupt"
 
 
 async def test_a_header_whose_bytes_are_gone_is_a_miss_and_is_deleted(tiny, redis_db):
