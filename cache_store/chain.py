@@ -120,7 +120,7 @@ def full_tensors(cache: ArenaCache) -> KVTensors:
 def tensors_from(cache: ArenaCache, start: int) -> KVTensors:
     """The keys and values of positions `start` on, the chain's and its own, as new tensors where they span
     pieces (views of one piece's region otherwise): what a snapshot of a cache's later positions copies."""
-    pieces = [piece for piece in [*segments(cache), cache] if piece.total_tokens() > start]
+    pieces = [piece for piece in [*segments(cache), cache] if piece.total_tokens() > start] or [cache]
     layers = []
     for index in range(len(cache.layers)):
         parts = [(piece.layers[index].keys[..., max(0, start - piece.offset):, :],

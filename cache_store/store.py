@@ -189,7 +189,12 @@ class CacheStore:
         self.make_room(entry.nbytes())
         self.device.put(session_id, entry, connected=session_id in self.connected)
         if self.remote is not None:
-            self._share(session_id, entry)
+            try:
+                self._share(session_id, entry)
+            except Exception:  # the turn is done and its cache is here: only other workers go without it
+                log.exception("session %s: snapshotting its cache for Redis failed; Redis keeps the copy before",
+                              session_id)
+                self.counters["remote_snapshot_failures"] += 1
         if isinstance(entry.cache, TemporaryCache) or self.device.used_bytes() > self.device.budget_bytes:
             self._moves.offload(session_id)  # longer than the whole arena, or alone larger than the budget
 

@@ -36,7 +36,9 @@ def write_turn(store: CacheStore, remote: RemoteTier, session_id: str, token_ids
     """A turn of `session_id` that ends with a cache of `token_ids` (the same bytes for the same ids), written to
     Redis before this returns."""
     store.lookup(session_id, [*token_ids, 7], session_version=version - 1, scope=scope)
-    store.put(session_id, keyed_entry(token_ids), session_version=version)
+    entry = CacheEntry(store.new_cache(len(token_ids)), list(token_ids))  # a region of the arena, as turns have
+    entry.cache.load(keyed_entry(token_ids).tensors())
+    store.put(session_id, entry, session_version=version)
     assert remote.wait_written(session_id, 10)
     return store.device.peek(session_id)
 
@@ -100,6 +102,17 @@ def test_a_later_turn_copies_and_writes_only_its_new_chunks(workers):
     write_turn(store, remote, "s", history(0, 100), 2)
     assert remote.counters["chunks_written"] == 100 // CHUNK, "chunks 2 to 5: only the new ones"
     assert store.counters["remote_snapshot_bytes"] - snapshot_bytes == (100 - 32) * BYTES_PER_TOKEN
+
+
+def test_a_cache_of_whole_chunks_that_redis_holds_is_written_with_an_empty_tail_and_restored(workers):
+    writer, writer_remote = workers()
+    reader, _ = workers()
+    write_turn(writer, writer_remote, "s", history(0, 2 * CHUNK), 1)
+    write_turn(writer, writer_remote, "s", history(0, 2 * CHUNK), 2)  # every chunk known: nothing to copy
+    assert writer.counters["remote_snapshot_failures"] == 0 and writer_remote.counters["chunks_renewed"] == 2
+    found = reader.lookup("s", [*history(0, 2 * CHUNK), 7], session_version=2)
+    assert (found.source, found.cached_tokens, found.cleared) == ("remote", 2 * CHUNK, ())
+    assert same_tensors(found.entry, keyed_entry(history(0, 2 * CHUNK)), 2 * CHUNK)
 
 
 def test_a_worker_holding_an_older_copy_fetches_only_the_chunks_it_lacks(workers):
