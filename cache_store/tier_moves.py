@@ -36,7 +36,7 @@ from cache_store.integrity import (
 )
 from cache_store.lookup import CopyObserver, RemoteCaches
 from cache_store.offload import HostEntry, Offloader, host_nbytes
-from cache_store.quantize import KVDtype
+from cache_store.quantize import GROUP_TOKENS, KVDtype
 from cache_store.remote_tier import RemoteCopy, RemoteHeader, StoredKV
 from cache_store.segments import SharedSegments, is_segment
 from cache_store.stage_faults import FaultPoints
@@ -110,6 +110,7 @@ class TierMoves:
         elif held is not None:
             matched = shared_chunks(chain_hashes(held.token_ids, identity, size), header.chunks)
             keep = min(max(matched * size, held.prefix_tokens), held.num_tokens, header.fingerprint.num_tokens)
+            keep = keep // GROUP_TOKENS * GROUP_TOKENS  # (so that an int8 chunk is cut on a key-scale group's edge)
         held = held if keep else None
         first = keep // size
         decision = store.cost.decide(header.fetch_nbytes(first), header.fingerprint.num_tokens - keep)
@@ -126,9 +127,9 @@ class TierMoves:
         if held is not None and copy.token_ids[:keep] != held.token_ids[:keep]:
             return None, decision, ()  # (the held positions are not this cache's after all)
         parts, failed = self._good_parts(header, copy, keep - first * size)
-        store.counters["remote_chunks_fetched"] += len(copy.chunks)
+        store.counters["remote_chunks_fetched"] += sum(chunk is not None for chunk in copy.chunks)
         store.counters["remote_bytes_not_fetched"] += first * header.chunk_nbytes
-        if not parts and keep == 0:
+        if not parts and (held is None or held.cache.frozen):  # nothing fetched to continue what is held
             return None, decision, failed
         covered = keep + sum(part.tokens for part in parts)
         tensors = store.offloader.to_device([(part.tensors, part.scales) for part in parts], store.layout.dtype)

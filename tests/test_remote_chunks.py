@@ -209,3 +209,15 @@ def test_an_int8_chunk_is_quantised_once_when_first_written(workers):
     assert reader_remote.wait_written("s", 10)
     assert [reader_remote._redis.get(chunk_key(name)) for name in names] == written, "never quantised again"
     assert reader_remote.counters["chunks_renewed"] == len(names)
+
+
+def test_a_chunk_missing_right_after_the_held_policy_leaves_the_turn_the_policy(workers):
+    writer, writer_remote = workers()
+    reader, _ = workers(min_shared_tokens=16)
+    for session in range(2):
+        write_turn(writer, writer_remote, f"s{session}", history(session, 80), 1)
+    reader.lookup("s0", [*history(0, 80), 7], prefix_len=len(POLICY), session_version=1)  # holds the policy now
+    writer_remote._redis.delete(chunk_key(chunk_names(history(1, 80))[2]))  # the first after the policy's 32
+    found = reader.lookup("s1", [*history(1, 80), 7], prefix_len=len(POLICY), session_version=1)
+    assert (found.source, found.cached_tokens, found.cleared) == ("prefix", 32, ())
+    assert reader.counters["remote_chunks_missing"] == 1
