@@ -140,31 +140,37 @@ def _redis_bytes(loaded, renderer, per_token: int) -> dict:
 
 
 def _host_bytes(loaded, renderer, per_token: int) -> dict:
-    """16 sessions sharing a ~1,000-token policy, one short turn each, then every cache offloaded to the host tier:
-    the host bytes held (whole pool buffers) and the bytes of the copies, against the distinct keys and values."""
+    """16 sessions sharing a policy, one short turn each, then every cache offloaded to the host tier: the host
+    bytes held (whole pool buffers) and the bytes of the copies, against the distinct keys and values. A ~1,000-
+    token policy is a shared segment on the device; a ~200-token one (under `--shared-prompt-min-tokens`) is
+    copied into each session there."""
     from sessions import Message, Session
     from tests.support import run_turn, running_engine
 
-    system = policy(1000, renderer)
-    prompt = len(renderer.render([Message("system", system)], add_generation_prompt=False))
-    with running_engine(loaded, device_cache_mb=256, verify_sample_rate=0.0) as engine:
-        conversations = []
-        for index in range(16):
-            session = Session(f"s{index}", system=system)
-            done, _ = run_turn(engine, session, QUESTIONS[index % len(QUESTIONS)], max_new_tokens=8)
-            conversations.append(len(done.conversation_ids))
+    result = {}
+    for tokens in (1000, 200):
+        system = policy(tokens, renderer)
+        prompt = len(renderer.render([Message("system", system)], add_generation_prompt=False))
+        with running_engine(loaded, device_cache_mb=256, verify_sample_rate=0.0) as engine:
+            conversations = []
+            for index in range(16):
+                session = Session(f"s{index}", system=system)
+                done, _ = run_turn(engine, session, QUESTIONS[index % len(QUESTIONS)], max_new_tokens=8)
+                conversations.append(len(done.conversation_ids))
 
-        def offload_all(store) -> tuple[int, int, int]:
-            store.evict_idle()
-            copies = sum(piece.nbytes for key in store.host.keys()
-                         for piece in getattr(store.host.get(key), "pieces", lambda key=key: [store.host.get(key)])())
-            return store.host.used_bytes(), copies, len(store.host)
+            def offload_all(store) -> tuple[int, int, int]:
+                store.evict_idle()
+                pieces = {id(piece): piece for key in store.host.keys()
+                          for piece in getattr(store.host.get(key), "pieces", lambda key=key: [store.host.get(key)])()}
+                return store.host.used_bytes(), sum(piece.nbytes for piece in pieces.values()), len(store.host)
 
-        held, copies, entries = engine.call(offload_all).result()
-    distinct = (prompt + sum(conversations) - 16 * prompt) * per_token
-    return {"sessions": 16, "policy_tokens": prompt, "host_entries": entries, "host_bytes": held,
-            "host_copy_bytes": copies, "distinct_kv_bytes": distinct, "held_over_distinct": round(held / distinct, 3),
+            held, copies, entries = engine.call(offload_all).result()
+        distinct = (prompt + sum(conversations) - 16 * prompt) * per_token
+        result[f"{prompt}-token policy"] = {
+            "sessions": 16, "host_entries": entries, "host_bytes": held, "host_copy_bytes": copies,
+            "distinct_kv_bytes": distinct, "held_over_distinct": round(held / distinct, 3),
             "copies_over_distinct": round(copies / distinct, 3)}
+    return result
 
 
 def _time_steps(engine, store, session_ids: list[str], steps: int = 12) -> float:

@@ -18,7 +18,9 @@ from cache_store.segments import is_segment
 
 
 class HostTier:
-    """Offloaded caches in host memory, first offloaded dropped first, under the memory really held."""
+    """Offloaded caches in host memory, first offloaded dropped first, under the memory really held. A copy named
+    for the chunks it ends is held once for every chain that includes it (`refs`), and stays, named, for later
+    offloads to continue after the last chain that included it has gone (then it is the first to go)."""
 
     def __init__(self, budget_bytes: int, pool: HostBufferPool | None = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -27,11 +29,13 @@ class HostTier:
         self._clock = clock
         self._entries: OrderedDict[str, HostEntry] = OrderedDict()  # first offloaded first
         self._put_at: dict[str, float] = {}
+        self._named: OrderedDict[str, HostEntry] = OrderedDict()  # chain name -> the copy ending there, last used last
 
     def make_room(self, nbytes: int, needed: Callable[[str], bool] = lambda key: True) -> tuple[list[str], bool]:
-        """Drop entries (and release free buffers) until a buffer for `nbytes` fits under the budget: shared
-        segments not `needed` first (no cache here starts with them), then the oldest sessions' caches, then the
-        oldest segments; return the keys dropped and whether it fits now."""
+        """Drop entries (and release free buffers) until a buffer for `nbytes` fits under the budget: named copies
+        no chain includes first (the longest first: a shorter one is the base of a longer), then shared segments
+        not `needed` (no cache here starts with them), then the oldest sessions' caches, then the oldest
+        segments; return the keys dropped (sessions' and segments') and whether it fits now."""
         if size_class(nbytes) > self.budget_bytes:
             return [], False
         need = 0 if self.pool.reusable(nbytes) else size_class(nbytes)
@@ -40,41 +44,77 @@ class HostTier:
             in_use = self.used_bytes() - self.pool.free_bytes
             if self.pool.release_free(keep_bytes=max(0, self.budget_bytes - need - in_use)):
                 continue
+            if unused := [piece for piece in self._named.values() if piece.refs == 0]:
+                self.forget(max(unused, key=lambda piece: len(piece.token_ids)))
+                continue
             if not self._entries:  # the rest is still being copied back to the device
                 return dropped, False
             # Then sessions' caches: dropping a shared segment would lose every cache that starts with it.
             oldest = next((key for key in self._entries if is_segment(key) and not needed(key)), None) or \
                 next((key for key in self._entries if not is_segment(key)), next(iter(self._entries)))
-            entry = self._entries.pop(oldest)
-            self._put_at.pop(oldest)
-            self.release(entry)
+            self.release(self.pop(oldest))
             dropped.append(oldest)
         return dropped, True
 
     def put(self, key: str, entry: HostEntry, first_to_go: bool = False) -> None:
-        """Keep `entry`, whose buffer came from `pool` after `make_room` (a copy it continues stays);
-        `first_to_go`: dropped before every other entry (a copy of a cache that is also on the device)."""
-        if (previous := self.pop(key)) is not None and previous is not entry.base and previous is not entry:
+        """Keep `entry`, whose buffers came from `pool` after `make_room`, as `key`'s chain, naming its named
+        copies for later offloads to continue; `first_to_go`: dropped before every other entry (a copy of a cache
+        that is also on the device). The chain it replaces is released (what they share stays)."""
+        self.hold(entry)  # (first: what it shares with the chain it replaces stays)
+        for piece in entry.pieces():
+            if piece.name is not None and piece.name not in self._named:
+                self._named[piece.name] = piece
+        if (previous := self.pop(key)) is not None and previous is not entry:
             self.release(previous)
         self._entries[key] = entry
         self._entries.move_to_end(key, last=not first_to_go)
         self._put_at[key] = self._clock()
 
-    def release(self, entry: HostEntry, copied: torch.cuda.Event | None = None) -> None:
-        """An entry taken out with `pop` is no longer needed: its buffers (the copies it continues included) are
-        free for reuse once the copy that `copied` (or a restore still reading them) marks has completed."""
+    def hold(self, entry: HostEntry) -> None:
+        """Count `entry`'s chain as including its copies (a chain kept, or one being built on: see `unhold`)."""
         for piece in entry.pieces():
-            if piece.buffer is not None:
-                self.pool.give(piece.buffer, copied or piece.restoring)
-                piece.buffer = None
+            piece.refs += 1
+
+    def unhold(self, entry: HostEntry) -> None:
+        for piece in entry.pieces():
+            piece.refs -= 1
+
+    def release(self, entry: HostEntry, copied: torch.cuda.Event | None = None) -> None:
+        """A chain taken out with `pop` (or never put) is no longer needed: the buffers of its copies that no other
+        chain includes and that are not named for later offloads are free for reuse once the copy that `copied`
+        (or a restore still reading them) marks has completed."""
+        for piece in entry.pieces():
+            if piece.refs == 0 and self._named.get(piece.name) is not piece:
+                self._free(piece, copied)
 
     def release_after(self, entry: HostEntry, keep: HostEntry) -> None:
         """Release the copies of `entry`'s chain that come after `keep` (which stays in use)."""
         kept = {id(piece) for piece in keep.pieces()}
         for piece in entry.pieces():
-            if id(piece) not in kept and piece.buffer is not None:
-                self.pool.give(piece.buffer, piece.restoring)
-                piece.buffer = None
+            if id(piece) not in kept and piece.refs == 0 and self._named.get(piece.name) is not piece:
+                self._free(piece)
+
+    def forget(self, piece: HostEntry) -> None:
+        """No later offload continues `piece` (it is the least needed, or failed a check); freed once no chain
+        includes it."""
+        if piece.name is not None and self._named.get(piece.name) is piece:
+            del self._named[piece.name]
+        if piece.refs == 0:
+            self._free(piece)
+
+    def named(self, names: list[str]) -> HostEntry | None:
+        """The named copy ending at the last of `names` this tier holds (a chain's chunk names, first first)."""
+        for name in reversed(names):
+            if (piece := self._named.get(name)) is not None:
+                self._named.move_to_end(name)
+                return piece
+        return None
+
+    def _free(self, piece: HostEntry, copied: torch.cuda.Event | None = None) -> None:
+        if piece.buffer is not None:
+            self.pool.give(piece.buffer, copied or piece.restoring)
+            piece.buffer = None
+        piece.tensors, piece.scales = [], None  # (nothing reads a freed copy: a check would refuse it)
 
     def get(self, key: str) -> HostEntry | None:
         return self._entries.get(key)
@@ -85,9 +125,12 @@ class HostTier:
         self._put_at[key] = self._clock()
 
     def pop(self, key: str) -> HostEntry | None:
-        """Take an entry out; the caller hands it to `release` when done with it."""
+        """Take an entry out; the caller hands it to `release` when done with it (or puts it back)."""
         self._put_at.pop(key, None)
-        return self._entries.pop(key, None)
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.unhold(entry)
+        return entry
 
     def discard(self, key: str) -> None:
         if (entry := self.pop(key)) is not None:
@@ -97,8 +140,15 @@ class HostTier:
         return self._put_at[key]
 
     def used_bytes(self) -> int:
-        return self.pool.held_bytes + sum(piece.nbytes for entry in self._entries.values()
-                                          for piece in entry.pieces() if piece.buffer is None)
+        """The pool's buffers, plus every copy that owns its memory, once."""
+        pieces = {id(piece): piece for entry in [*self._entries.values(), *self._named.values()]
+                  for piece in entry.pieces()}
+        return self.pool.held_bytes + sum(piece.nbytes for piece in pieces.values() if piece.buffer is None)
+
+    def chunk_stats(self) -> dict[str, int]:
+        """Named copies held, and those more than one chain includes."""
+        return {"host_chunk_copies": len(self._named),
+                "host_chunk_copies_shared": sum(piece.refs > 1 for piece in self._named.values())}
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries

@@ -28,9 +28,10 @@ class HostEntry:
     """A cache in host memory: its tensors, its token ids, its fingerprint and the checksum of its
     bytes. `buffer` is the pool buffer the tensors are views of (None when they own their memory).
     A quantised entry holds int8 `tensors` and their `scales`; its checksum covers both. An entry may
-    continue an earlier copy of the same cache (`base`, kept in host memory since that copy was restored):
-    its tensors then hold only the positions after the base's, so an offload copies only the turns added
-    since, and int8 positions are quantised once."""
+    continue an earlier copy (`base`): its tensors then hold only the positions after the base's, so an offload
+    copies only the turns added since, and int8 positions are quantised once. A copy that ends on a chunk's edge
+    is named for the chunks it ends (`cache_store/chunks.py`, with its owner scope): any session of that owner
+    whose history starts with the same ids continues it, so it is held once however many chains include it."""
 
     tensors: KVTensors
     token_ids: list[int]
@@ -43,6 +44,9 @@ class HostEntry:
     prefix_tokens: int = 0  # that segment's positions
     base: HostEntry | None = None  # the earlier copy it continues (its tensors hold what comes after the base's)
     restoring: torch.cuda.Event | None = None  # a restore still reading its buffer (CUDA), until this event
+    name: str | None = None  # ending on a chunk's edge: the chain name of its ids, under which others continue it
+    scope: str | None = None  # with a name: whose chunks it holds (its fingerprint's owner)
+    refs: int = 0  # the host tier's chains (sessions' entries) that include it
 
     @property
     def own_tokens(self) -> int:
@@ -81,9 +85,9 @@ def kv_nbytes(entry: CacheEntry) -> int:
     return sum(k.nbytes + v.nbytes for k, v in entry.tensors())
 
 
-def host_nbytes(entry: CacheEntry, kv_dtype: KVDtype, start: int = 0) -> int:
-    """The bytes an offload of `entry`'s own positions from `start` on stores in `kv_dtype`."""
-    tensors = _from(entry.tensors(), start)
+def host_nbytes(entry: CacheEntry, kv_dtype: KVDtype, start: int = 0, end: int | None = None) -> int:
+    """The bytes an offload of `entry`'s own positions from `start` (up to `end`) stores in `kv_dtype`."""
+    tensors = _from([(k[..., :end, :], v[..., :end, :]) for k, v in entry.tensors()], start)
     return sum(k.nbytes + v.nbytes for k, v in tensors) if kv_dtype == "same" else quantized_nbytes(tensors)
 
 
@@ -99,15 +103,20 @@ class Offloader:
         return self._stream is not None
 
     def offload(self, entry: CacheEntry, buffer: torch.Tensor | None = None, kv_dtype: KVDtype = "same",
-                whole: bool = False, base: HostEntry | None = None) -> HostEntry:
+                whole: bool = False, base: HostEntry | None = None, end: int | None = None) -> HostEntry:
         """Copy the entry to host memory, in `kv_dtype` (int8: quantised on the device, so that only the
         int8 bytes cross to the host): into views of `buffer` (from the pool), or new tensors. Its own keys and
         values, naming the shared segment it starts with; `whole`: every position, a copy that stands alone;
         `base`: an earlier host copy of its first positions, which the new copy continues (only the positions
-        after it are copied)."""
+        after it are copied); `end`: only the positions before it (the rest goes in a copy that continues this
+        one)."""
         scales = None
         chained = isinstance(entry.cache, ArenaCache) and entry.cache.prefix is not None
         sources = chain.full_tensors(entry.cache) if whole and chained else entry.tensors()
+        own_end = len(entry.token_ids) if end is None else end
+        if own_end < len(entry.token_ids):
+            sources = [(k[..., :own_end - entry.prefix_tokens, :], v[..., :own_end - entry.prefix_tokens, :])
+                       for k, v in sources]
         if base is not None:
             sources = _from(sources, len(base.token_ids) - entry.prefix_tokens)
         if kv_dtype == "int8":
@@ -119,7 +128,7 @@ class Offloader:
             targets, scales = targets[:len(targets) - len(scales)], targets[len(targets) - len(scales):]
             stamp = dataclasses.replace(stamp, quantized="int8") if stamp is not None else None
         own = chained and not whole
-        return HostEntry(targets, list(entry.token_ids), stamp, digest, entry.session_version, buffer, scales,
+        return HostEntry(targets, entry.token_ids[:own_end], stamp, digest, entry.session_version, buffer, scales,
                          entry.cache.prefix.segment_key if own else None, entry.prefix_tokens if own else 0, base)
 
     def snapshot(self, entry: CacheEntry, start: int, kv_dtype: KVDtype = "same"

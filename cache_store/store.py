@@ -82,7 +82,8 @@ class CacheStore:
         self.min_shared_tokens = min_shared_tokens
         self._holders: OrderedDict[str, tuple[str, weakref.ref[CacheEntry]]] = OrderedDict()
         self._turns: dict[str, object] = {}  # session id -> its running turn, from admit to put or abandon
-        self._scopes: OrderedDict[str, str | None] = OrderedDict()  # session id -> its owner, as its turns said
+        # session id -> its owner and its system prompt's length, as its turns said
+        self._scopes: OrderedDict[str, tuple[str | None, int]] = OrderedDict()
 
     # ##### Public API #####
 
@@ -120,7 +121,7 @@ class CacheStore:
             self.admit(session_id, turn, 0, alone=True)
         if not self.enabled:
             return CacheLookup("miss", 0, miss_reason="disabled")
-        self._remember_scope(session_id, scope)
+        self._remember_scope(session_id, scope, prefix_len)
         # Another worker completed turns of this session since this worker's copy was written: Redis, which that
         # worker wrote, may hold the newest, which continues this copy (or else this copy is of no use).
         stale = self._older_than(session_id, session_version)
@@ -147,7 +148,7 @@ class CacheStore:
             header = None
         if header is not None:
             held = entry or self._segment_for(prompt_ids, prefix_len, scope)
-            fetched, decision, failed = self._moves.from_remote(session_id, header, held, self._scope(session_id))
+            fetched, decision, failed = self._moves.from_remote(session_id, header, held, self.scope_of(session_id))
             if failed and fetched is None:
                 return self.report_corruption(session_id, failed)
             self._count_corruption(failed)  # (a chunk failed: the turn recomputes from the last good one)
@@ -384,7 +385,7 @@ class CacheStore:
             "segment_bytes": shared["segment_tokens"] * token_bytes,
             "host_bytes": self.host.used_bytes(), "host_budget_bytes": self.host.budget_bytes,
             "host_free_bytes": self.host.pool.free_bytes, "host_segments": sum(map(is_segment, self.host.keys())),
-            "host_sessions": len(self.host) - sum(map(is_segment, self.host.keys())),
+            "host_sessions": len(self.host) - sum(map(is_segment, self.host.keys())), **self.host.chunk_stats(),
             "idle_sessions": len(cached - self.connected), **self.counters,
         }
         if self.remote is not None:
@@ -435,7 +436,7 @@ class CacheStore:
         copies only the positions from the first chunk Redis is not known to hold (a shared policy's chunks, and
         the turns before, are there already), int8 quantised once, when first written."""
         kind = "int8" if self.remote_kv_dtype == "int8" else "from-int8" if entry.quantized else "exact"
-        chunks = chain_hashes(entry.token_ids, chunk_identity(self.model_key, self._scope(session_id), self.layout,
+        chunks = chain_hashes(entry.token_ids, chunk_identity(self.model_key, self.scope_of(session_id), self.layout,
                                                               kind), self.remote.chunk_tokens)
         start = self.remote.known_chunks(chunks)
         tensors, scales = self.offloader.snapshot(entry, start * self.remote.chunk_tokens, self.remote_kv_dtype)
@@ -446,14 +447,18 @@ class CacheStore:
         # the keys and values (in the model's dtype) of the chunks Redis holds: neither copied nor sent
         self.counters["remote_snapshot_kv_bytes_skipped"] += start * self.remote.chunk_tokens * self.layout.token_bytes
 
-    def _scope(self, session_id: str) -> str:
+    def scope_of(self, session_id: str) -> str:
         """Whose chunks the session's cache is made of: its owner's (every owner's when the server has no keys);
         a session never looked up here (no owner known) has chunks of its own."""
-        scope = self._scopes.get(session_id, _UNKNOWN)
+        scope, _ = self._scopes.get(session_id, (_UNKNOWN, 0))
         return f"session:{session_id}" if scope is _UNKNOWN else f"owner:{scope or '*'}"
 
-    def _remember_scope(self, session_id: str, scope: str | None) -> None:
-        self._scopes[session_id] = scope
+    def prompt_tokens(self, session_id: str) -> int:
+        """The length of the session's system prompt, as its last turn said (0: none, or not known)."""
+        return self._scopes.get(session_id, (None, 0))[1]
+
+    def _remember_scope(self, session_id: str, scope: str | None, prefix_len: int) -> None:
+        self._scopes[session_id] = (scope, prefix_len)
         self._scopes.move_to_end(session_id)
         while len(self._scopes) > _REMEMBERED_LOSSES:
             self._scopes.popitem(last=False)

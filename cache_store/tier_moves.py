@@ -19,7 +19,7 @@ import torch
 
 import cache_store.chain as chain
 from cache_store.arena import ArenaCache, ArenaFull
-from cache_store.chunks import chain_hashes, chunk_identity, shared_chunks
+from cache_store.chunks import CHUNK_TOKENS, chain_hashes, chunk_identity, shared_chunks
 from cache_store.cost_model import CostModel, RemoteDecision
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry, NewCache, entry_from_parts
@@ -33,6 +33,7 @@ from cache_store.integrity import (
     check_tensors,
     checksum,
     fingerprint,
+    token_digest,
 )
 from cache_store.lookup import CopyObserver, RemoteCaches
 from cache_store.offload import HostEntry, Offloader, host_nbytes
@@ -68,6 +69,10 @@ class TierOwner(Protocol):
     def make_room(self, need_bytes: int, keep: str | Sequence[str] = ()) -> None: ...
 
     def remember_loss(self, session_id: str) -> None: ...
+
+    def scope_of(self, session_id: str) -> str: ...
+
+    def prompt_tokens(self, session_id: str) -> int: ...
 
     def report_corruption(self, session_id: str, failed: tuple[Check, ...]) -> object: ...
 
@@ -210,6 +215,10 @@ class TierMoves:
         # there: when the device lets it go again, nothing is copied.
         host_entry = store.host.get(key) if is_segment(key) else store.host.pop(key)
         good, failed = self._last_good(key, host_entry)
+        if failed:  # no later offload continues the copy that failed (every chain that includes it checks it too)
+            pieces = host_entry.pieces()
+            store.host.forget(pieces[next(i + 1 for i, piece in enumerate(pieces) if piece is good)
+                                     if good is not None else 0])
         if good is None:
             store.host.discard(key) if is_segment(key) else store.host.release(host_entry)
             return None, failed
@@ -227,6 +236,8 @@ class TierMoves:
                 return None, ()
         try:
             entry = self.adopt(key, host_entry, started, segment)
+            if host_entry.name is not None:  # (a named copy's fingerprint is its owner's: the cache is the session's)
+                entry.fingerprint = fingerprint(entry, store.model_key, key, store.layout)
         except ArenaFull:
             if not is_segment(key):
                 store.host.put(key, host_entry)  # kept where it was, for when there is room
@@ -258,7 +269,13 @@ class TierMoves:
         return ()
 
     def _check_piece(self, owner: str, host_entry: HostEntry) -> Check | None:
+        """Every check of one copy of a chain; a named copy belongs to the owner whose chunks it holds, which must
+        be `owner`'s."""
         store = self.store
+        if host_entry.name is not None:
+            if host_entry.scope not in (store.scope_of(owner), f"session:{owner}"):  # (the latter: its own alone)
+                return "fingerprint"
+            owner = host_entry.scope
         tokens, quantized = host_entry.own_tokens, host_entry.scales is not None
         stored_layout = dataclasses.replace(store.layout, dtype=torch.int8) if quantized else store.layout
         return (check_identity(host_entry.fingerprint, store.model_key, owner, host_entry.token_ids, store.layout)
@@ -302,58 +319,101 @@ class TierMoves:
 
     def offload(self, session_id: str) -> None:
         """Move a device cache to the host tier, whose oldest entries make room; a cache that does not
-        fit there, or whose offload fails, is lost (its next turn recomputes) and nothing else fails."""
+        fit there, or whose offload fails, is lost (its next turn recomputes) and nothing else fails. A session's
+        cache continues the longest named copy the host holds for its owner and ids (its own from an earlier
+        offload, or another session's with the same start): only the positions after it are copied, as a copy
+        up to its last chunk's edge, named for the chunks it ends, and the session's own tail."""
         store = self.store
         entry = store.device.pop(session_id)
         store.counters["segment_offloads" if is_segment(session_id) else "device_evictions"] += 1
         kv_dtype = "same" if is_segment(session_id) else store.host_kv_dtype  # a segment is held once: exact
-        base = None if is_segment(session_id) else store.host.pop(session_id)  # kept from its restore
-        if base is not None and (len(base.pieces()) >= MAX_HOST_COPIES or not _continued_by(base, entry, kv_dtype)):
-            store.host.release(base)
-            base = None
-        start = len(base.token_ids) - entry.prefix_tokens if base is not None else 0
+        kept = None if is_segment(session_id) else store.host.pop(session_id)  # kept from its restore
         started = time.perf_counter()
-        if base is not None and start == entry.own_tokens:  # nothing added since it was restored
-            store.host.put(session_id, base)
-            store.counters["host_offload_bytes_skipped"] += _stored_bytes(base)
+        if kept is not None and len(kept.token_ids) == entry.num_tokens and _continued_by(kept, entry, kv_dtype):
+            store.host.put(session_id, kept)  # nothing added since it was restored
+            store.counters["host_offload_bytes_skipped"] += _stored_bytes(kept)
             store.on_copy("offload", "host", time.perf_counter() - started)
             return
-        buffer = None
+        scope = store.scope_of(session_id)
+        names = [] if is_segment(session_id) else \
+            chain_hashes(entry.token_ids, self._host_identity(session_id, entry, kv_dtype))
+        # Continue the longer of its own chain (then with one copy of what its turns added, as its own) and the
+        # longest named copy (then with a named copy up to its last chunk's edge, and its tail).
+        candidates = [candidate for candidate in (kept, store.host.named(names)) if candidate is not None
+                      and len(candidate.pieces()) < MAX_HOST_COPIES and _continued_by(candidate, entry, kv_dtype)]
+        base = max(candidates, key=lambda candidate: len(candidate.token_ids), default=None)
+        if base is not None:
+            store.host.hold(base)  # (while room is made: never the first to go)
+        if kept is not None:
+            store.host.release(kept)  # (what the new copy continues stays)
+        start = len(base.token_ids) if base is not None else entry.prefix_tokens
+        ends: list[tuple[int, str | None]] = []
+        if base is None or base is not kept:  # named copies up to the system prompt's last chunk, then to the last
+            for edge in sorted({len(names), min(len(names), store.prompt_tokens(session_id) // CHUNK_TOKENS)}):
+                if edge and edge * CHUNK_TOKENS > (ends[-1][0] if ends else start):
+                    ends.append((edge * CHUNK_TOKENS, names[edge - 1]))
+        ends.append((entry.num_tokens, None))  # its own tail
+        host_entry, written, buffer = base, 0, None
         try:
             store.faults.check("offload", session_id)
-            need = host_nbytes(entry, kv_dtype, start)
-            dropped, fits = store.host.make_room(need, needed=self._segment_needed)
-            for key in dropped:
-                store.remember_loss(key)
-                store.counters["host_evictions"] += 1
-            if not fits:
-                if base is not None:
-                    store.host.release(base)
-                store.remember_loss(session_id)
-                store.counters["host_evictions"] += 1
-                return
-            buffer = store.host.pool.take(need)
-            host_entry = store.offloader.offload(entry, buffer, kv_dtype, base=base)
+            for end, name in ends:
+                first = len(host_entry.token_ids) if host_entry is not None else entry.prefix_tokens
+                need = host_nbytes(entry, kv_dtype, first - entry.prefix_tokens, end - entry.prefix_tokens)
+                dropped, fits = store.host.make_room(need, needed=self._segment_needed)
+                for key in dropped:
+                    store.remember_loss(key)
+                    store.counters["host_evictions"] += 1
+                if not fits:
+                    self._abandon_offload(session_id, host_entry, base, lost=True)
+                    return
+                buffer = store.host.pool.take(need) if need else None
+                host_entry = store.offloader.offload(entry, buffer, kv_dtype, base=host_entry, end=end)
+                buffer, written = None, written + need  # (the copy holds it now)
+                if name is not None:  # others of this owner continue it: it is theirs as much as this session's
+                    host_entry.name, host_entry.scope = name, scope
+                    host_entry.fingerprint = dataclasses.replace(
+                        host_entry.fingerprint, owner=scope, num_tokens=end,
+                        token_digest=token_digest(entry.token_ids[:end]))
         except Exception:
             log.exception("offloading session %s's cache failed; it is dropped and its next turn recomputes",
                           session_id)
             if buffer is not None:
                 store.host.pool.give(buffer)
-            if base is not None:
-                store.host.release(base)
-            store.faults.disarm(session_id)
+            self._abandon_offload(session_id, host_entry, base, lost=False)
             store.counters["offload_failures"] += 1
             store.drop(session_id)
-            store.remember_loss(session_id)
             return
+        if base is not None:
+            store.host.unhold(base)
         store.on_copy("offload", "host", time.perf_counter() - started)
-        store.counters["host_offload_bytes"] += need
+        store.counters["host_offload_bytes"] += written
         store.counters["host_offload_bytes_skipped"] += _stored_bytes(base) if base is not None else 0
         if not _left_intact(entry, host_entry):  # changed while resident: never launder it into the host tier
             store.host.release(host_entry)
             store.report_corruption(session_id, ("checksum",))
             return
         store.host.put(session_id, host_entry)
+
+    def _host_identity(self, session_id: str, entry: CacheEntry, kv_dtype: KVDtype) -> str:
+        """What makes two sessions' host copies interchangeable: their owner, how the copy is stored, and the
+        shared segment it starts with (whose positions are not in it)."""
+        store = self.store
+        kind = "int8" if kv_dtype == "int8" else "from-int8" if entry.quantized else "exact"
+        prefix = entry.cache.prefix.segment_key if isinstance(entry.cache, ArenaCache) and entry.cache.prefix else ""
+        return chunk_identity(store.model_key, store.scope_of(session_id), store.layout,
+                              f"host {kind} after {prefix or 'nothing'}:{entry.prefix_tokens}")
+
+    def _abandon_offload(self, session_id: str, built: HostEntry | None, base: HostEntry | None, lost: bool) -> None:
+        """An offload that cannot finish: the copies it made go back to the pool, the cache is lost."""
+        store = self.store
+        if base is not None:
+            store.host.unhold(base)
+        if built is not None:
+            store.host.release(built)
+        store.faults.disarm(session_id)
+        if lost:
+            store.counters["host_evictions"] += 1
+        store.remember_loss(session_id)
 
 
 def _stored_bytes(entry: HostEntry) -> int:
@@ -366,7 +426,7 @@ def _continued_by(base: HostEntry, entry: CacheEntry, kv_dtype: KVDtype) -> bool
     first positions and storage, so that an offload may copy only the positions after it."""
     prefix = entry.cache.prefix if isinstance(entry.cache, ArenaCache) else None
     return (base.fingerprint is not None and entry.fingerprint is not None
-            and base.fingerprint.owner == entry.fingerprint.owner
+            and (base.name is not None or base.fingerprint.owner == entry.fingerprint.owner)  # (a name says whose)
             and base.prefix_key == (prefix.segment_key if prefix is not None else None)
             and base.prefix_tokens == entry.prefix_tokens and len(base.token_ids) <= entry.num_tokens
             and entry.token_ids[:len(base.token_ids)] == base.token_ids

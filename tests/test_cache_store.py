@@ -442,3 +442,69 @@ def test_the_host_tier_drops_a_segment_nothing_starts_with_first_then_sessions_t
     assert tier.make_room(2 * one, needed=needed) == (["old"], True), "then the oldest sessions"
     assert tier.make_room(3 * one, needed=needed) == (["new"], True)
     assert tier.make_room(4 * one, needed=needed) == (["prefix:used"], True), "segments last"
+
+
+def offload_two_sessions(scopes: tuple[str | None, str | None] = (None, None), shared: int = 70):
+    """Two sessions whose histories share their first `shared` ids (keys and values too, as the model gives
+    them), each offloaded after its first turn."""
+    store = make_store(device_tokens=120, host_tokens=1000)
+    entries = {}
+    for session, scope, tail_start in (("a", scopes[0], 500), ("b", scopes[1], 600)):
+        token_ids = ids(shared) + ids(100 - shared, start=tail_start)
+        entry = make_entry(token_ids, seed=1)
+        for (keys, values), (other_keys, other_values) in zip(entry.tensors(), make_entry(token_ids, seed=len(session)
+                                                                                           + tail_start).tensors(),
+                                                               strict=True):
+            keys[..., shared:, :], values[..., shared:, :] = other_keys[..., shared:, :], other_values[..., shared:, :]
+        entries[session] = [(k.clone(), v.clone()) for k, v in entry.tensors()]
+        store.lookup(session, [*token_ids, 7], prefix_len=shared, scope=scope)  # (their system prompt)
+        store.put(session, entry)
+        store.evict_idle()
+    return store, entries
+
+
+def test_sessions_of_one_owner_share_the_host_copy_of_their_common_start_and_restore_exactly():
+    store, expected = offload_two_sessions()
+    first, second = store.host.get("a"), store.host.get("b")
+    shared = first.pieces()[0]
+    assert shared.name is not None and second.pieces()[0] is shared and shared.refs == 2
+    assert len(shared.token_ids) == 64, "up to the last chunk's edge the two share (70 ids in common)"
+    assert store.stats()["host_chunk_copies_shared"] == 1
+    # the second offload copied only its positions after the shared copy: 36 of 100
+    assert store.counters["host_offload_bytes"] == (100 + 36) * BYTES_PER_TOKEN
+    for session in ("a", "b"):
+        found = store.lookup(session, [*store.host.get(session).token_ids, 7])
+        assert (found.source, found.cached_tokens) == ("host", 100)
+        assert all(torch.equal(k, k0) and torch.equal(v, v0)
+                   for (k, v), (k0, v0) in zip(found.entry.tensors(), expected[session], strict=True))
+
+
+def test_two_owners_never_share_a_host_copy():
+    store, _ = offload_two_sessions(scopes=("key-a", "key-b"))
+    assert store.host.get("a").pieces()[0] is not store.host.get("b").pieces()[0]
+    assert store.stats()["host_chunk_copies"] == 4 and store.stats()["host_chunk_copies_shared"] == 0, "two each"
+
+
+def test_a_damaged_shared_host_copy_is_caught_by_every_session_on_it_and_never_continued():
+    store, _ = offload_two_sessions()
+    shared = store.host.get("a").pieces()[0]
+    shared.tensors[0][0].view(-1)[0] += 1
+    prompts = {session: [*store.host.get(session).token_ids, 7] for session in ("a", "b")}
+    for session in ("a", "b"):
+        found = store.lookup(session, prompts[session])
+        assert (found.source, found.miss_reason, found.cleared) == ("miss", "corrupt", ("checksum",))
+        store.release(session)
+    assert store.host.named([shared.name]) is None and store.counters["corrupt_checksum"] == 2
+
+
+def test_a_named_host_copy_no_session_includes_is_the_first_to_go():
+    store, _ = offload_two_sessions()
+    shared = store.host.get("a").pieces()[0]
+    store.host.discard("a")
+    store.host.discard("b")
+    assert shared.refs == 0 and store.host.named([shared.name]) is shared, "kept for later offloads to continue"
+    store.put("c", make_entry(ids(100, start=900)))
+    store.evict_idle()
+    held = store.host.used_bytes()
+    assert store.host.make_room(store.host.budget_bytes - held + 1) == ([], True)
+    assert store.host.named([shared.name]) is None and "c" in store.host, "the unused copy went, not c"

@@ -76,7 +76,7 @@ def test_a_restored_cache_grown_and_quantised_again_keeps_the_bytes_of_its_whole
         assert torch.allclose(key_scale_again[:, :, :5], key_scale[:, :, :5], rtol=1e-6, atol=0)
 
 
-def test_the_host_tier_holds_four_times_the_caches_at_the_same_budget():
+def test_the_host_tier_holds_over_three_times_the_caches_at_the_same_budget():
     held = {}
     for dtype in ("same", "int8"):
         tier = store(dtype, host_budget_bytes=4 * CACHE_BYTES)
@@ -87,7 +87,7 @@ def test_the_host_tier_holds_four_times_the_caches_at_the_same_budget():
         assert tier.host.used_bytes() <= tier.host.budget_bytes
     # Each int8 cache is 3.4x smaller (the scales are 14% of it: keys per group of 16 tokens); the pool rounds both
     # to size classes.
-    assert held["int8"] >= 4 * held["same"] > 0, held
+    assert held["int8"] >= 3 * held["same"] > 0, held
 
 
 def test_a_restored_int8_cache_is_close_marked_and_reported():
@@ -110,7 +110,7 @@ def test_a_corrupted_int8_host_entry_is_caught(damage):
     tier = store("int8", host_budget_bytes=10 * CACHE_BYTES)
     tier.put("s", entry(2, "s"))
     tier.evict_idle()
-    host_entry = tier.host._entries["s"]
+    host_entry = tier.host._entries["s"].pieces()[0]  # (its first copy: nothing before it to restore)
     if damage == "int8 byte":
         host_entry.tensors[1][0].view(-1)[5] ^= 0x10
     elif damage == "scale":
