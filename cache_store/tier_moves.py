@@ -211,44 +211,57 @@ class TierMoves:
         recomputes only the rest)."""
         store = self.store
         started = time.perf_counter()
-        # First: making room offloads others into the host tier. A segment never changes, so its host copy stays
-        # there: when the device lets it go again, nothing is copied.
-        host_entry = store.host.get(key) if is_segment(key) else store.host.pop(key)
-        good, failed = self._last_good(key, host_entry)
+        if is_segment(key):  # A segment never changes: its host copy stays, so letting it go again copies nothing.
+            entry, failed, _ = self._bring_back(key, store.host.get(key), started)
+            if entry is None and failed:
+                store.host.discard(key)
+            elif entry is not None:
+                entry.cache.frozen, entry.cache.segment_key = True, key
+                store.host.touch(key)
+                store.counters["segment_restores"] += 1
+            return entry, failed
+        chain = store.host.pop(key)
+        store.host.hold(chain)  # (while it is read: room made meanwhile never drops a copy of it)
+        try:
+            entry, failed, kept = self._bring_back(key, chain, started)
+        except ArenaFull:
+            store.host.unhold(chain)
+            store.host.put(key, chain)  # kept where it was, for when there is room
+            raise
+        store.host.unhold(chain)
+        if entry is None:
+            store.host.release(chain)
+            return None, failed
+        store.host.put(key, kept, first_to_go=True)  # the session's next offload continues it
+        store.host.release_after(chain, kept)
+        store.counters["restores"] += 1
+        return entry, failed
+
+    def _bring_back(self, key: str, chain: HostEntry, started: float
+                    ) -> tuple[CacheEntry | None, tuple[Check, ...], HostEntry | None]:
+        """`restore`'s checks and copy: the device entry, the failed check, and the copy of the chain it was
+        restored up to."""
+        store = self.store
+        good, failed = self._last_good(key, chain)
         if failed:  # no later offload continues the copy that failed (every chain that includes it checks it too)
-            pieces = host_entry.pieces()
+            pieces = chain.pieces()
             store.host.forget(pieces[next(i + 1 for i, piece in enumerate(pieces) if piece is good)
                                      if good is not None else 0])
         if good is None:
-            store.host.discard(key) if is_segment(key) else store.host.release(host_entry)
-            return None, failed
+            return None, failed, None
         if failed:
             log.warning("session %s: a host copy of its cache failed the %s check; restoring the copies before it",
                         key, ", ".join(failed))
-            store.host.release_after(host_entry, good)
-            host_entry = good
         segment = None
-        if host_entry.prefix_key is not None:
-            segment = self.find_segment(host_entry.prefix_key, host_entry.token_ids[:host_entry.prefix_tokens])
-            if segment is None or segment.num_tokens != host_entry.prefix_tokens:
-                store.host.release(host_entry)
+        if good.prefix_key is not None:
+            segment = self.find_segment(good.prefix_key, good.token_ids[:good.prefix_tokens])
+            if segment is None or segment.num_tokens != good.prefix_tokens:
                 store.remember_loss(key)
-                return None, ()
-        try:
-            entry = self.adopt(key, host_entry, started, segment)
-            if host_entry.name is not None:  # (a named copy's fingerprint is its owner's: the cache is the session's)
-                entry.fingerprint = fingerprint(entry, store.model_key, key, store.layout)
-        except ArenaFull:
-            if not is_segment(key):
-                store.host.put(key, host_entry)  # kept where it was, for when there is room
-            raise
-        if is_segment(key):
-            entry.cache.frozen, entry.cache.segment_key = True, key
-            store.host.touch(key)
-        else:  # kept, first to go: the session's next offload copies only what its turns add to it
-            store.host.put(key, host_entry, first_to_go=True)
-        store.counters["segment_restores" if is_segment(key) else "restores"] += 1
-        return entry, failed
+                return None, (), None
+        entry = self.adopt(key, good, started, segment)
+        if good.name is not None:  # (a named copy's fingerprint is its owner's: the cache is the session's)
+            entry.fingerprint = fingerprint(entry, store.model_key, key, store.layout)
+        return entry, failed, good
 
     def _last_good(self, owner: str, host_entry: HostEntry) -> tuple[HostEntry | None, tuple[Check, ...]]:
         """The newest copy of the chain whose copies all pass every check (None: not even the first), and the

@@ -508,3 +508,21 @@ def test_a_named_host_copy_no_session_includes_is_the_first_to_go():
     held = store.host.used_bytes()
     assert store.host.make_room(store.host.budget_bytes - held + 1) == ([], True)
     assert store.host.named([shared.name]) is None and "c" in store.host, "the unused copy went, not c"
+
+
+def test_a_restore_keeps_its_named_copies_while_room_is_made_for_it():
+    """Making room on the device for a restore offloads another cache, whose room on the host must never come from
+    the copies being restored (named, and no longer in the tier while they are read)."""
+    store = make_store(device_tokens=110, host_tokens=150)
+    entry = make_entry(ids(100), seed=1)
+    expected = [(k.clone(), v.clone()) for k, v in entry.tensors()]
+    store.lookup("a", ids(101), prefix_len=70)
+    store.put("a", entry)
+    store.evict_idle()
+    assert [piece.name is not None for piece in store.host.get("a").pieces()] == [True, True, False]
+    store.put("b", make_entry(ids(100, start=500), seed=2))
+    found = store.lookup("a", ids(101))  # evicts b, which no longer fits on the host
+    assert (found.source, found.cached_tokens) == ("host", 100)
+    assert all(torch.equal(k, k0) and torch.equal(v, v0)
+               for (k, v), (k0, v0) in zip(found.entry.tensors(), expected, strict=True))
+    assert "b" not in store.host and store.counters["host_evictions"] == 1
