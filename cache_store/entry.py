@@ -29,6 +29,9 @@ class CacheEntry:
     fingerprint: Fingerprint | None = None  # taken at write-back, checked on reuse
     checksum: str | None = None  # of the bytes at write-back, checked on reuse (a running cache has none)
     session_version: int = 0  # the session's completed turns when this cache was written back
+    # (start, checksum of its positions from start, `checksum` it was taken with): what an offload that continues
+    # the host copy ending at start checks, rather than every byte; stale once `checksum` changes
+    suffix_checksum: tuple[int, str, str] | None = None
 
     @property
     def num_tokens(self) -> int:

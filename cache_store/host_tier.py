@@ -102,10 +102,11 @@ class HostTier:
         if piece.refs == 0:
             self._free(piece)
 
-    def named(self, names: list[str]) -> HostEntry | None:
-        """The named copy ending at the last of `names` this tier holds (a chain's chunk names, first first)."""
+    def named(self, names: list[str], usable: Callable[[HostEntry], bool] = lambda piece: True) -> HostEntry | None:
+        """The `usable` named copy ending at the last of `names` this tier holds (a chain's chunk names, first
+        first)."""
         for name in reversed(names):
-            if (piece := self._named.get(name)) is not None:
+            if (piece := self._named.get(name)) is not None and usable(piece):
                 self._named.move_to_end(name)
                 return piece
         return None

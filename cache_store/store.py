@@ -187,6 +187,11 @@ class CacheStore:
         entry.fingerprint = fingerprint(entry, self.model_key, session_id, self.layout)
         entry.checksum = checksum(entry.tensors())
         entry.session_version = session_version
+        _, base = self._moves.offload_base(session_id, entry, self.host.get(session_id))
+        if base is not None:  # its next offload copies only the positions after that host copy: checked alone
+            own = len(base.token_ids) - entry.prefix_tokens
+            entry.suffix_checksum = (len(base.token_ids), checksum([(k[..., own:, :], v[..., own:, :])
+                                                                   for k, v in entry.tensors()]), entry.checksum)
         self.make_room(entry.nbytes())
         self.device.put(session_id, entry, connected=session_id in self.connected)
         if self.remote is not None:

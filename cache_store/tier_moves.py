@@ -333,9 +333,8 @@ class TierMoves:
     def offload(self, session_id: str) -> None:
         """Move a device cache to the host tier, whose oldest entries make room; a cache that does not
         fit there, or whose offload fails, is lost (its next turn recomputes) and nothing else fails. A session's
-        cache continues the longest named copy the host holds for its owner and ids (its own from an earlier
-        offload, or another session's with the same start): only the positions after it are copied, as a copy
-        up to its last chunk's edge, named for the chunks it ends, and the session's own tail."""
+        cache continues its own chain (kept since its restore) or the copy of its system prompt's chunks its
+        owner's sessions share (named, held once): only the positions after it are copied (`offload_base`)."""
         store = self.store
         entry = store.device.pop(session_id)
         store.counters["segment_offloads" if is_segment(session_id) else "device_evictions"] += 1
@@ -348,24 +347,16 @@ class TierMoves:
             store.on_copy("offload", "host", time.perf_counter() - started)
             return
         scope = store.scope_of(session_id)
-        names = [] if is_segment(session_id) else \
-            chain_hashes(entry.token_ids, self._host_identity(session_id, entry, kv_dtype))
-        # Continue the longer of its own chain (then with one copy of what its turns added, as its own) and the
-        # longest named copy (then with a named copy up to its last chunk's edge, and its tail).
-        candidates = [candidate for candidate in (kept, store.host.named(names)) if candidate is not None
-                      and len(candidate.pieces()) < MAX_HOST_COPIES and _continued_by(candidate, entry, kv_dtype)]
-        base = max(candidates, key=lambda candidate: len(candidate.token_ids), default=None)
+        names, base = self.offload_base(session_id, entry, kept)
         if base is not None:
             store.host.hold(base)  # (while room is made: never the first to go)
         if kept is not None:
             store.host.release(kept)  # (what the new copy continues stays)
         start = len(base.token_ids) if base is not None else entry.prefix_tokens
         ends: list[tuple[int, str | None]] = []
-        if base is None or base is not kept:  # named copies up to the system prompt's last chunk, then to the last
-            for edge in sorted({len(names), min(len(names), store.prompt_tokens(session_id) // CHUNK_TOKENS)}):
-                if edge and edge * CHUNK_TOKENS > (ends[-1][0] if ends else start):
-                    ends.append((edge * CHUNK_TOKENS, names[edge - 1]))
-        ends.append((entry.num_tokens, None))  # its own tail
+        if names and len(names) * CHUNK_TOKENS > start:  # its system prompt's chunks, named: its owner's
+            ends.append((len(names) * CHUNK_TOKENS, names[-1]))
+        ends.append((entry.num_tokens, None))  # the rest, its own
         host_entry, written, buffer = base, 0, None
         try:
             store.faults.check("offload", session_id)
@@ -401,11 +392,30 @@ class TierMoves:
         store.on_copy("offload", "host", time.perf_counter() - started)
         store.counters["host_offload_bytes"] += written
         store.counters["host_offload_bytes_skipped"] += _stored_bytes(base) if base is not None else 0
-        if not _left_intact(entry, host_entry):  # changed while resident: never launder it into the host tier
+        if not _left_intact(entry, host_entry, start):  # changed while resident: never launder it into the host tier
             store.host.release(host_entry)
             store.report_corruption(session_id, ("checksum",))
             return
         store.host.put(session_id, host_entry)
+
+    def offload_base(self, session_id: str, entry: CacheEntry, kept: HostEntry | None
+                     ) -> tuple[list[str], HostEntry | None]:
+        """The chunk names of a session's system prompt in the host tier, and the copy its offload continues: the
+        longer of its own chain `kept` and the named copy of its system prompt's chunks its owner holds (then with
+        one copy of the rest, as its own); at most `MAX_HOST_COPIES` copies in the chain it makes."""
+        if is_segment(session_id):
+            return [], None
+        store = self.store
+        prompt = min(entry.num_tokens, store.prompt_tokens(session_id)) // CHUNK_TOKENS * CHUNK_TOKENS
+        names = chain_hashes(entry.token_ids[:prompt],
+                             self._host_identity(session_id, entry, store.host_kv_dtype)) if prompt else []
+
+        def usable(candidate: HostEntry | None) -> bool:  # (one copy more stays within the bound)
+            return candidate is not None and len(candidate.pieces()) < MAX_HOST_COPIES \
+                and _continued_by(candidate, entry, store.host_kv_dtype)
+
+        candidates = [candidate for candidate in (kept, store.host.named(names, usable)) if usable(candidate)]
+        return names, max(candidates, key=lambda candidate: len(candidate.token_ids), default=None)
 
     def _host_identity(self, session_id: str, entry: CacheEntry, kv_dtype: KVDtype) -> str:
         """What makes two sessions' host copies interchangeable: their owner, how the copy is stored, and the
@@ -446,10 +456,15 @@ def _continued_by(base: HostEntry, entry: CacheEntry, kv_dtype: KVDtype) -> bool
             and all((piece.scales is not None) == (kv_dtype == "int8") for piece in base.pieces()))
 
 
-def _left_intact(entry: CacheEntry, host_entry: HostEntry) -> bool:
-    """Whether the cache reached the host with the bytes it was written back with."""
+def _left_intact(entry: CacheEntry, host_entry: HostEntry, start: int) -> bool:
+    """Whether the cache reached the host with the bytes it was written back with (those it copied, from
+    `start`)."""
     if entry.checksum is None:
         return True
+    if entry.suffix_checksum is not None and entry.suffix_checksum[0] == start \
+            and entry.suffix_checksum[2] == entry.checksum:  # taken at write-back for the positions copied
+        own = start - entry.prefix_tokens
+        return checksum([(k[..., own:, :], v[..., own:, :]) for k, v in entry.tensors()]) == entry.suffix_checksum[1]
     if host_entry.base is None and host_entry.scales is None and \
             entry.checksum.split(":")[0] == host_entry.checksum.split(":")[0]:
         return host_entry.checksum == entry.checksum  # read the same way: the copy's checksum says it

@@ -482,7 +482,7 @@ def test_sessions_of_one_owner_share_the_host_copy_of_their_common_start_and_res
 def test_two_owners_never_share_a_host_copy():
     store, _ = offload_two_sessions(scopes=("key-a", "key-b"))
     assert store.host.get("a").pieces()[0] is not store.host.get("b").pieces()[0]
-    assert store.stats()["host_chunk_copies"] == 4 and store.stats()["host_chunk_copies_shared"] == 0, "two each"
+    assert store.stats()["host_chunk_copies"] == 2 and store.stats()["host_chunk_copies_shared"] == 0
 
 
 def test_a_damaged_shared_host_copy_is_caught_by_every_session_on_it_and_never_continued():
@@ -505,6 +505,7 @@ def test_a_named_host_copy_no_session_includes_is_the_first_to_go():
     assert shared.refs == 0 and store.host.named([shared.name]) is shared, "kept for later offloads to continue"
     store.put("c", make_entry(ids(100, start=900)))
     store.evict_idle()
+    store.host.pool.release_free()  # (what the two sessions held, free now, goes first anyway)
     held = store.host.used_bytes()
     assert store.host.make_room(store.host.budget_bytes - held + 1) == ([], True)
     assert store.host.named([shared.name]) is None and "c" in store.host, "the unused copy went, not c"
@@ -519,7 +520,7 @@ def test_a_restore_keeps_its_named_copies_while_room_is_made_for_it():
     store.lookup("a", ids(101), prefix_len=70)
     store.put("a", entry)
     store.evict_idle()
-    assert [piece.name is not None for piece in store.host.get("a").pieces()] == [True, True, False]
+    assert [piece.name is not None for piece in store.host.get("a").pieces()] == [True, False]
     store.put("b", make_entry(ids(100, start=500), seed=2))
     found = store.lookup("a", ids(101))  # evicts b, which no longer fits on the host
     assert (found.source, found.cached_tokens) == ("host", 100)
