@@ -134,7 +134,7 @@ class CacheStore:
             return self.report_corruption(session_id, failed)
         cleared: tuple[Check, ...] = ()
         if entry is None and session_id in self.host:
-            entry, cleared = self._moves.restore(session_id)
+            entry, cleared = self._moves.restore(session_id, for_turn=True)
             if cleared and entry is None:
                 return self.report_corruption(session_id, cleared)
             self._count_corruption(cleared)  # (a later copy failed: the turn recomputes from the last good one)

@@ -45,7 +45,7 @@ from cache_store.stage_faults import FaultPoints
 log = logging.getLogger(__name__)
 # A chain of host copies is restored copy by copy (each checked, each copied into place): past this many, an
 # offload writes the whole cache again, so that a restore stays as fast as a single copy's (docs/benchmarks.md).
-MAX_HOST_COPIES = 4
+MAX_HOST_COPIES = 5
 
 
 class TierOwner(Protocol):
@@ -203,12 +203,13 @@ class TierMoves:
                 or (checksum(piece.stored) != piece.checksum and "checksum")
                 or check_finite(piece.scales if quantized else piece.tensors))
 
-    def restore(self, key: str) -> tuple[CacheEntry | None, tuple[Check, ...]]:
+    def restore(self, key: str, for_turn: bool = False) -> tuple[CacheEntry | None, tuple[Check, ...]]:
         """Bring a host entry (a session's, or a shared segment's) back to the device once it passes every
         check, starting with the segment it names (resident, or restored first); else report what failed. None
         without a failure when that segment is gone: the entry is dropped and its turn recomputes. A chain of
         copies whose later copy fails is restored up to its last good copy (with the failure: the turn
-        recomputes only the rest)."""
+        recomputes only the rest). `for_turn`: handed to a turn at once, which changes it (and its write-back
+        takes its checksum), so none is taken now."""
         store = self.store
         started = time.perf_counter()
         if is_segment(key):  # A segment never changes: its host copy stays, so letting it go again copies nothing.
@@ -223,7 +224,7 @@ class TierMoves:
         chain = store.host.pop(key)
         store.host.hold(chain)  # (while it is read: room made meanwhile never drops a copy of it)
         try:
-            entry, failed, kept = self._bring_back(key, chain, started)
+            entry, failed, kept = self._bring_back(key, chain, started, stamp=not for_turn)
         except ArenaFull:
             store.host.unhold(chain)
             store.host.put(key, chain)  # kept where it was, for when there is room
@@ -237,7 +238,7 @@ class TierMoves:
         store.counters["restores"] += 1
         return entry, failed
 
-    def _bring_back(self, key: str, chain: HostEntry, started: float
+    def _bring_back(self, key: str, chain: HostEntry, started: float, stamp: bool = True
                     ) -> tuple[CacheEntry | None, tuple[Check, ...], HostEntry | None]:
         """`restore`'s checks and copy: the device entry, the failed check, and the copy of the chain it was
         restored up to."""
@@ -258,7 +259,7 @@ class TierMoves:
             if segment is None or segment.num_tokens != good.prefix_tokens:
                 store.remember_loss(key)
                 return None, (), None
-        entry = self.adopt(key, good, started, segment)
+        entry = self.adopt(key, good, started, segment, stamp)
         if good.name is not None:  # (a named copy's fingerprint is its owner's: the cache is the session's)
             entry.fingerprint = fingerprint(entry, store.model_key, key, store.layout)
         return entry, failed, good
@@ -304,8 +305,8 @@ class TierMoves:
         host = self.store.host
         return any(host.get(other).prefix_key == key for other in host.keys())
 
-    def adopt(self, session_id: str, host_entry: HostEntry, started: float, segment: CacheEntry | None = None
-              ) -> CacheEntry:
+    def adopt(self, session_id: str, host_entry: HostEntry, started: float, segment: CacheEntry | None = None,
+              stamp: bool = True) -> CacheEntry:
         """Put a checked host entry back on the device, starting with `segment` when it names one. Its restore
         time, observed from `started`, counts the fetch, the checks and the copy, not the evictions that made
         room for it."""
@@ -325,7 +326,7 @@ class TierMoves:
         # chain of copies is new bytes.
         same_bytes = entry.tensors()[0][0].device.type == "cpu" and host_entry.scales is None \
             and host_entry.base is None
-        entry.checksum = host_entry.checksum if same_bytes else checksum(entry.tensors())
+        entry.checksum = host_entry.checksum if same_bytes else checksum(entry.tensors()) if stamp else None
         store.device.put(session_id, entry, connected=session_id in store.connected)
         store.on_copy("restore", "host", fetched_s + time.perf_counter() - copy_started)
         return entry
