@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 
 import cache_store.chain as chain
 from cache_store.arena import UNIT, ArenaCache, ArenaFull, TemporaryCache
-from cache_store.chunks import chain_hashes, chunk_identity
 from cache_store.cost_model import CostModel, Throughput
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry, NewCache
@@ -35,7 +34,7 @@ from cache_store.lookup import (
 from cache_store.offload import Offloader
 from cache_store.policy import EvictionPolicy
 from cache_store.quantize import KVDtype
-from cache_store.remote_tier import RemoteSnapshot
+from cache_store.remote_moves import RemoteMoves
 from cache_store.segments import SharedSegments, is_segment, segment_key
 from cache_store.sizing import layer_tokens_needed
 from cache_store.stage_faults import FaultPoints
@@ -75,6 +74,7 @@ class CacheStore:
         self.on_copy = on_copy or (lambda direction, tier, seconds: None)  # for latency metrics
         self.connected: set[str] = set()  # sessions with a client: evicted last
         self._moves = TierMoves(self)
+        self._remote_moves = RemoteMoves(self)
         self._lost: OrderedDict[str, None] = OrderedDict()  # sessions whose cache was dropped
         # A system prompt shorter than this is copied into each session that uses it, from a session's cache that
         # holds it (`_holders`: prompt key -> the session and its cache, weakly: running or not, resident or gone),
@@ -148,13 +148,13 @@ class CacheStore:
             header = None
         if header is not None:
             held = entry or self._segment_for(prompt_ids, prefix_len, scope)
-            fetched, decision, failed = self._moves.from_remote(session_id, header, held, self.scope_of(session_id))
+            fetched, decision, failed = self._remote_moves.fetch(session_id, header, held)
             if failed and fetched is None:
                 return self.report_corruption(session_id, failed)
             self._count_corruption(failed)  # (a chunk failed: the turn recomputes from the last good one)
             if fetched is not None:
                 entry, source, cleared = fetched, "remote", failed
-                self._hold_policy(session_id, entry, prompt_ids, prefix_len, scope)
+                self._remote_moves.hold_policy(session_id, entry, prompt_ids, prefix_len, scope)
         if stale and source != "remote":
             self.device.pop(session_id)
             self.host.discard(session_id)
@@ -196,7 +196,7 @@ class CacheStore:
         self.device.put(session_id, entry, connected=session_id in self.connected)
         if self.remote is not None:
             try:
-                self._share(session_id, entry)
+                self._remote_moves.share(session_id, entry)
             except Exception:  # the turn is done and its cache is here: only other workers go without it
                 log.exception("session %s: snapshotting its cache for Redis failed; Redis keeps the copy before",
                               session_id)
@@ -436,22 +436,6 @@ class CacheStore:
         self.device.put(session_id, entry, connected=session_id in self.connected)
         return CacheLookup("prefix", len(prompt), entry)
 
-    def _share(self, session_id: str, entry: CacheEntry) -> None:
-        """Write the cache to Redis, in the background, as a chain of chunks named for its owner: the snapshot
-        copies only the positions from the first chunk Redis is not known to hold (a shared policy's chunks, and
-        the turns before, are there already), int8 quantised once, when first written."""
-        kind = "int8" if self.remote_kv_dtype == "int8" else "from-int8" if entry.quantized else "exact"
-        chunks = chain_hashes(entry.token_ids, chunk_identity(self.model_key, self.scope_of(session_id), self.layout,
-                                                              kind), self.remote.chunk_tokens)
-        start = self.remote.known_chunks(chunks)
-        tensors, scales = self.offloader.snapshot(entry, start * self.remote.chunk_tokens, self.remote_kv_dtype)
-        stamp = dataclasses.replace(entry.fingerprint, quantized="int8") if scales is not None else entry.fingerprint
-        self.remote.put(session_id, RemoteSnapshot(list(entry.token_ids), stamp, entry.session_version, kind, chunks,
-                                                   start, tensors, scales))
-        self.counters["remote_snapshot_bytes"] += sum(k.nbytes + v.nbytes for k, v in [*tensors, *(scales or [])])
-        # the keys and values (in the model's dtype) of the chunks Redis holds: neither copied nor sent
-        self.counters["remote_snapshot_kv_bytes_skipped"] += start * self.remote.chunk_tokens * self.layout.token_bytes
-
     def scope_of(self, session_id: str) -> str:
         """Whose chunks the session's cache is made of: its owner's (every owner's when the server has no keys);
         a session never looked up here (no owner known) has chunks of its own."""
@@ -467,24 +451,6 @@ class CacheStore:
         self._scopes.move_to_end(session_id)
         while len(self._scopes) > _REMEMBERED_LOSSES:
             self._scopes.popitem(last=False)
-
-    def _hold_policy(self, session_id: str, entry: CacheEntry, prompt_ids: Sequence[int], prefix_len: int,
-                     scope: str | None) -> None:
-        """After a restore from Redis, make the whole units of the prompt's system prompt a shared segment here
-        (nothing copied) when none holds it yet: the next session with that policy starts with it, and a later
-        restore from Redis fetches none of its chunks."""
-        tokens = prefix_len // UNIT * UNIT
-        key = segment_key(prompt_ids[:prefix_len], scope)
-        if (tokens < max(UNIT, self.min_shared_tokens) or not isinstance(entry.cache, ArenaCache)
-                or entry.prefix_tokens or entry.num_tokens <= tokens or key in self.device
-                or entry.token_ids[:prefix_len] != list(prompt_ids[:prefix_len])):
-            return
-        segment = CacheEntry(chain.split(entry.cache, tokens), entry.token_ids[:tokens])
-        segment.cache.segment_key = key
-        self.segments.stamp(key, segment)
-        self.device.put(key, segment)
-        entry.checksum = checksum(entry.tensors())
-        self.counters["remote_policies_held"] += 1
 
     def _segment_for(self, prompt_ids: Sequence[int], prefix_len: int, scope: str | None) -> CacheEntry | None:
         """The checked segment holding the prompt's first `prefix_len` ids: the owner's own, or a warm prompt

@@ -1,7 +1,7 @@
-"""Moving caches between tiers, checked both ways: an evicted cache offloaded to the host tier (exact or
-int8; a shared segment once, exact), a host copy checked and restored onto the device, starting with the shared
-segment it names (resident, or restored first), so that a segment is never copied twice; a Redis copy's chunks
-fetched and checked from the first the device does not hold.
+"""Moving caches between the device and the host tier, checked both ways: an evicted cache offloaded (exact or
+int8; a shared segment once, exact; a session's continuing the copy of its system prompt its owner's sessions
+share, or its own chain), a host copy checked and restored onto the device, starting with the shared segment it
+names (resident, or restored first), so that a segment is never copied twice. (Redis: `remote_moves.py`.)
 
 Part of the cache store (`CacheStore` decides what moves; this does the moving), in the engine thread.
 """
@@ -19,10 +19,9 @@ import torch
 
 import cache_store.chain as chain
 from cache_store.arena import ArenaCache, ArenaFull
-from cache_store.chunks import CHUNK_TOKENS, chain_hashes, chunk_identity, shared_chunks
-from cache_store.cost_model import CostModel, RemoteDecision
+from cache_store.chunks import CHUNK_TOKENS, chain_hashes, chunk_identity
 from cache_store.device_tier import DeviceTier
-from cache_store.entry import CacheEntry, NewCache, entry_from_parts
+from cache_store.entry import CacheEntry, NewCache
 from cache_store.host_tier import HostTier
 from cache_store.identity import CacheLayout
 from cache_store.integrity import (
@@ -35,16 +34,16 @@ from cache_store.integrity import (
     fingerprint,
     token_digest,
 )
-from cache_store.lookup import CopyObserver, RemoteCaches
+from cache_store.lookup import CopyObserver
 from cache_store.offload import HostEntry, Offloader, host_nbytes
-from cache_store.quantize import GROUP_TOKENS, KVDtype
-from cache_store.remote_tier import RemoteCopy, RemoteHeader, StoredKV
+from cache_store.quantize import KVDtype
 from cache_store.segments import SharedSegments, is_segment
 from cache_store.stage_faults import FaultPoints
 
 log = logging.getLogger(__name__)
 # A chain of host copies is restored copy by copy (each checked, each copied into place): past this many, an
-# offload writes the whole cache again, so that a restore stays as fast as a single copy's (docs/benchmarks.md).
+# offload copies again all that follows the system prompt's named copy, so that a restore stays fast
+# (docs/benchmarks.md).
 MAX_HOST_COPIES = 5
 
 
@@ -62,8 +61,6 @@ class TierOwner(Protocol):
     faults: FaultPoints
     counters: Counter[str]
     connected: set[str]
-    cost: CostModel
-    remote: RemoteCaches | None
     on_copy: CopyObserver
 
     def make_room(self, need_bytes: int, keep: str | Sequence[str] = ()) -> None: ...
@@ -80,7 +77,7 @@ class TierOwner(Protocol):
 
 
 class TierMoves:
-    """Offload, restore and remote fetches for one cache store."""
+    """Offload and restore for one cache store."""
 
     def __init__(self, store: TierOwner):
         self.store = store
@@ -96,112 +93,6 @@ class TierMoves:
         if failed:
             store.report_corruption(key, failed)
         return segment
-
-    def from_remote(self, session_id: str, header: RemoteHeader, held: CacheEntry | None, scope: str
-                    ) -> tuple[CacheEntry | None, RemoteDecision, tuple[Check, ...]]:
-        """The session's cache from Redis, when fetching is estimated to be faster than recomputing. `held` (a
-        checked cache on the device: the session's own older copy, or the shared segment its prompt starts with)
-        keeps the positions whose chunks it has, and only the chunks after them and the tail are fetched (the cost
-        counts only those bytes). Every chunk passes every check before use; a chunk gone or damaged ends the
-        chain there (a damaged one is deleted from Redis): the cache is restored up to the last good chunk, with
-        the failure, and its turn recomputes the rest."""
-        store = self.store
-        size = header.chunk_tokens
-        identity = chunk_identity(store.model_key, scope, store.layout, header.kind)
-        held = held if held is not None and isinstance(held.cache, ArenaCache) else None
-        keep = 0
-        if held is not None and held.cache.frozen:  # a segment: started with whole, if the ids say it may be
-            keep = held.num_tokens if held.num_tokens <= header.fingerprint.num_tokens else 0
-        elif held is not None:
-            matched = shared_chunks(chain_hashes(held.token_ids, identity, size), header.chunks)
-            keep = min(max(matched * size, held.prefix_tokens), held.num_tokens, header.fingerprint.num_tokens)
-            keep = keep // GROUP_TOKENS * GROUP_TOKENS  # (so that an int8 chunk is cut on a key-scale group's edge)
-        held = held if keep else None
-        first = keep // size
-        decision = store.cost.decide(header.fetch_nbytes(first), header.fingerprint.num_tokens - keep)
-        if decision.choice == "recompute":
-            return None, decision, ()
-        started = time.perf_counter()
-        copy = store.remote.fetch(header, first)
-        if copy is None:
-            return None, decision, ()
-        failed = check_identity(header.fingerprint, store.model_key, session_id, copy.token_ids, store.layout) \
-            or (chain_hashes(copy.token_ids, identity, size) != header.chunks and "fingerprint")
-        if failed:
-            return None, decision, (failed,)
-        if held is not None and copy.token_ids[:keep] != held.token_ids[:keep]:
-            return None, decision, ()  # (the held positions are not this cache's after all)
-        parts, failed = self._good_parts(header, copy, keep - first * size)
-        store.counters["remote_chunks_fetched"] += sum(chunk is not None for chunk in copy.chunks)
-        store.counters["remote_bytes_not_fetched"] += first * header.chunk_nbytes
-        if not parts and (held is None or held.cache.frozen):  # nothing fetched to continue what is held
-            return None, decision, failed
-        covered = keep + sum(part.tokens for part in parts)
-        tensors = store.offloader.to_device([(part.tensors, part.scales) for part in parts], store.layout.dtype)
-        fetched_s = time.perf_counter() - started
-        own_bytes = (covered - (held.prefix_tokens if held is not None else 0)) * store.layout.token_bytes
-        keep_keys = [session_id, *(s.segment_key for s in chain.segments(held.cache))] if held is not None else []
-        if held is not None and held.cache.frozen:
-            keep_keys.append(held.cache.segment_key)
-        store.make_room(store.device.extra_bytes(session_id, own_bytes), keep=keep_keys or session_id)
-        copy_started = time.perf_counter()
-        if held is not None and not held.cache.frozen:  # the session's own older copy: continued in place
-            held.crop(keep)
-            held.cache.append_parts(tensors)
-            held.token_ids[keep:] = copy.token_ids[keep:covered]
-            entry = held
-        else:
-            entry = entry_from_parts(store.new_cache, tensors, copy.token_ids[:covered], owned=True,
-                                     prefix=held.cache if held is not None else None)
-        lossy = header.fingerprint.quantized or (held.quantized if held is not None else None)
-        entry.fingerprint = dataclasses.replace(header.fingerprint, quantized=lossy)
-        if covered < header.fingerprint.num_tokens:
-            entry.fingerprint = dataclasses.replace(fingerprint(entry, store.model_key, session_id, store.layout),
-                                                    quantized=lossy)
-        entry.checksum = checksum(entry.tensors())
-        entry.session_version = header.session_version
-        store.device.put(session_id, entry, connected=session_id in store.connected)
-        store.on_copy("restore", "remote", fetched_s + time.perf_counter() - copy_started)
-        store.counters["remote_restores"] += 1
-        return entry, decision, failed
-
-    def _good_parts(self, header: RemoteHeader, copy: RemoteCopy, skip: int
-                    ) -> tuple[list[StoredKV], tuple[Check, ...]]:
-        """The fetched chunks (the first after `skip` positions the device holds), then the tail, up to the first
-        that is gone or fails a check; and that failure."""
-        store = self.store
-        quantized, size = header.kind == "int8", header.chunk_tokens
-        parts: list[StoredKV] = []
-        for index, piece in enumerate(copy.chunks, start=copy.first):
-            if piece is None:
-                store.counters["remote_chunks_missing"] += 1
-                log.warning("session %s: chunk %d of its Redis copy is gone; restoring the chunks before it",
-                            header.session_id, index)
-                return parts, ()
-            failed = (piece.name != header.chunks[index] and "fingerprint") \
-                or self._check_stored(piece, size, quantized)
-            if failed:
-                log.warning("session %s: chunk %d of its Redis copy failed the %s check; deleted, restoring the "
-                            "chunks before it", header.session_id, index, failed)
-                store.remote.delete_chunk(header.chunks[index])
-                return parts, (failed,)
-            parts.append(piece.after(skip))
-            skip = 0
-        tail_tokens = header.fingerprint.num_tokens - len(header.chunks) * size
-        if failed := self._check_stored(copy.tail, tail_tokens, quantized):
-            log.warning("session %s: the tail of its Redis copy failed the %s check", header.session_id, failed)
-            return parts, (failed,)
-        return [*parts, copy.tail.after(skip)], ()
-
-    def _check_stored(self, piece: StoredKV, tokens: int, quantized: bool) -> Check | None:
-        """Shapes, the checksum of every stored byte (scales included) and finite values (of the scales, for int8)
-        of a chunk or tail from Redis."""
-        layout = self.store.layout
-        stored_layout = dataclasses.replace(layout, dtype=torch.int8) if quantized else layout
-        return (check_tensors(piece.tensors, tokens, stored_layout)
-                or (quantized and (check_scales(piece.scales, tokens, layout) if piece.scales else "shape"))
-                or (checksum(piece.stored) != piece.checksum and "checksum")
-                or check_finite(piece.scales if quantized else piece.tensors))
 
     def restore(self, key: str, for_turn: bool = False) -> tuple[CacheEntry | None, tuple[Check, ...]]:
         """Bring a host entry (a session's, or a shared segment's) back to the device once it passes every
@@ -273,14 +164,6 @@ class TierMoves:
                 return good, (failed,)
             good = piece
         return good, ()
-
-    def check_host_entry(self, owner: str, host_entry: HostEntry) -> tuple[Check, ...]:
-        """Identity, shapes, the checksum of every stored byte (scales included), values finite (for a
-        quantised entry: its scales, since int8 cannot be NaN); for each copy it continues too."""
-        for piece in host_entry.pieces():
-            if failed := self._check_piece(owner, piece):
-                return (failed,)
-        return ()
 
     def _check_piece(self, owner: str, host_entry: HostEntry) -> Check | None:
         """Every check of one copy of a chain; a named copy belongs to the owner whose chunks it holds, which must
