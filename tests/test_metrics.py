@@ -147,6 +147,9 @@ async def test_metrics_and_stats_move_by_exactly_what_the_run_did(tiny):
     tiers = stats["now"]["tiers"]
     assert tiers["host"]["offload"] == {"written_bytes": store_stats["host_offload_bytes"],
                                         "skipped_bytes": store_stats["host_offload_bytes_skipped"]}
+    assert tiers["host"]["chunks"] == {"held": store_stats["host_chunk_copies"],
+                                       "shared": store_stats["host_chunk_copies_shared"]}
+    assert after["chatd:kv_host_chunk_copies", frozenset({("state", "held")})] == store_stats["host_chunk_copies"]
     assert tiers["device"]["kv_dtype"] == tiers["host"]["kv_dtype"] == "float64"
     assert tiers["remote"]["kv_dtype"] is None  # no remote tier
     # (a session restored from the host keeps its host copy while resident: the next offload adds only its turns)

@@ -52,6 +52,7 @@ function tiles(stats) {
     ["KV arena: compactions", `${arena.compactions ?? 0} (${mb(arena.compaction_bytes ?? 0)} moved)`],
     ["Shared segments: device (warm) / host", `${shared.segments ?? 0} (${shared.pinned ?? 0}) / ${shared.host_segments ?? 0}`],
     ["Device: held / distinct KV / as private copies", `${mb(device.bytes)} / ${mb(device.kv_bytes ?? 0)} / ${mb(device.private_kv_bytes ?? 0)}`],
+    ["Host: prompt chunk copies held / shared", `${now.tiers.host.chunks?.held ?? 0} / ${now.tiers.host.chunks?.shared ?? 0}`],
     ["Host offloads: written / not written again", `${mb(now.tiers.host.offload?.written_bytes ?? 0)} / ${mb(now.tiers.host.offload?.skipped_bytes ?? 0)}`],
     ["Redis chunks: known / written / renewed / fetched", `${chunks.known ?? 0} / ${chunks.written ?? 0} / ${chunks.renewed ?? 0} / ${chunks.fetched ?? 0}`],
     ["Redis chunks: bytes written / not moved", `${mb(chunks.written_bytes ?? 0)} / ${mb((chunks.not_sent_bytes ?? 0) + (chunks.not_copied_bytes ?? 0) + (chunks.not_fetched_bytes ?? 0))}`],

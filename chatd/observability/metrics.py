@@ -282,6 +282,11 @@ def _remote_chunks(live: LiveState, name: list[str], label: list[str]):
     held = GaugeMetricFamily("chatd:kv_remote_chunks_known", "Chunks this worker knows Redis holds (written or "
                              "renewed by it within their retention).", labels=label)
     held.add_metric(name, live.cache.get("remote_chunks_known", 0))
+    host = GaugeMetricFamily("chatd:kv_host_chunk_copies", "Host copies of system prompts' chunks, named and held "
+                             "once for every session of their owner: held, and shared by more than one session.",
+                             labels=[*label, "state"])
+    host.add_metric([*name, "held"], live.cache.get("host_chunk_copies", 0))
+    host.add_metric([*name, "shared"], live.cache.get("host_chunk_copies_shared", 0))
     chunks = CounterMetricFamily("chatd:kv_remote_chunks", "Chunks of caches in Redis: written (Redis lacked "
                                  "them), renewed (Redis held them: not sent again), fetched, missing at a fetch "
                                  "(the chain ends there), lost (gone when renewed).", labels=[*label, "event"])
@@ -294,4 +299,4 @@ def _remote_chunks(live: LiveState, name: list[str], label: list[str]):
     for kind, key in (("written", "remote_chunk_bytes_written"), ("not_sent", "remote_chunk_bytes_not_sent"),
                       ("not_copied", "remote_snapshot_kv_bytes_skipped"), ("not_fetched", "remote_bytes_not_fetched")):
         moved.add_metric([*name, kind], live.cache.get(key, 0))
-    return held, chunks, moved
+    return held, host, chunks, moved

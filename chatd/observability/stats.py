@@ -114,6 +114,9 @@ class StatsRecorder:
         # Offloads that continued the host copy a cache was restored from wrote only what its turns added.
         tiers["host"]["offload"] = {"written_bytes": live.cache.get("host_offload_bytes", 0),
                                     "skipped_bytes": live.cache.get("host_offload_bytes_skipped", 0)}
+        # Copies of system prompts' chunks, held once for every session of their owner.
+        tiers["host"]["chunks"] = {"held": live.cache.get("host_chunk_copies", 0),
+                                   "shared": live.cache.get("host_chunk_copies_shared", 0)}
         # Caches in Redis are chains of chunks: one Redis holds is renewed, not written again, nor fetched by a
         # worker that holds its positions.
         tiers["remote"]["chunks"] = {key: live.cache.get(f"remote_{stat}", 0) for key, stat in (
