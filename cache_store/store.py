@@ -187,8 +187,9 @@ class CacheStore:
         entry.fingerprint = fingerprint(entry, self.model_key, session_id, self.layout)
         entry.checksum = checksum(entry.tensors())
         entry.session_version = session_version
-        _, base = self._moves.offload_base(session_id, entry, self.host.get(session_id))
-        if base is not None:  # its next offload copies only the positions after that host copy: checked alone
+        kept = self.host.get(session_id)  # (restored from the host tier: its next offload continues that chain)
+        _, base = self._moves.offload_base(session_id, entry, kept) if kept is not None else ([], None)
+        if base is not None:  # that offload copies only the positions after `base`: they alone are checked then
             own = len(base.token_ids) - entry.prefix_tokens
             entry.suffix_checksum = (len(base.token_ids), checksum([(k[..., own:, :], v[..., own:, :])
                                                                    for k, v in entry.tensors()]), entry.checksum)
