@@ -22,7 +22,6 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-import redis
 import torch
 
 from cache_store.chunks import CHUNK_TOKENS
@@ -32,6 +31,7 @@ from cache_store.identity import CacheLayout, Fingerprint
 from cache_store.integrity import checksum
 from cache_store.quantize import GROUP_TOKENS
 from sessions.encoding import UNREACHABLE, pack_ids, redis_key, unpack_ids
+from sessions.redis_client import sync_client
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,8 @@ def _dtype(name: str) -> torch.dtype:
 class RemoteTier:
     """Caches in Redis as chains of chunks, written in the background, shared by every worker."""
 
-    def __init__(self, url: str, ttl_s: float, timeout_s: float = 1.0, chunk_tokens: int = CHUNK_TOKENS):
+    def __init__(self, url: str, ttl_s: float, timeout_s: float = 1.0, chunk_tokens: int = CHUNK_TOKENS,
+                 cluster: bool = False):
         self.ttl_s = int(ttl_s)
         self.chunk_tokens = chunk_tokens
         self.throughput = Throughput()
@@ -146,7 +147,7 @@ class RemoteTier:
         self._down_until = 0.0
         self._usage = (0, 0)
         self._usage_at = float("-inf")
-        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._redis = sync_client(url, cluster, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._writes: queue.Queue[str | None] = queue.Queue()
         self._latest: dict[str, RemoteSnapshot] = {}
         self._lock = threading.Lock()

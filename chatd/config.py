@@ -75,6 +75,8 @@ class Settings(BaseSettings):
     enable_fault_injection: bool = Field(
         False, description="open POST /admin/sessions/{id}/corrupt for tests and chaos drills")
     redis_url: str | None = Field(None, description="keep sessions in Redis (redis://host:port/db) instead of memory")
+    redis_cluster: bool | None = Field(None, description="--redis-url is a node of a Redis Cluster (on) or a single "
+                                                        "server (off); unset: the node is asked at start")
     session_retention_s: float = Field(7 * 24 * 3600, gt=0,
                                        description="how long an unused session is kept (in memory or in Redis)")
     remote_kv: bool = Field(False, description="also keep every session's cache in Redis, shared by all workers "

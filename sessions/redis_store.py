@@ -30,6 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
 from sessions.encoding import UNREACHABLE, pack_ids, redis_key, unpack_ids
+from sessions.redis_client import async_client
 from sessions.state import Message, Session, ToolCall, as_inputs, new_session_id
 from sessions.store import Lease, LocalLease, SessionBusy, StoreUnavailable, VersionConflict
 
@@ -59,12 +60,13 @@ def _all_keys(session_id: str) -> list[str]:
 class RedisSessionStore:
     """Sessions in Redis, shared by workers and kept across restarts; writes queued through outages."""
 
-    def __init__(self, url: str, retention_s: float, timeout_s: float = 2.0, lease_ttl_s: float = 15.0):
+    def __init__(self, url: str, retention_s: float, timeout_s: float = 2.0, lease_ttl_s: float = 15.0,
+                 cluster: bool = False):
         self.retention_s = int(retention_s)
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.errors = 0  # Redis calls that failed because it could not be reached
-        self._redis = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=64,
+        self._redis = async_client(
+            url, cluster, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=64,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
             retry_on_error=[RedisConnectionError, RedisTimeoutError], health_check_interval=15)
         self._local: OrderedDict[str, Session] = OrderedDict()

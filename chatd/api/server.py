@@ -39,6 +39,7 @@ from chatd.model.loader import LoadedModel, load_model
 from chatd.observability.metrics import CONTENT_TYPE, LiveState, Metrics
 from chatd.observability.stats import StatsRecorder
 from sessions import InMemorySessionStore, SessionStore
+from sessions.redis_client import cluster_mode as redis_cluster_mode
 from sessions.redis_store import RedisSessionStore
 from sessions.responses import InMemoryResponseStore, RedisResponseStore
 
@@ -76,6 +77,8 @@ class ChatServer:
     meanwhile wait in the engine's queue."""
 
     def __init__(self, settings: Settings, load: Callable[[], LoadedModel] | None = None):
+        if settings.redis_url:  # (every store, the engine's included, opens Redis as this says)
+            settings.redis_cluster = redis_cluster_mode(settings.redis_url, settings.redis_cluster)
         self.settings = settings
         self.metrics = Metrics(settings.model, typing.get_args(ErrorCode))
         self.stats = StatsRecorder(settings.model)
@@ -85,7 +88,8 @@ class ChatServer:
         self.engine_failed = asyncio.Event()  # set (from the engine thread) when the engine cannot go on
         self._loop: asyncio.AbstractEventLoop | None = None
         self.sessions: SessionStore = (
-            RedisSessionStore(settings.redis_url, settings.session_retention_s, lease_ttl_s=settings.lease_ttl_s)
+            RedisSessionStore(settings.redis_url, settings.session_retention_s, lease_ttl_s=settings.lease_ttl_s,
+                              cluster=bool(settings.redis_cluster))
             if settings.redis_url else InMemorySessionStore(settings.session_retention_s))
         self.keys = KeyRing(settings.api_keys())
         self.turns = TurnRunner(self.engine, self.sessions, settings, on_turn=self._turn_finished,

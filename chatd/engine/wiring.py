@@ -26,8 +26,8 @@ def wire(loaded: LoadedModel, settings: Settings, faults: FaultPoints,
     runner make room by asking the cache store to evict; the store allocates its caches in the arena."""
     geometry = KVGeometry.of(loaded.model.config)
     bytes_per_token = kv_bytes_per_token(loaded.model.config, loaded.model.dtype)
-    remote = RemoteTier(settings.redis_url, settings.remote_kv_ttl_s, chunk_tokens=settings.remote_kv_chunk_tokens) \
-        if settings.remote_kv else None
+    remote = RemoteTier(settings.redis_url, settings.remote_kv_ttl_s, chunk_tokens=settings.remote_kv_chunk_tokens,
+                        cluster=bool(settings.redis_cluster)) if settings.remote_kv else None
     budget_bytes = int(settings.device_budget_mb(loaded.device) * MB)
     # The arena and the runner call back into the store, which is built last (the lambdas bind it late).
     arena = KVArena(geometry.layers, geometry.kv_heads, geometry.head_dim, loaded.model.dtype, loaded.device,

@@ -21,7 +21,7 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="serve a chat model over websockets")
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        if field.annotation is bool:
+        if field.annotation in (bool, bool | None):
             serve.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                                help=f"{field.description} (default: {field.get_default(call_default_factory=True)})")
         elif field.annotation == list[str]:
@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         from chatd.api.server import EngineFailed, ModelLoadError, run
         from chatd.model.loader import check_model
         from chatd.model.servable import Unservable
+        from sessions.redis_client import RedisSetupError
 
         try:
             check_model(settings.model)
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(run(settings))
         except (ModelLoadError, EngineFailed) as error:
             sys.exit(f"chatd: {error}")
+        except RedisSetupError as error:  # one line naming Redis and the setting, before the model loads
+            sys.exit(f"chatd serve: {error}")
     elif args.command == "bench":
         from chatd.tools import bench as bench_command
 

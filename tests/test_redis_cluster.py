@@ -1,0 +1,72 @@
+"""chatd on a real six-node Redis Cluster (three primaries, three replicas): found by itself from any node, every
+store on it (sessions and leases, the prefix index, the chunked KV tier), and one-line errors for a cluster it
+cannot use."""
+
+import subprocess
+import sys
+
+import pytest
+import redis
+
+from chatd.config import Settings
+from sessions.redis_client import RedisSetupError, cluster_mode
+from tests.redis_cluster import RedisClusterNodes
+from tests.support import two_workers_and_a_reference
+
+QUESTIONS = ["My parcel is late.", "It was sent on Monday.", "Where is it now?", "Can you check again?",
+             "Thanks.", "One more thing."]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    nodes = RedisClusterNodes(tmp_path_factory.mktemp("cluster"))
+    nodes.start()
+    yield nodes
+    nodes.stop()
+
+
+async def test_a_conversation_alternating_workers_on_a_cluster_answers_like_a_cacheless_server(tiny, cluster):
+    """Two workers given one node's URL find the cluster; a websocket conversation alternates between them turn by
+    turn, each later turn continuing from the chunks in Redis; the keys spread over every primary."""
+    assert cluster_mode(cluster.url)
+    settings = Settings(port=0, redis_url=cluster.url, remote_kv=True, remote_kv_chunk_tokens=16)
+    async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
+        for server in servers[:2]:
+            server.engine.cache.cost.prefill_tokens_per_s = 1.0  # always fetch: what is tested is the cluster
+        session_id = (await on_a.open_session(system="Be brief.")).session_id
+        reference_id = (await reference.open_session(system="Be brief.")).session_id
+        for number, question in enumerate(QUESTIONS):
+            turn = await (on_a, on_b)[number % 2].chat(session_id, question, max_new_tokens=6)
+            done = await turn.result()
+            expected = await reference.chat(reference_id, question, max_new_tokens=6)
+            await expected.result()
+            assert turn.deltas == expected.deltas
+            if number:
+                assert done.cache.source == "remote" and done.usage.cached_tokens > 0
+        assert servers[0].settings.redis_cluster is True
+    held = {port: redis.Redis(host="127.0.0.1", port=port).dbsize() for port in cluster.primaries()}
+    assert len(held) == 3 and all(count > 0 for count in held.values()), held
+
+
+def test_a_cluster_url_for_another_database_or_a_cluster_not_ready_is_one_clear_line(cluster, tmp_path, redis_db):
+    with pytest.raises(RedisSetupError, match="only database 0: use /0"):
+        cluster_mode(cluster.url.removesuffix("/0") + "/3")
+    with pytest.raises(RedisSetupError, match="is not a cluster node, but --redis-cluster is on"):
+        cluster_mode(redis_db.url, forced=True)
+    assert cluster_mode(redis_db.url) is False
+    lonely = RedisClusterNodes(tmp_path, nodes=1)
+    lonely.start(join=False)
+    try:
+        with pytest.raises(RedisSetupError, match="not ready"):
+            cluster_mode(lonely.url)
+    finally:
+        lonely.stop()
+
+
+def test_chatd_serve_names_the_setting_instead_of_a_traceback(cluster, tiny_checkpoint):
+    run = subprocess.run([sys.executable, "-m", "chatd", "serve", "--model", str(tiny_checkpoint), "--port", "0",
+                          "--redis-url", cluster.url.removesuffix("/0") + "/2"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("chatd serve: --redis-url") and "CHATD_REDIS_URL" in last, run.stderr
