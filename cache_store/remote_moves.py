@@ -73,8 +73,9 @@ class RemoteMoves:
 
     def fetch(self, session_id: str, header: RemoteHeader, held: CacheEntry | None
               ) -> tuple[CacheEntry | None, RemoteDecision, tuple[Check, ...]]:
-        """The session's cache from Redis, when fetching is estimated to be faster than recomputing. `held` (a
-        checked cache on the device: the session's own older copy, or the shared segment its prompt starts with)
+        """The session's cache from Redis, for a turn, when fetching is estimated to be faster than recomputing.
+        `held` (a checked cache on the device: the session's own older copy, or the shared segment its prompt starts
+        with)
         keeps the positions whose chunks it has, and only the chunks after them and the tail are fetched (the cost
         counts only those bytes). Every chunk passes every check before use; a chunk gone or damaged ends the
         chain there (a damaged one is deleted from Redis): the cache is restored up to the last good chunk, with
@@ -132,7 +133,7 @@ class RemoteMoves:
         if covered < header.fingerprint.num_tokens:
             entry.fingerprint = dataclasses.replace(fingerprint(entry, store.model_key, session_id, store.layout),
                                                     quantized=lossy)
-        entry.checksum = checksum(entry.tensors())
+        entry.checksum = None  # (handed to a turn, which changes it at once: its write-back takes one)
         entry.session_version = header.session_version
         store.device.put(session_id, entry, connected=session_id in store.connected)
         store.on_copy("restore", "remote", fetched_s + time.perf_counter() - copy_started)
@@ -193,5 +194,4 @@ class RemoteMoves:
         segment.cache.segment_key = key
         store.segments.stamp(key, segment)
         store.device.put(key, segment)
-        entry.checksum = checksum(entry.tensors())
         store.counters["remote_policies_held"] += 1
