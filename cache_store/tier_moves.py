@@ -238,7 +238,8 @@ class TierMoves:
             store.host.release(kept)  # (what the new copy continues stays)
         start = len(base.token_ids) if base is not None else entry.prefix_tokens
         ends: list[tuple[int, str | None]] = []
-        if names and len(names) * CHUNK_TOKENS > start:  # its system prompt's chunks, named: its owner's
+        if names and len(names) * CHUNK_TOKENS > start and (base is None or base.name is not None):
+            # its system prompt's chunks, named: its owner's (never on top of a copy of this session's alone)
             ends.append((len(names) * CHUNK_TOKENS, names[-1]))
         ends.append((entry.num_tokens, None))  # the rest, its own
         host_entry, written, buffer = base, 0, None
