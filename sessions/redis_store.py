@@ -23,6 +23,7 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 
 import redis.asyncio as redis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -80,6 +81,16 @@ class RedisSessionStore:
     def client(self) -> redis.Redis:
         """The connection pool, shared with the prefix index."""
         return self._redis
+
+    def nodes(self) -> dict:
+        """Whether Redis is a cluster, and the nodes this worker routes to, with their roles (a cluster's primaries,
+        as its client mapped the slots; no call to Redis)."""
+        if isinstance(self._redis, AsyncRedisCluster):
+            return {"mode": "cluster", "nodes": [{"address": f"{node.host}:{node.port}", "role": node.server_type}
+                                                 for node in self._redis.get_nodes()]}
+        options = self._redis.connection_pool.connection_kwargs
+        return {"mode": "single", "nodes": [{"address": f"{options.get('host')}:{options.get('port')}",
+                                             "role": "primary"}]}
 
     async def create(self, system: str | None, owner: str | None = None, messages: Sequence[Message] = (),
                      tool_options: dict | None = None) -> Session:

@@ -2,8 +2,13 @@
 store on it (sessions and leases, the prefix index, the chunked KV tier), and one-line errors for a cluster it
 cannot use."""
 
+import asyncio
+import json
+import re
 import subprocess
 import sys
+import urllib.request
+from collections import Counter
 
 import pytest
 import redis
@@ -44,6 +49,13 @@ async def test_a_conversation_alternating_workers_on_a_cluster_answers_like_a_ca
             if number:
                 assert done.cache.source == "remote" and done.usage.cached_tokens > 0
         assert servers[0].settings.redis_cluster is True
+        stats = json.loads((await asyncio.to_thread(urllib.request.urlopen,
+                                                    f"http://127.0.0.1:{servers[0].port}/v1/stats")).read())
+        roles = Counter(node["role"] for node in stats["now"]["redis"]["nodes"])
+        assert stats["now"]["redis"]["mode"] == "cluster" and roles == {"primary": 3}, stats["now"]
+        metrics = (await asyncio.to_thread(urllib.request.urlopen,
+                                           f"http://127.0.0.1:{servers[0].port}/metrics")).read().decode()
+        assert re.search(r'chatd:redis_nodes\{model_name="[^"]+",role="primary"\} 3\.0', metrics)
     held = {port: redis.Redis(host="127.0.0.1", port=port).dbsize() for port in cluster.primaries()}
     assert len(held) == 3 and all(count > 0 for count in held.values()), held
 

@@ -167,7 +167,8 @@ class ChatServer:
                          connected_sessions=self.gateway.connected_sessions, cache=self.engine.cache_stats,
                          engine_up=self.engine.failure is None, engine_failures=dict(self.engine.failures),
                          decode_steps=dict(self.engine.batch_sizes), kv_dtypes=self._kv_dtypes(),
-                         kv=self._kv_layout())
+                         kv=self._kv_layout(),
+                         redis=self.sessions.nodes() if isinstance(self.sessions, RedisSessionStore) else {})
 
     def _kv_layout(self) -> dict:
         """The model's layers and windows, and what a session of N tokens holds against what its windows need

@@ -44,6 +44,7 @@ class LiveState:
     decode_steps: dict[int, int] = field(default_factory=dict)  # batched decode steps, by batch size
     kv_dtypes: dict[str, str] = field(default_factory=dict)  # how each tier stores caches: a dtype, or int8
     kv: dict = field(default_factory=dict)  # the model's layers and windows: `chatd.model.kv_size.kv_report`
+    redis: dict = field(default_factory=dict)  # with --redis-url: its mode and nodes (`RedisSessionStore.nodes`)
 
     def tier_bytes(self, tier: str) -> tuple[int, int]:
         """Bytes in use and the budget of a tier (0, 0 when it does not exist)."""
@@ -218,6 +219,11 @@ class _LiveCollector(Collector):
         yield from _arena_families(live, name, label)
         yield from _segment_families(live, name, label)
         yield from _remote_chunks(live, name, label)
+        nodes = GaugeMetricFamily("chatd:redis_nodes", "The Redis nodes this worker routes to (with --redis-url), "
+                                  "by role: a cluster's primaries, or one server.", labels=[*label, "role"])
+        for role in ("primary", "replica"):
+            nodes.add_metric([*name, role], sum(node["role"] == role for node in live.redis.get("nodes", [])))
+        yield nodes
         yield from (running, waiting, usage, sessions, evictions, corruptions, engine_up, failures, remote_errors,
                     offload_failures, offload_bytes, steps, tier_info, tier_sessions)
 

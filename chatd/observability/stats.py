@@ -128,6 +128,7 @@ class StatsRecorder:
         if arena:
             arena["outside_arena_turns"] = live.cache.get("outside_arena_turns", 0)
         return {"running": live.running, "waiting": live.waiting, "tiers": tiers, "kv": live.kv, "arena": arena,
+                "redis": live.redis,
                 "sessions": {"connected": live.connected_sessions, "idle": live.cache.get("idle_sessions", 0)}}
 
     def _window(self, start: float, end: float, live: LiveState, tokens: tuple[np.ndarray, np.ndarray]) -> dict:
