@@ -86,6 +86,21 @@ async def test_previous_response_id_resumes_the_session_and_answers_like_the_web
     assert [item.content[0].text for item in items.data] == [QUESTIONS[-1]]
 
 
+async def test_continuing_the_latest_response_resumes_its_session_and_an_earlier_one_branches(servers):
+    """A response records its session's point after its turn: continuing the latest one resumes that session (a
+    point counted one turn ahead once made every continuation a branch, which only a cache on the same worker hid)."""
+    server, _ = servers
+    raw = client_for(server).responses.with_raw_response
+    first = await raw.create(model=MODEL, input=QUESTIONS[0], max_output_tokens=4, temperature=0)
+    second = await raw.create(model=MODEL, input=QUESTIONS[1], max_output_tokens=4, temperature=0,
+                              previous_response_id=first.parse().id)
+    assert second.headers["x-chatd-session-id"] == first.headers["x-chatd-session-id"]
+    again = await raw.create(model=MODEL, input=QUESTIONS[1], max_output_tokens=4, temperature=0,
+                             previous_response_id=first.parse().id)
+    assert again.headers["x-chatd-session-id"] != first.headers["x-chatd-session-id"], "an earlier point: a branch"
+    assert again.parse().output_text == second.parse().output_text
+
+
 async def test_two_requests_from_one_response_at_once_branch_and_neither_changes_the_other(servers):
     server, reference = servers
     client, solo = client_for(server), client_for(reference)

@@ -252,8 +252,8 @@ class ResponsesApi:
         if not body.store:
             await self._forget(session.session_id)
         elif isinstance(event, TurnResult) and event.finish_reason != "cancelled":
-            stored = StoredResponse(created.id, owner, session.session_id, session.version + 1,
-                                    len(session.messages) + len(started.inputs) + 1,
+            stored = StoredResponse(created.id, owner, session.session_id, session.version,  # (the turn is recorded)
+                                    len(session.messages),
                                     _finished(created, event, started.reply).model_dump(), body.input_record())
             try:
                 await self.store.put(stored)
