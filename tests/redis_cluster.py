@@ -28,7 +28,15 @@ class RedisClusterNodes:
         return f"redis://127.0.0.1:{self.ports[0]}/0"
 
     def start(self, join: bool = True) -> None:
-        """Start the nodes and, with `join`, assign the slots (a cluster that is not joined is not ready)."""
+        """Start the nodes and, with `join`, assign the slots (a cluster that is not joined is not ready); nothing is
+        left running when it fails."""
+        try:
+            self._start(join)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, join: bool) -> None:
         binary = shutil.which("redis-server")
         assert binary, "redis-server is not installed"
         for port in self.ports:
@@ -55,7 +63,10 @@ class RedisClusterNodes:
         for process in self.processes:
             process.terminate()
         for process in self.processes:
-            process.wait(10)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
         self.processes = []
 
     @staticmethod

@@ -26,8 +26,10 @@ QUESTIONS = ["My parcel is late.", "It was sent on Monday.", "Where is it now?",
 def cluster(tmp_path_factory):
     nodes = RedisClusterNodes(tmp_path_factory.mktemp("cluster"))
     nodes.start()
-    yield nodes
-    nodes.stop()
+    try:
+        yield nodes
+    finally:
+        nodes.stop()
 
 
 async def test_a_conversation_alternating_workers_on_a_cluster_answers_like_a_cacheless_server(tiny, cluster):
