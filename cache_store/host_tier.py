@@ -141,10 +141,11 @@ class HostTier:
         return self._put_at[key]
 
     def used_bytes(self) -> int:
-        """The pool's buffers, plus every copy that owns its memory, once."""
-        pieces = {id(piece): piece for entry in [*self._entries.values(), *self._named.values()]
-                  for piece in entry.pieces()}
-        return self.pool.held_bytes + sum(piece.nbytes for piece in pieces.values() if piece.buffer is None)
+        """The pool's buffers, plus every copy that owns its memory, once (chains share copies; copies that own
+        their memory are rare: offloads write into pool buffers)."""
+        owned = {id(piece): piece.nbytes for entry in [*self._entries.values(), *self._named.values()]
+                 for piece in entry.pieces() if piece.buffer is None and piece.tensors}
+        return self.pool.held_bytes + sum(owned.values())
 
     def chunk_stats(self) -> dict[str, int]:
         """Named copies held, and those more than one chain includes."""
