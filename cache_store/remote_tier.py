@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+from redis.cluster import RedisCluster
 
 from cache_store.chunks import CHUNK_TOKENS
 from cache_store.cost_model import Throughput
@@ -275,18 +276,23 @@ class RemoteTier:
             self._failed()
 
     def usage(self) -> tuple[int, int]:
-        """Redis memory in use and its limit (`maxmemory`, or the machine's memory when unlimited),
-        read at most every few seconds. The remote tier shares that memory with sessions and leases."""
+        """Redis memory in use and its limit (`maxmemory`, or the machine's memory when unlimited; a cluster's:
+        the sums over its primaries), read at most every few seconds. The remote tier shares that memory with
+        sessions and leases."""
         now = time.monotonic()
         if now - self._usage_at < USAGE_EVERY_S or now < self._down_until:
             return self._usage
         self._usage_at = now
         try:
-            info = self._redis.info("memory")
+            if isinstance(self._redis, RedisCluster):
+                nodes = list(self._redis.info("memory", target_nodes=RedisCluster.PRIMARIES).values())
+            else:
+                nodes = [self._redis.info("memory")]
         except UNREACHABLE:
             self._failed()
             return self._usage
-        self._usage = (int(info["used_memory"]), int(info.get("maxmemory") or info.get("total_system_memory", 0)))
+        self._usage = (sum(int(info["used_memory"]) for info in nodes),
+                       sum(int(info.get("maxmemory") or info.get("total_system_memory", 0)) for info in nodes))
         return self._usage
 
     def _failed(self) -> None:

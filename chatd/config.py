@@ -77,6 +77,16 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(None, description="keep sessions in Redis (redis://host:port/db) instead of memory")
     redis_cluster: bool | None = Field(None, description="--redis-url is a node of a Redis Cluster (on) or a single "
                                                         "server (off); unset: the node is asked at start")
+    redis_wait_replicas: int | None = Field(None, ge=0, description=(
+        "acknowledge a completed turn once this many replicas hold it (Redis WAIT), so that a failover loses no "
+        "acknowledged turn; 0: do not wait (a worker then keeps chatting through an outage on its own copy); unset: "
+        "1 where each primary had a replica at start, else 0 (docs/architecture.md)"))
+    redis_wait_timeout_ms: int = Field(500, gt=0, description=(
+        "at most this long a turn waits for its replicas; a turn they did not confirm in time is acknowledged "
+        "anyway (it is on its primary) and counted on /metrics"))
+    redis_failover_s: float = Field(10.0, gt=0, description=(
+        "with --redis-wait-replicas, how long a turn's write is retried while its Redis node cannot answer (a "
+        "cluster's failover) before the turn is answered unavailable (retryable) and not kept"))
     session_retention_s: float = Field(7 * 24 * 3600, gt=0,
                                        description="how long an unused session is kept (in memory or in Redis)")
     remote_kv: bool = Field(False, description="also keep every session's cache in Redis, shared by all workers "

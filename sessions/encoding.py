@@ -8,10 +8,13 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
+from redis.exceptions import ClusterDownError, RedisClusterUnreachableError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+# Redis (or, on a cluster, the node holding a key) cannot answer now: down, out of reach, or failing over.
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, TryAgainError, SlotNotCoveredError,
+               RedisClusterUnreachableError)
 
 
 def redis_key(session_id: str, part: str) -> str:

@@ -4,12 +4,20 @@ Keys carry a hash tag on the session id (`chatd:{id}:meta`, `…:messages`, `…
 session's keys share a Redis Cluster slot and one transaction can update them all. Every write renews
 the retention TTL.
 
-When Redis cannot be reached, sessions this worker already holds keep chatting: their completed
-turns are recorded locally and queued, and a background task writes them, in order, when Redis
-returns. Whatever needs Redis and has no local answer raises `StoreUnavailable`. After a call finds
-Redis unreachable, calls skip it for BACK_OFF_S instead of each waiting out the timeouts again (a
-hung Redis would otherwise cost every turn several seconds per call); the queue's flusher keeps
-trying, and its first success ends the back-off.
+A completed turn is one Lua script (version and fence checked, messages, token ids and times written
+together: never half-applied), which a retry cannot apply twice (it names its write). With
+`wait_replicas` (where Redis has replicas: a cluster's failover), the script is followed on the same
+connection by `WAIT`, so that a turn is acknowledged once a replica holds it; Redis is then the only
+truth: a write that cannot reach its node is retried through a failover for up to `failover_s`, then
+the turn is answered `unavailable` (retryable) and nothing of it is kept.
+
+Without replicas to wait for, when Redis cannot be reached, sessions this worker already holds keep
+chatting: their completed turns are recorded locally and queued, and a background task writes them,
+in order, when Redis returns. Whatever needs Redis and has no local answer raises `StoreUnavailable`.
+After a call finds a single Redis unreachable, calls skip it for BACK_OFF_S instead of each waiting
+out the timeouts again (a hung Redis would otherwise cost every turn several seconds per call); the
+queue's flusher keeps trying, and its first success ends the back-off. (A cluster's outage is one
+node's: its client routes around it, and no back-off stops the others; durable calls retry instead.)
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import secrets
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import redis.asyncio as redis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
@@ -28,21 +37,27 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.exceptions import WatchError
 
 from sessions.encoding import UNREACHABLE, pack_ids, redis_key, unpack_ids
-from sessions.redis_client import async_client
+from sessions.redis_client import RedisEvents, async_client, write_and_wait
 from sessions.state import Message, Session, ToolCall, as_inputs, new_session_id
 from sessions.store import Lease, LocalLease, SessionBusy, StoreUnavailable, VersionConflict
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LOCAL_SESSIONS = 10_000
 RETRY_FLUSH_S = 0.5
 LEASE_WAIT_S = 2.0
 BACK_OFF_S = 5.0
-# Take the lease if free, and only then advance the session's fence: returns the new fence or nil.
+FAILOVER_RETRY_S = 0.25  # between retries of a durable write whose node cannot answer
+# Take the lease if free, and only then advance the session's fence: returns the new fence or nil. A retry that finds
+# the lease its own (the reply to the first try was lost) gets the fence that try took; a lease this worker could not
+# release (ARGV[4], its token) is taken over.
 _ACQUIRE = """
+local held = redis.call('GET', KEYS[1])
+if held == ARGV[1] then return tonumber(redis.call('GET', KEYS[2])) end
+if held == ARGV[4] then redis.call('DEL', KEYS[1]) end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local fence = redis.call('INCR', KEYS[2])
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
@@ -52,6 +67,34 @@ return nil
 """
 _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# A new session: KEYS meta, messages; ARGV retention (s), the meta fields as a JSON object of strings, messages...
+_CREATE = """
+for name, value in pairs(cjson.decode(ARGV[2])) do redis.call('HSET', KEYS[1], name, value) end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+if #ARGV > 2 then
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, 3))
+  redis.call('EXPIRE', KEYS[2], ARGV[1])
+end
+return 'ok'
+"""
+# A completed turn: KEYS meta, messages, tokens, fence; ARGV expected version, fence ('' for none), retention (s),
+# updated_at, dropped_turns, this write's id, packed token ids, messages... Returns 'ok', 'done' (this write was
+# applied already: a retry), 'gone', 'fence' or 'version <stored>'.
+_APPEND = """
+local stored = redis.call('HGET', KEYS[1], 'version')
+if not stored then return 'gone' end
+if tonumber(stored) == tonumber(ARGV[1]) + 1 and redis.call('HGET', KEYS[1], 'write') == ARGV[6] then
+  return 'done'
+end
+if tonumber(stored) ~= tonumber(ARGV[1]) then return 'version ' .. stored end
+if ARGV[2] ~= '' and tonumber(redis.call('GET', KEYS[4]) or '0') ~= tonumber(ARGV[2]) then return 'fence' end
+redis.call('RPUSH', KEYS[2], unpack(ARGV, 8))
+redis.call('SET', KEYS[3], ARGV[7])
+redis.call('HSET', KEYS[1], 'version', tostring(tonumber(ARGV[1]) + 1), 'updated_at', ARGV[4],
+           'dropped_turns', ARGV[5], 'write', ARGV[6])
+for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
+return 'ok'
+"""
 
 
 def _all_keys(session_id: str) -> list[str]:
@@ -62,18 +105,23 @@ class RedisSessionStore:
     """Sessions in Redis, shared by workers and kept across restarts; writes queued through outages."""
 
     def __init__(self, url: str, retention_s: float, timeout_s: float = 2.0, lease_ttl_s: float = 15.0,
-                 cluster: bool = False):
+                 cluster: bool = False, wait_replicas: int = 0, wait_timeout_ms: int = 500,
+                 failover_s: float = 10.0, events: RedisEvents | None = None):
         self.retention_s = int(retention_s)
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.errors = 0  # Redis calls that failed because it could not be reached
+        self.events = events or RedisEvents()
+        self.wait_replicas, self.wait_timeout_ms, self.failover_s = wait_replicas, wait_timeout_ms, failover_s
+        self._cluster = cluster
         self._redis = async_client(
-            url, cluster, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=64,
+            url, cluster, self.events, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=64,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
             retry_on_error=[RedisConnectionError, RedisTimeoutError], health_check_interval=15)
         self._local: OrderedDict[str, Session] = OrderedDict()
         self._pending: deque[tuple[str, Callable[[], Awaitable[None]]]] = deque()
         self._flusher: asyncio.Task | None = None
         self._down_until = float("-inf")  # monotonic time until which calls skip Redis
+        self._unreleased: dict[str, str] = {}  # session id -> the token of a lease a release could not reach
 
     # ##### Public API #####
 
@@ -82,15 +130,23 @@ class RedisSessionStore:
         """The connection pool, shared with the prefix index."""
         return self._redis
 
-    def nodes(self) -> dict:
-        """Whether Redis is a cluster, and the nodes this worker routes to, with their roles (a cluster's primaries,
-        as its client mapped the slots; no call to Redis)."""
+    @property
+    def durable(self) -> bool:
+        """Whether a write is acknowledged only once replicas hold it (and never queued in this worker)."""
+        return self.wait_replicas > 0
+
+    def state(self) -> dict:
+        """Whether Redis is a cluster, the nodes this worker routes to with their roles (a cluster's primaries and
+        replicas, as its client mapped the slots), the replicas a turn waits for, and what the clients met (no call
+        to Redis)."""
         if isinstance(self._redis, AsyncRedisCluster):
-            return {"mode": "cluster", "nodes": [{"address": f"{node.host}:{node.port}", "role": node.server_type}
-                                                 for node in self._redis.get_nodes()]}
-        options = self._redis.connection_pool.connection_kwargs
-        return {"mode": "single", "nodes": [{"address": f"{options.get('host')}:{options.get('port')}",
-                                             "role": "primary"}]}
+            mode, nodes = "cluster", [{"address": f"{node.host}:{node.port}", "role": node.server_type}
+                                      for node in self._redis.get_nodes()]
+        else:
+            options = self._redis.connection_pool.connection_kwargs
+            mode, nodes = "single", [{"address": f"{options.get('host')}:{options.get('port')}", "role": "primary"}]
+        return {"mode": mode, "nodes": nodes, "wait_replicas": self.wait_replicas,
+                "wait_timeout_ms": self.wait_timeout_ms, **self.events.snapshot()}
 
     async def create(self, system: str | None, owner: str | None = None, messages: Sequence[Message] = (),
                      tool_options: dict | None = None) -> Session:
@@ -113,10 +169,10 @@ class RedisSessionStore:
         if self._down():
             raise StoreUnavailable("the session store (Redis) is unreachable")
         try:
-            stored = await self._read(session_id)
+            stored = await self._call(lambda: self._read(session_id))
         except UNREACHABLE as error:
             self._unreachable()
-            if local is not None:
+            if local is not None and not self.durable:  # (durable: another worker may have moved it on)
                 return local
             raise StoreUnavailable("the session store (Redis) is unreachable") from error
         if stored is None:
@@ -130,22 +186,23 @@ class RedisSessionStore:
     async def lease(self, session_id: str) -> Lease:
         """Take `chatd:{id}:lease` (renewed while held) and a new fence number; wait up to
         LEASE_WAIT_S for another worker's turn to end. With Redis unreachable, a session this worker
-        holds keeps chatting without a lease (its writes are queued anyway)."""
+        holds keeps chatting without a lease (its writes are queued anyway), unless turns are durable."""
         token = secrets.token_hex(8)
         deadline = asyncio.get_running_loop().time() + LEASE_WAIT_S
         while True:
             try:
                 if self._down():
                     raise RedisConnectionError("backing off after Redis was unreachable")
-                fence = await self._redis.eval(_ACQUIRE, 2, redis_key(session_id, "lease"),
-                                               redis_key(session_id, "fence"), token, self.lease_ttl_ms,
-                                               int(self.retention_s * 1000))
+                fence = await self._call(lambda: self._redis.eval(
+                    _ACQUIRE, 2, redis_key(session_id, "lease"), redis_key(session_id, "fence"), token,
+                    self.lease_ttl_ms, int(self.retention_s * 1000), self._unreleased.get(session_id, "")))
             except UNREACHABLE as error:
                 self._unreachable()
-                if session_id in self._local:
+                if session_id in self._local and not self.durable:
                     return LocalLease()
                 raise StoreUnavailable("the session store (Redis) is unreachable") from error
             if fence is not None:
+                self._unreleased.pop(session_id, None)
                 return _RedisLease(self, session_id, token, int(fence))
             if asyncio.get_running_loop().time() >= deadline:
                 raise SessionBusy(f"session {session_id} is running a turn on another worker")
@@ -158,7 +215,13 @@ class RedisSessionStore:
             Message("assistant", reply, tuple(reply_ids) if reply_ids else None, tuple(tool_calls))],
                         list(token_ids), time.time(), lease.fence if lease is not None else None,
                         session.dropped_turns if dropped_turns is None else dropped_turns)
-        if not self._pending and not self._down():
+        if self.durable:
+            try:
+                await write()  # (retried through a failover, up to `failover_s`)
+            except UNREACHABLE as error:
+                self._unreachable()
+                raise StoreUnavailable("the session store (Redis) could not record the turn") from error
+        elif not self._pending and not self._down():
             try:
                 await write()
             except UNREACHABLE:
@@ -174,10 +237,12 @@ class RedisSessionStore:
         try:
             if self._down():
                 raise RedisConnectionError("backing off after Redis was unreachable")
-            return bool(await self._redis.delete(*_all_keys(session_id)))
-        except UNREACHABLE:
+            return bool(await self._call(lambda: self._redis.delete(*_all_keys(session_id))))
+        except UNREACHABLE as error:
             self._unreachable()
-            self._queue(session_id, lambda: self._redis.delete(*_all_keys(session_id)))
+            if self.durable:
+                raise StoreUnavailable("the session store (Redis) is unreachable") from error
+            self._queue(session_id, lambda: self._call(lambda: self._redis.delete(*_all_keys(session_id))))
             return True
 
     async def close(self) -> None:
@@ -194,18 +259,32 @@ class RedisSessionStore:
     # ##### Helpers #####
 
     async def _write_new(self, session: Session) -> None:
-        meta = redis_key(session.session_id, "meta")
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(meta, mapping={"system": json.dumps(session.system), "version": 0,
-                                     "owner": json.dumps(session.owner), "dropped_turns": 0,
-                                     "created_at": session.created_at, "updated_at": session.updated_at,
-                                     "tool_options": json.dumps(session.tool_options)})
-            pipe.expire(meta, self.retention_s)
-            if session.messages:
-                history = redis_key(session.session_id, "messages")
-                pipe.rpush(history, *[_encode_message(m) for m in session.messages])
-                pipe.expire(history, self.retention_s)
-            await pipe.execute()
+        meta = {"system": json.dumps(session.system), "version": "0", "owner": json.dumps(session.owner),
+                "dropped_turns": "0", "created_at": repr(session.created_at), "updated_at": repr(session.updated_at),
+                "tool_options": json.dumps(session.tool_options)}
+        keys = [redis_key(session.session_id, "meta"), redis_key(session.session_id, "messages")]
+        await self.write(keys[0], ("EVAL", _CREATE, 2, *keys, self.retention_s, json.dumps(meta),
+                                   *[_encode_message(m) for m in session.messages]))
+
+    async def write(self, key: str, command: tuple):
+        """One write command (its keys in `key`'s slot; every write here is one command, which a retry cannot
+        apply twice). Durable: acknowledged once `wait_replicas` replicas hold it, and retried through a failover."""
+        return await self._call(lambda: write_and_wait(self._redis, key, command, self.wait_replicas,
+                                                       self.wait_timeout_ms, self.events))
+
+    async def _call(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Call Redis, counting what fails. Durable: retried while the node cannot answer (a failover takes
+        seconds), for up to `failover_s`; then what it raised is raised."""
+        deadline = time.monotonic() + self.failover_s
+        while True:
+            try:
+                return await call()
+            except UNREACHABLE as error:
+                self.events.error(error)
+                if not self.durable or time.monotonic() >= deadline:
+                    raise
+            self.events.retry()
+            await asyncio.sleep(FAILOVER_RETRY_S)
 
     async def _read(self, session_id: str) -> Session | None:
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -229,12 +308,19 @@ class RedisSessionStore:
         while len(self._local) > LOCAL_SESSIONS:
             self._local.popitem(last=False)
 
+    def _unreleased_lease(self, session_id: str, token: str) -> None:
+        self._unreleased[session_id] = token
+        while len(self._unreleased) > LOCAL_SESSIONS:
+            self._unreleased.pop(next(iter(self._unreleased)))
+
     def _down(self) -> bool:
         return time.monotonic() < self._down_until
 
     def _unreachable(self) -> None:
+        """After a call found Redis unreachable (the error was counted by `_call`)."""
         self.errors += 1
-        self._down_until = time.monotonic() + BACK_OFF_S
+        if not self._cluster and not self.durable:
+            self._down_until = time.monotonic() + BACK_OFF_S
 
     def _has_pending(self, session_id: str) -> bool:
         return any(owner == session_id for owner, _ in self._pending)
@@ -252,7 +338,7 @@ class RedisSessionStore:
             try:
                 await write()
                 self._down_until = float("-inf")  # it answers again
-            except UNREACHABLE:
+            except UNREACHABLE:  # (counted by `_call`)
                 self.errors += 1
                 if give_up:
                     log.error("Redis unreachable at shutdown: %d queued writes lost", len(self._pending))
@@ -276,22 +362,28 @@ class _RedisLease:
             try:
                 await self.store._redis.eval(_RENEW, 1, redis_key(self.session_id, "lease"), self.token,
                                              self.store.lease_ttl_ms)
-            except UNREACHABLE:
+            except UNREACHABLE as error:
                 self.store.errors += 1
+                self.store.events.error(error)
 
     async def release(self) -> None:
+        """Free the session; one Redis cannot be told of expires by itself, or this worker's next turn of the
+        session takes it over."""
         self._renewer.cancel()
         if self.store._down():
-            return  # it expires by itself
+            self.store._unreleased_lease(self.session_id, self.token)
+            return
         try:
             await self.store._redis.eval(_RELEASE, 1, redis_key(self.session_id, "lease"), self.token)
-        except UNREACHABLE:
+        except UNREACHABLE as error:
+            self.store.events.error(error)
             self.store._unreachable()
+            self.store._unreleased_lease(self.session_id, self.token)
 
 
 class _Append:
-    """One completed turn, written atomically: messages, token ids, version and times, in one
-    transaction that fails if another writer moved the version first."""
+    """One completed turn, written atomically by a script: messages, token ids, version and times, refused if
+    another writer moved the version (or took the lease) first, and applied once however often it is retried."""
 
     def __init__(self, store: RedisSessionStore, session_id: str, version: int, messages: list[Message],
                  token_ids: list[int], at: float, fence: int | None, dropped_turns: int):
@@ -299,29 +391,19 @@ class _Append:
         self.dropped_turns = dropped_turns
         self.messages = [_encode_message(message) for message in messages]
         self.tokens, self.at = pack_ids(token_ids), at
+        self.write_id = secrets.token_hex(8)
 
     async def __call__(self) -> None:
-        keys = [redis_key(self.session_id, part) for part in ("meta", "messages", "tokens")]
-        try:
-            async with self.store._redis.pipeline(transaction=True) as pipe:
-                fence_key = redis_key(self.session_id, "fence")
-                await pipe.watch(keys[0], fence_key)
-                stored = await pipe.hget(keys[0], "version")
-                if stored is None or int(stored) != self.version:
-                    raise VersionConflict(f"session {self.session_id}: stored version {stored}, "
-                                          f"expected {self.version}")
-                if self.fence is not None and int(await pipe.get(fence_key) or 0) != self.fence:
-                    raise VersionConflict(f"session {self.session_id}: the lease was lost to a newer holder")
-                pipe.multi()
-                pipe.rpush(keys[1], *self.messages)
-                pipe.set(keys[2], self.tokens)
-                pipe.hset(keys[0], mapping={"version": self.version + 1, "updated_at": self.at,
-                                            "dropped_turns": self.dropped_turns})
-                for key in keys:
-                    pipe.expire(key, self.store.retention_s)
-                await pipe.execute()
-        except WatchError:
-            raise VersionConflict(f"session {self.session_id}: another writer appended first") from None
+        keys = [redis_key(self.session_id, part) for part in ("meta", "messages", "tokens", "fence")]
+        outcome = await self.store.write(keys[0], (
+            "EVAL", _APPEND, len(keys), *keys, self.version, "" if self.fence is None else self.fence,
+            self.store.retention_s, repr(self.at), self.dropped_turns, self.write_id, self.tokens, *self.messages))
+        outcome = outcome.decode() if isinstance(outcome, bytes) else outcome
+        if outcome == "fence":
+            raise VersionConflict(f"session {self.session_id}: the lease was lost to a newer holder")
+        if outcome not in ("ok", "done"):
+            stored = outcome.removeprefix("version ") if outcome != "gone" else None
+            raise VersionConflict(f"session {self.session_id}: stored version {stored}, expected {self.version}")
 
 
 def _encode_message(message: Message) -> str:

@@ -16,9 +16,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
-import redis.asyncio as redis
-
 from sessions.encoding import UNREACHABLE, redis_key
+from sessions.redis_store import RedisSessionStore
 from sessions.store import StoreUnavailable
 
 LOCAL_RESPONSES = 100_000  # the in-memory store forgets the oldest beyond this many
@@ -97,14 +96,15 @@ class InMemoryResponseStore:
 
 
 class RedisResponseStore:
-    """Responses and conversations in Redis, shared by every worker and kept across restarts."""
+    """Responses and conversations in Redis, shared by every worker and kept across restarts; written as the
+    sessions' turns are (acknowledged once replicas hold them, where the session store waits for replicas)."""
 
-    def __init__(self, client: redis.Redis, retention_s: float):
-        self._redis, self._ttl_s = client, max(1, int(retention_s))
+    def __init__(self, sessions: RedisSessionStore, retention_s: float):
+        self._sessions, self._redis, self._ttl_s = sessions, sessions.client, max(1, int(retention_s))
 
     async def put(self, response: StoredResponse) -> None:
-        await self._call(self._redis.set(_response_key(response.response_id), json.dumps(asdict(response)),
-                                         ex=self._ttl_s))
+        key = _response_key(response.response_id)
+        await self._call(self._sessions.write(key, ("SET", key, json.dumps(asdict(response)), "EX", self._ttl_s)))
 
     async def get(self, response_id: str) -> StoredResponse | None:
         raw = await self._call(self._redis.get(_response_key(response_id)))
@@ -114,8 +114,8 @@ class RedisResponseStore:
         return bool(await self._call(self._redis.delete(_response_key(response_id))))
 
     async def put_conversation(self, conversation: ConversationInfo) -> None:
-        await self._call(self._redis.set(redis_key(conversation.conversation_id, "conversation"),
-                                         json.dumps(asdict(conversation)), ex=self._ttl_s))
+        key = redis_key(conversation.conversation_id, "conversation")
+        await self._call(self._sessions.write(key, ("SET", key, json.dumps(asdict(conversation)), "EX", self._ttl_s)))
 
     async def get_conversation(self, conversation_id: str) -> ConversationInfo | None:
         raw = await self._call(self._redis.get(redis_key(conversation_id, "conversation")))
@@ -124,11 +124,11 @@ class RedisResponseStore:
     async def delete_conversation(self, conversation_id: str) -> bool:
         return bool(await self._call(self._redis.delete(redis_key(conversation_id, "conversation"))))
 
-    @staticmethod
-    async def _call(command):
+    async def _call(self, command):
         try:
             return await command
         except UNREACHABLE as error:
+            self._sessions.events.error(error)
             raise StoreUnavailable("the response store (Redis) is unreachable") from error
 
 

@@ -24,6 +24,7 @@ import redis.asyncio as redis
 
 from sessions.encoding import UNREACHABLE, pack_hashes, prefix_block_key, redis_key, unpack_hashes
 from sessions.prefix_index import MAX_CANDIDATES, PrefixIndex, block_hashes
+from sessions.redis_client import RedisEvents
 
 log = logging.getLogger(__name__)
 BACK_OFF_S = 5.0  # after Redis failed a call, how long the local index answers alone
@@ -32,9 +33,9 @@ BACK_OFF_S = 5.0  # after Redis failed a call, how long the local index answers 
 class SharedPrefixIndex:
     """The prefix index in Redis (when there is one) and in this worker's memory."""
 
-    def __init__(self, client: redis.Redis | None = None, retention_s: float = 0):
+    def __init__(self, client: redis.Redis | None = None, retention_s: float = 0, events: RedisEvents | None = None):
         self.local = PrefixIndex()
-        self._redis = client
+        self._redis, self._events = client, events
         self._ttl_s = max(1, int(retention_s))
         self.errors = 0  # Redis calls that failed: the local index answered instead
         self._down_until = float("-inf")
@@ -113,6 +114,8 @@ class SharedPrefixIndex:
 
     def _failed(self, what: str, error: Exception) -> None:
         self.errors += 1
+        if self._events is not None:
+            self._events.error(error)
         self._down_until = time.monotonic() + BACK_OFF_S
         log.warning("%s the shared prefix index failed (%s: %s); this worker's own index answers for %.0f s",
                     what.capitalize(), type(error).__name__, error, BACK_OFF_S)

@@ -1,10 +1,13 @@
 """A real Redis Cluster for the tests: six redis-server processes (three primaries, three replicas) on free
-ports, joined by `redis-cli --cluster create`, in a folder of their own."""
+ports, joined by `redis-cli --cluster create`, in a folder of their own; ready once every replica has synced
+and every node sees the replicas (so that a primary killed by a test fails over to its replica)."""
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -45,7 +48,8 @@ class RedisClusterNodes:
             self.processes.append(subprocess.Popen(
                 [binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
                  "--cluster-config-file", str(folder / "nodes.conf"), "--dir", str(folder), "--save", "",
-                 "--appendonly", "no", "--protected-mode", "no", "--cluster-node-timeout", "2000"],
+                 "--appendonly", "no", "--protected-mode", "no", "--cluster-node-timeout", "1500",
+                 "--repl-diskless-sync-delay", "0", "--repl-ping-replica-period", "1"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for port in self.ports:
             self._wait(lambda port=port: _node(port).ping())
@@ -54,10 +58,32 @@ class RedisClusterNodes:
                             "--cluster-replicas", "1", "--cluster-yes"], check=True, capture_output=True, timeout=60)
             self._wait(lambda: all(_node(port).execute_command("CLUSTER INFO")["cluster_state"] == "ok"
                                    for port in self.ports))
+            self._wait(self._replicated)
+
+    def _replicated(self) -> bool:
+        """Every primary's replica has synced, and every node's slot map names it."""
+        primaries = [_node(port).info("replication") for port in self.primaries()]
+        synced = all(info["connected_slaves"] >= 1 and info["slave0"]["state"] == "online" for info in primaries)
+        return synced and all(len(slots) > 3 for port in self.ports
+                              for slots in _node(port).execute_command("CLUSTER SLOTS"))
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node (no chance to hand anything over): its replica takes over once the others see it fail."""
+        process = self.processes[self.ports.index(port)]
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+    def wait_failed_over(self, port: int, timeout_s: float = 30.0) -> None:
+        """Until a replica of the killed node `port` is a primary and the cluster is ok again."""
+        alive = [other for other in self.ports if other != port]
+        self._wait(lambda: len([p for p in alive if _node(p).info("replication")["role"] == "master"]) == 3
+                   and all(_node(p).execute_command("CLUSTER INFO")["cluster_state"] == "ok" for p in alive),
+                   timeout_s)
 
     def primaries(self) -> list[int]:
-        """The ports of the primaries."""
-        return [port for port in self.ports if _node(port).info("replication")["role"] == "master"]
+        """The ports of the primaries (of the nodes still running)."""
+        return [port for port, process in zip(self.ports, self.processes, strict=True)
+                if process.poll() is None and _node(port).info("replication")["role"] == "master"]
 
     def stop(self) -> None:
         for process in self.processes:

@@ -17,8 +17,9 @@ DATABASES = 4096  # one per test that shares the server: a test's keys are never
 
 
 class RedisServer:
-    def __init__(self, folder: Path):
-        self.folder = folder
+    def __init__(self, folder: Path, *options: str):
+        """`options`: more redis-server arguments (`--replicaof host port` for a replica)."""
+        self.folder, self.options = folder, options
         self.port = free_port()
         self.process: subprocess.Popen | None = None
 
@@ -32,7 +33,7 @@ class RedisServer:
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
              "--save", "", "--appendonly", "yes", "--appendfsync", "always", "--protected-mode", "no",
-             "--databases", str(DATABASES)],
+             "--databases", str(DATABASES), "--repl-diskless-sync-delay", "0", *self.options],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

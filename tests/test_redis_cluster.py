@@ -1,6 +1,6 @@
 """chatd on a real six-node Redis Cluster (three primaries, three replicas): found by itself from any node, every
-store on it (sessions and leases, the prefix index, the chunked KV tier), and one-line errors for a cluster it
-cannot use."""
+store on it (sessions and leases, the prefix index, the chunked KV tier), turns acknowledged once a replica holds
+them, a failover drill, and one-line errors for a cluster it cannot use."""
 
 import asyncio
 import json
@@ -14,7 +14,8 @@ import pytest
 import redis
 
 from chatd.config import Settings
-from sessions.redis_client import RedisSetupError, cluster_mode
+from chatd.tools.client import ChatError
+from sessions.redis_client import RedisSetupError, RedisTopology, topology
 from tests.redis_cluster import RedisClusterNodes
 from tests.support import two_workers_and_a_reference
 
@@ -35,7 +36,7 @@ def cluster(tmp_path_factory):
 async def test_a_conversation_alternating_workers_on_a_cluster_answers_like_a_cacheless_server(tiny, cluster):
     """Two workers given one node's URL find the cluster; a websocket conversation alternates between them turn by
     turn, each later turn continuing from the chunks in Redis; the keys spread over every primary."""
-    assert cluster_mode(cluster.url)
+    assert topology(cluster.url) == RedisTopology(cluster=True, replicas=1)
     settings = Settings(port=0, redis_url=cluster.url, remote_kv=True, remote_kv_chunk_tokens=16)
     async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
         for server in servers[:2]:
@@ -53,26 +54,35 @@ async def test_a_conversation_alternating_workers_on_a_cluster_answers_like_a_ca
         assert servers[0].settings.redis_cluster is True
         stats = json.loads((await asyncio.to_thread(urllib.request.urlopen,
                                                     f"http://127.0.0.1:{servers[0].port}/v1/stats")).read())
-        roles = Counter(node["role"] for node in stats["now"]["redis"]["nodes"])
-        assert stats["now"]["redis"]["mode"] == "cluster" and roles == {"primary": 3}, stats["now"]
+        redis_now = stats["now"]["redis"]
+        roles = Counter(node["role"] for node in redis_now["nodes"])
+        assert redis_now["mode"] == "cluster" and roles == {"primary": 3, "replica": 3}, redis_now
+        assert redis_now["wait_replicas"] == 1 and redis_now["waits"]["acked"] >= 4, redis_now  # every turn waited
         metrics = (await asyncio.to_thread(urllib.request.urlopen,
                                            f"http://127.0.0.1:{servers[0].port}/metrics")).read().decode()
-        assert re.search(r'chatd:redis_nodes\{model_name="[^"]+",role="primary"\} 3\.0', metrics)
+        for role in ("primary", "replica"):
+            assert re.search(rf'chatd:redis_nodes\{{model_name="[^"]+",role="{role}"\}} 3\.0', metrics)
+        assert re.search(r'chatd:redis_slot_map_changes_total\{model_name="[^"]+"\} [1-9]', metrics)
+        servers[0].engine.cache.remote._usage_at = float("-inf")  # (read now, not the last few seconds' figure)
+        used, limit = servers[0].engine.cache.remote.usage()
+        memory = [redis.Redis(host="127.0.0.1", port=port).info("memory") for port in cluster.primaries()]
+        assert limit == sum(info["total_system_memory"] for info in memory)  # every primary's, not one node's
+        assert used > max(info["used_memory"] for info in memory)
     held = {port: redis.Redis(host="127.0.0.1", port=port).dbsize() for port in cluster.primaries()}
     assert len(held) == 3 and all(count > 0 for count in held.values()), held
 
 
 def test_a_cluster_url_for_another_database_or_a_cluster_not_ready_is_one_clear_line(cluster, tmp_path, redis_db):
     with pytest.raises(RedisSetupError, match="only database 0: use /0"):
-        cluster_mode(cluster.url.removesuffix("/0") + "/3")
+        topology(cluster.url.removesuffix("/0") + "/3")
     with pytest.raises(RedisSetupError, match="is not a cluster node, but --redis-cluster is on"):
-        cluster_mode(redis_db.url, forced=True)
-    assert cluster_mode(redis_db.url) is False
+        topology(redis_db.url, forced=True)
+    assert topology(redis_db.url) == RedisTopology(cluster=False, replicas=0)
     lonely = RedisClusterNodes(tmp_path, nodes=1)
     lonely.start(join=False)
     try:
         with pytest.raises(RedisSetupError, match="not ready"):
-            cluster_mode(lonely.url)
+            topology(lonely.url)
     finally:
         lonely.stop()
 
@@ -126,3 +136,60 @@ async def test_openai_clients_continue_on_either_worker_of_a_cluster(tiny, clust
             previous, expected_previous = got.id, expected.id
         for connection in (*workers, reference):
             await connection.close()
+
+
+async def test_the_primary_with_the_most_keys_killed_mid_conversation_loses_no_completed_turn(tiny, tmp_path):
+    """The failover drill: two workers alternate a conversation on a cluster of its own; while a turn streams, the
+    primary holding the most keys is SIGKILLed. Its replica takes over; the turn in flight waits it out, every turn
+    answered before is still in Redis, every later turn is served (after at most one retryable error each), and
+    every reply is a cacheless server's."""
+    nodes = RedisClusterNodes(tmp_path / "drill")
+    nodes.start()
+    try:
+        settings = Settings(port=0, redis_url=nodes.url, remote_kv=True, remote_kv_chunk_tokens=16)
+        async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
+            session_id = (await on_a.open_session(system="Be brief.")).session_id
+            reference_id = (await reference.open_session(system="Be brief.")).session_id
+            killed = None
+            for number, question in enumerate(QUESTIONS):
+                worker = (on_a, on_b)[number % 2]
+                if number == 3:  # mid-conversation, while the reply streams
+                    keys = {port: redis.Redis(host="127.0.0.1", port=port).dbsize() for port in nodes.primaries()}
+                    killed = max(keys, key=keys.get)
+                    turn = await worker.chat(session_id, question, max_new_tokens=6)
+                    async for _ in turn:
+                        nodes.kill(killed)
+                        break
+                    errors = await _served_after_retries(worker, session_id, question, turn)
+                else:
+                    turn = None
+                    errors = await _served_after_retries(worker, session_id, question, turn)
+                turn = errors.pop()
+                assert len(errors) <= 1 and all(error.retryable for error in errors), errors
+                expected = await reference.chat(reference_id, question, max_new_tokens=6)
+                await expected.result()
+                assert turn.deltas == expected.deltas, number
+                stored = await servers[number % 2].sessions.get(session_id)
+                assert len(stored.messages) == 2 * (number + 1)  # every completed turn, each once
+            nodes.wait_failed_over(killed)
+            assert killed not in nodes.primaries() and len(nodes.primaries()) == 3
+            for server in servers[:2]:
+                assert server.sessions.state()["errors"], "the kill went unnoticed"
+    finally:
+        nodes.stop()
+
+
+async def _served_after_retries(worker, session_id: str, question: str, turn) -> list:
+    """Send `question` until it is answered (a retryable error is waited out); the errors met, then the turn."""
+    errors = []
+    while True:
+        if turn is None:
+            turn = await worker.chat(session_id, question, max_new_tokens=6)
+        try:
+            await turn.result()
+            return [*errors, turn]
+        except ChatError as error:
+            errors.append(error)
+            assert error.retryable and len(errors) <= 3, errors
+            turn = None
+            await asyncio.sleep(1.0)

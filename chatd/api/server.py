@@ -39,7 +39,8 @@ from chatd.model.loader import LoadedModel, load_model
 from chatd.observability.metrics import CONTENT_TYPE, LiveState, Metrics
 from chatd.observability.stats import StatsRecorder
 from sessions import InMemorySessionStore, SessionStore
-from sessions.redis_client import cluster_mode as redis_cluster_mode
+from sessions.redis_client import RedisEvents
+from sessions.redis_client import topology as redis_topology
 from sessions.redis_store import RedisSessionStore
 from sessions.responses import InMemoryResponseStore, RedisResponseStore
 
@@ -78,7 +79,10 @@ class ChatServer:
 
     def __init__(self, settings: Settings, load: Callable[[], LoadedModel] | None = None):
         if settings.redis_url:  # (every store, the engine's included, opens Redis as this says)
-            settings.redis_cluster = redis_cluster_mode(settings.redis_url, settings.redis_cluster)
+            found = redis_topology(settings.redis_url, settings.redis_cluster)
+            settings.redis_cluster = found.cluster
+            if settings.redis_wait_replicas is None:
+                settings.redis_wait_replicas = min(1, found.replicas)
         self.settings = settings
         self.metrics = Metrics(settings.model, typing.get_args(ErrorCode))
         self.stats = StatsRecorder(settings.model)
@@ -89,7 +93,9 @@ class ChatServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.sessions: SessionStore = (
             RedisSessionStore(settings.redis_url, settings.session_retention_s, lease_ttl_s=settings.lease_ttl_s,
-                              cluster=bool(settings.redis_cluster))
+                              cluster=bool(settings.redis_cluster), wait_replicas=settings.redis_wait_replicas or 0,
+                              wait_timeout_ms=settings.redis_wait_timeout_ms, failover_s=settings.redis_failover_s,
+                              events=RedisEvents(self.metrics.observe_redis_wait))
             if settings.redis_url else InMemorySessionStore(settings.session_retention_s))
         self.keys = KeyRing(settings.api_keys())
         self.turns = TurnRunner(self.engine, self.sessions, settings, on_turn=self._turn_finished,
@@ -97,7 +103,7 @@ class ChatServer:
         self.gateway = Gateway(self.turns, self.keys, on_error=self._error_sent)
         self.openai = OpenAIApi(self.engine, self.sessions, settings, self.turns, self.keys)
         retention_s = settings.session_retention_s
-        responses = (RedisResponseStore(self.sessions.client, retention_s)
+        responses = (RedisResponseStore(self.sessions, retention_s)
                      if isinstance(self.sessions, RedisSessionStore) else InMemoryResponseStore(retention_s))
         self.responses = ResponsesApi(self.openai, responses)
         self.app = self._build_app()
@@ -168,7 +174,7 @@ class ChatServer:
                          engine_up=self.engine.failure is None, engine_failures=dict(self.engine.failures),
                          decode_steps=dict(self.engine.batch_sizes), kv_dtypes=self._kv_dtypes(),
                          kv=self._kv_layout(),
-                         redis=self.sessions.nodes() if isinstance(self.sessions, RedisSessionStore) else {})
+                         redis=self.sessions.state() if isinstance(self.sessions, RedisSessionStore) else {})
 
     def _kv_layout(self) -> dict:
         """The model's layers and windows, and what a session of N tokens holds against what its windows need

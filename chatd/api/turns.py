@@ -15,7 +15,17 @@ from chatd.config import Settings
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.scheduler import Engine
 from chatd.engine.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
-from sessions import Lease, Message, Session, SessionBusy, SessionStore, ToolCall, VersionConflict, as_inputs
+from sessions import (
+    Lease,
+    Message,
+    Session,
+    SessionBusy,
+    SessionStore,
+    StoreUnavailable,
+    ToolCall,
+    VersionConflict,
+    as_inputs,
+)
 
 log = logging.getLogger(__name__)
 SHARE_WAIT_S = 2.0  # at most this long a reply waits for its cache to reach Redis (--remote-kv)
@@ -165,6 +175,10 @@ class TurnRunner:
             self.engine.drop_cache(session.session_id)
             return TurnFailed("conflict", "another worker recorded a turn of this session first; "
                                           "this reply was not recorded")
+        except StoreUnavailable:  # (only where turns wait for replicas: otherwise a turn is queued in this worker)
+            self.engine.drop_cache(session.session_id)
+            return TurnFailed("unavailable", "the session store (Redis) could not record this reply; send the "
+                                             "message again shortly")
         except Exception:
             log.exception("recording a turn of session %s failed", session.session_id)
             self.engine.drop_cache(session.session_id)

@@ -28,6 +28,8 @@ REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.35, 0.5, 
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                  0.75, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0, 600.0)
+WAIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+WAIT_OUTCOMES = ("acked", "short", "failed")
 COPY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -87,6 +89,10 @@ class Metrics:
                                       COPY_BUCKETS, [*label, "tier"])
         self.restore_time = histogram("cache_restore_seconds", "Time to bring a cache back to the device.",
                                       COPY_BUCKETS, [*label, "tier"])
+        self.redis_wait = histogram("redis_wait_seconds", "Time from sending a write to Redis to its WAIT's answer "
+                                    "(one round trip: the write, then its replicas' acknowledgement), by outcome: "
+                                    "acked, short (fewer replicas within the timeout), failed.", WAIT_BUCKETS,
+                                    [*label, "outcome"])
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished turns (cached or prefilled).")
         self.generation_tokens = counter("generation_tokens", "Reply tokens generated.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the session caches.")
@@ -113,6 +119,8 @@ class Metrics:
         for api in APIS:
             self.api_requests.labels(model_name, api)
         self.offload_time.labels(model_name, "host")
+        for outcome in WAIT_OUTCOMES:
+            self.redis_wait.labels(model_name, outcome)
         for tier in ("host", "remote"):
             self.restore_time.labels(model_name, tier)
         self.registry.register(_LiveCollector(self))
@@ -141,6 +149,9 @@ class Metrics:
 
     def observe_request(self, api: str) -> None:
         self.api_requests.labels(self.model_name, api).inc()
+
+    def observe_redis_wait(self, seconds: float, outcome: str) -> None:
+        self.redis_wait.labels(self.model_name, outcome).observe(seconds)
 
     def observe_error(self, code: str) -> None:
         self.errors.labels(self.model_name, code).inc()
@@ -219,13 +230,32 @@ class _LiveCollector(Collector):
         yield from _arena_families(live, name, label)
         yield from _segment_families(live, name, label)
         yield from _remote_chunks(live, name, label)
-        nodes = GaugeMetricFamily("chatd:redis_nodes", "The Redis nodes this worker routes to (with --redis-url), "
-                                  "by role: a cluster's primaries, or one server.", labels=[*label, "role"])
-        for role in ("primary", "replica"):
-            nodes.add_metric([*name, role], sum(node["role"] == role for node in live.redis.get("nodes", [])))
-        yield nodes
+        yield from _redis_families(live, name, label)
         yield from (running, waiting, usage, sessions, evictions, corruptions, engine_up, failures, remote_errors,
                     offload_failures, offload_bytes, steps, tier_info, tier_sessions)
+
+
+def _redis_families(live: LiveState, name: list[str], label: list[str]):
+    """Redis (with --redis-url): the nodes this worker routes to, the errors its clients met, the writes retried
+    through an outage or a failover, and a cluster client's slot-map changes."""
+    redis = live.redis
+    nodes = GaugeMetricFamily("chatd:redis_nodes", "The Redis nodes this worker routes to (with --redis-url), "
+                              "by role: a cluster's primaries and replicas, or one server.", labels=[*label, "role"])
+    for role in ("primary", "replica"):
+        nodes.add_metric([*name, role], sum(node["role"] == role for node in redis.get("nodes", [])))
+    errors = CounterMetricFamily("chatd:redis_errors", "Redis calls of the session, response and prefix-index "
+                                 "stores that failed, by error (ConnectionError, TimeoutError, ClusterDownError, "
+                                 "...): an outage, or a node failing over.", labels=[*label, "error"])
+    for error, count in sorted(redis.get("errors", {}).items()):
+        errors.add_metric([*name, error], count)
+    retries = CounterMetricFamily("chatd:redis_retries", "Turn writes retried because their Redis node could not "
+                                  "answer (with --redis-wait-replicas: through a failover).", labels=label)
+    retries.add_metric(name, redis.get("retries", 0))
+    redirections = CounterMetricFamily("chatd:redis_slot_map_changes", "Times a cluster client changed its slot "
+                                       "map: at start, after a MOVED or ASK redirection to another node, or after a "
+                                       "failover.", labels=label)
+    redirections.add_metric(name, redis.get("slot_map_changes", 0))
+    return nodes, errors, retries, redirections
 
 
 _ARENA_COUNTERS = [  # (metric, help, key of the engine's published counters)

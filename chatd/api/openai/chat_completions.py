@@ -104,8 +104,9 @@ class OpenAIApi:
     def __init__(self, engine: Engine, sessions: SessionStore, settings: Settings, turns: TurnRunner, keys: KeyRing):
         self.engine, self.sessions, self.settings, self.turns, self.keys = engine, sessions, settings, turns, keys
         # In Redis when sessions are: every worker finds every conversation, whichever worker it reached before.
-        self.index = SharedPrefixIndex(sessions.client if isinstance(sessions, RedisSessionStore) else None,
-                                       settings.session_retention_s)
+        shared = isinstance(sessions, RedisSessionStore)
+        self.index = SharedPrefixIndex(sessions.client if shared else None, settings.session_retention_s,
+                                       sessions.events if shared else None)
         self.created = int(time.time())
         self._renderer: PromptRenderer | None = None
         self.router = APIRouter(prefix="/v1")

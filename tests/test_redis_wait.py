@@ -1,0 +1,113 @@
+"""Turns acknowledged once a replica holds them (Redis `WAIT`), on a real Redis with a real replica: the replica
+holds every acknowledged turn, a replica that is gone makes turns slower but not failed (counted), and a turn that
+Redis cannot record is answered `unavailable` and leaves nothing behind."""
+
+import asyncio
+import json
+import re
+import time
+import urllib.request
+
+import pytest
+import redis
+
+from chatd.api.server import ChatServer
+from chatd.config import Settings
+from chatd.tools.client import ChatClient, ChatError, connect
+from tests.redis_server import RedisServer
+
+
+@pytest.fixture
+def primary_and_replica(tmp_path):
+    folders = [tmp_path / "primary", tmp_path / "replica"]
+    for folder in folders:
+        folder.mkdir()
+    primary = RedisServer(folders[0])
+    primary.start()
+    replica = RedisServer(folders[1], "--replicaof", "127.0.0.1", str(primary.port))
+    replica.start()
+    _wait_synced(primary)
+    try:
+        yield primary, replica
+    finally:
+        replica.stop()
+        primary.stop()
+
+
+def _wait_synced(primary: RedisServer) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        info = redis.Redis(port=primary.port).info("replication")
+        if info["connected_slaves"] and info["slave0"]["state"] == "online":
+            return
+        assert time.monotonic() < deadline, "the replica did not sync"
+        time.sleep(0.05)
+
+
+async def _get(server: ChatServer, path: str) -> str:
+    return (await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{server.port}{path}")).read().decode()
+
+
+def _waits(metrics: str, outcome: str) -> float:
+    found = re.search(rf'chatd:redis_wait_seconds_count\{{model_name="[^"]+",outcome="{outcome}"\}} (\S+)', metrics)
+    return float(found.group(1))
+
+
+async def test_a_turn_is_answered_once_the_replica_holds_it(tiny, primary_and_replica):
+    """Where each primary has a replica, a worker waits for one by itself: when a turn is answered, the replica
+    already holds it. With the replica gone, turns are still answered (within the WAIT timeout), counted short."""
+    primary, replica = primary_and_replica
+    settings = Settings(port=0, redis_url=primary.url, redis_wait_timeout_ms=300)
+    async with ChatServer(settings, load=lambda: tiny) as server:
+        await server.wait_ready()
+        assert settings.redis_wait_replicas == 1
+        on_replica = redis.Redis(port=replica.port)
+        async with ChatClient(await connect(server.url)) as client:
+            session_id = (await client.open_session(system="Be brief.")).session_id
+            for number, question in enumerate(["Hello.", "My order is late.", "Thanks."]):
+                turn = await client.chat(session_id, question, max_new_tokens=5)
+                await turn.result()
+                assert on_replica.llen(f"chatd:{{{session_id}}}:messages") == 2 * (number + 1)
+            metrics = await _get(server, "/metrics")
+            assert _waits(metrics, "acked") == 4 and _waits(metrics, "short") == 0  # the session, three turns
+            stats = json.loads(await _get(server, "/v1/stats"))["now"]["redis"]
+            assert stats["wait_replicas"] == 1 and stats["waits"] == {"acked": 4}
+
+            replica.stop()
+            turn = await client.chat(session_id, "Are you there?", max_new_tokens=5)
+            await turn.result()
+            assert redis.Redis(port=primary.port).llen(f"chatd:{{{session_id}}}:messages") == 8
+            assert _waits(await _get(server, "/metrics"), "short") == 1
+
+
+async def test_a_turn_redis_cannot_record_is_unavailable_and_leaves_nothing(tiny, primary_and_replica):
+    """The primary dies while a reply streams: the worker retries the turn's write for `--redis-failover-s`, then
+    answers `unavailable` (retryable) and keeps nothing of it; sent again once Redis is back, the message gets the
+    reply a fresh conversation gets, and the history holds it once."""
+    primary, _ = primary_and_replica
+    settings = Settings(port=0, redis_url=primary.url, redis_failover_s=1.0)
+    async with ChatServer(settings, load=lambda: tiny) as server, \
+            ChatServer(Settings(port=0, session_cache=False), load=lambda: tiny) as reference_server:
+        for each in (server, reference_server):
+            await each.wait_ready()
+        async with ChatClient(await connect(server.url)) as client, \
+                ChatClient(await connect(reference_server.url)) as reference:
+            session_id = (await client.open_session(system="Be brief.")).session_id
+            turn = await client.chat(session_id, "My order is late.", max_new_tokens=40)
+            async for _ in turn:
+                primary.process.kill()  # SIGKILL: the turn's write finds no Redis
+                break
+            with pytest.raises(ChatError) as failed:
+                await turn.result()
+            assert failed.value.code == "unavailable" and failed.value.retryable
+            primary.process.wait(10)
+            primary.start()  # (its append-only file has what was acknowledged)
+            _wait_synced(primary)
+            again = await client.chat(session_id, "My order is late.", max_new_tokens=8)
+            await again.result()
+            expected_id = (await reference.open_session(system="Be brief.")).session_id
+            expected = await reference.chat(expected_id, "My order is late.", max_new_tokens=8)
+            await expected.result()
+            assert again.deltas == expected.deltas
+            assert redis.Redis(port=primary.port).llen(f"chatd:{{{session_id}}}:messages") == 2
+            assert server.sessions.state()["retries"] > 0
