@@ -67,6 +67,10 @@ return nil
 """
 _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# A session as one consistent read (one round trip, on a cluster too): KEYS meta, messages, tokens.
+_READ = """
+return {redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1), redis.call('GET', KEYS[3])}
+"""
 # A new session: KEYS meta, messages; ARGV retention (s), the meta fields as a JSON object of strings, messages...
 _CREATE = """
 for name, value in pairs(cjson.decode(ARGV[2])) do redis.call('HSET', KEYS[1], name, value) end
@@ -287,13 +291,11 @@ class RedisSessionStore:
             await asyncio.sleep(FAILOVER_RETRY_S)
 
     async def _read(self, session_id: str) -> Session | None:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(redis_key(session_id, "meta"))
-            pipe.lrange(redis_key(session_id, "messages"), 0, -1)
-            pipe.get(redis_key(session_id, "tokens"))
-            meta, messages, tokens = await pipe.execute()
-        if not meta:
+        keys = [redis_key(session_id, part) for part in ("meta", "messages", "tokens")]
+        fields, messages, tokens = await self._redis.eval(_READ, len(keys), *keys)
+        if not fields:
             return None
+        meta = dict(zip(fields[::2], fields[1::2], strict=True))
         return Session(
             session_id=session_id, system=json.loads(meta[b"system"]),
             messages=[_decode_message(m) for m in messages], token_ids=unpack_ids(tokens),
