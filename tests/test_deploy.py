@@ -23,7 +23,7 @@ def test_compose_file_parses_and_names_files_that_exist():
     assert {"redis", "chatd-1", "chatd-2", "nginx"} <= set(services)
     assert "redis-cli" in services["redis"]["healthcheck"]["test"]
     for worker in ("chatd-1", "chatd-2"):
-        assert services[worker]["environment"]["CHATD_REDIS_URL"].startswith("redis://redis:")
+        assert services[worker]["environment"]["CHATD_REDIS_URL"].startswith("${CHATD_REDIS_URL:-redis://redis:")
         assert services[worker]["depends_on"]["redis"]["condition"] == "service_healthy"
         devices = services[worker]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["driver"] == "nvidia" and devices[0]["count"] == 1

@@ -9,14 +9,16 @@ import subprocess
 import sys
 import urllib.request
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import redis
+import yaml
 
 from chatd.config import Settings
 from chatd.tools.client import ChatError
 from sessions.redis_client import RedisSetupError, RedisTopology, topology
-from tests.redis_cluster import RedisClusterNodes
+from tests.redis_cluster import RedisClusterNodes, _node_port
 from tests.support import two_workers_and_a_reference
 
 QUESTIONS = ["My parcel is late.", "It was sent on Monday.", "Where is it now?", "Can you check again?",
@@ -201,3 +203,41 @@ async def _served_after_retries(worker, session_id: str, question: str, turn):
             assert error.retryable and len(errors) <= 3, errors
             await asyncio.sleep(1.0)
             turn = await worker.chat(session_id, question, max_new_tokens=6)
+
+
+def test_the_compose_cluster_profile_starts_a_cluster_chatd_finds(tmp_path):
+    """The compose file's cluster profile, run as it says on real redis-servers (service names mapped to local
+    ports): six nodes with its options, joined by its init command (which a second start leaves alone), found by
+    chatd as a cluster whose primaries each have a replica; the workers reach it through CHATD_REDIS_URL."""
+    compose = yaml.safe_load((Path(__file__).resolve().parent.parent / "docker-compose.yml").read_text())
+    services = compose["services"]
+    names = [f"redis-node-{number}" for number in range(1, 7)]
+    assert all(services[name]["profiles"] == ["cluster"] for name in [*names, "redis-cluster-init"])
+    for worker in ("chatd-1", "chatd-2"):
+        assert services[worker]["environment"]["CHATD_REDIS_URL"] == "${CHATD_REDIS_URL:-redis://redis:6379/0}"
+        assert services[worker]["depends_on"]["redis-cluster-init"] == {
+            "condition": "service_completed_successfully", "required": False}
+    ports = {name: _node_port() for name in names}
+    processes = []
+    try:
+        for name in names:
+            service = services[name]
+            assert service["hostname"] == name and service["image"] == "redis:7"
+            command = service["command"][2].removeprefix("exec ").replace("$$HOSTNAME", "127.0.0.1").split()
+            folder = tmp_path / name
+            folder.mkdir()
+            processes.append(subprocess.Popen([*command, "--port", str(ports[name]), "--dir", str(folder)],
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        init = services["redis-cluster-init"]["command"][2].replace("-h redis-node-1", f"-p {ports[names[0]]}")
+        for name in names:
+            init = init.replace(f"{name}:6379", f"127.0.0.1:{ports[name]}")
+        RedisClusterNodes._wait(lambda: all(redis.Redis(port=port).ping() for port in ports.values()))
+        for _ in range(2):  # (the second start finds the cluster joined)
+            done = subprocess.run(["sh", "-c", init], capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stdout + done.stderr
+        url = f"redis://127.0.0.1:{ports[names[0]]}/0"
+        RedisClusterNodes._wait(lambda: topology(url) == RedisTopology(cluster=True, replicas=1))
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait(10)
