@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 from common import checkouts, in_checkout, write_result
@@ -35,37 +36,58 @@ def worker(ops: int) -> dict:
     from sessions.redis_store import RedisSessionStore
     from sessions.shared_prefix_index import SharedPrefixIndex
     from tests.redis_cluster import RedisClusterNodes
-    from tests.redis_server import RedisServer
 
     can_wait = "wait_replicas" in inspect.signature(RedisSessionStore).parameters
     report = {}
-    with tempfile.TemporaryDirectory() as folder:
-        # (no append-only file, as the cluster's nodes: the test servers fsync every write)
-        single, replica = RedisServer(Path(folder) / "single", "--appendonly", "no"), None
-        cluster = RedisClusterNodes(Path(folder) / "cluster")
-        try:
-            (Path(folder) / "single").mkdir()
-            single.start()
-            if can_wait:
-                (Path(folder) / "replica").mkdir()
-                replica = RedisServer(Path(folder) / "replica", "--appendonly", "no", "--replicaof", "127.0.0.1",
-                                      str(single.port))
-                replica.start()
+    with tempfile.TemporaryDirectory() as folder, _redis_server(Path(folder) / "single") as single:
+        with _redis_server(Path(folder) / "replica", "--replicaof", "127.0.0.1", str(single)):
+            cluster = RedisClusterNodes(Path(folder) / "cluster")
             cluster.start()
-            for config in CONFIGS:
-                wait = 1 if "WAIT" in config else 0
-                if wait and not can_wait:
-                    continue
-                url, on_cluster = (cluster.url, True) if config.startswith("cluster") else (single.url, False)
-                options = {"wait_replicas": wait} if can_wait else {}
-                store = RedisSessionStore(url, 3600, cluster=on_cluster, **options)
-                report[config] = asyncio.run(_measure(store, SharedPrefixIndex, ops))
-        finally:
-            cluster.stop()
-            for server in (replica, single):
-                if server is not None:
-                    server.stop()
+            try:
+                for config in CONFIGS:
+                    wait = 1 if "WAIT" in config else 0
+                    if wait and not can_wait:
+                        continue
+                    on_cluster = config.startswith("cluster")
+                    url = cluster.url if on_cluster else f"redis://127.0.0.1:{single}/0"
+                    options = {"wait_replicas": wait} if can_wait else {}
+                    store = RedisSessionStore(url, 3600, cluster=on_cluster, **options)
+                    report[config] = asyncio.run(_measure(store, SharedPrefixIndex, ops))
+            finally:
+                cluster.stop()
     return report
+
+
+@contextmanager
+def _redis_server(folder: Path, *options: str):
+    """A redis-server on a free port, persisting nothing (as the cluster's nodes), until the block ends: its port."""
+    import subprocess
+    import time
+
+    import redis
+
+    from chatd.tools.server_process import free_port
+
+    folder.mkdir()
+    port = free_port()
+    process = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
+                                "--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0", *options],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                info = redis.Redis(port=port).info("replication")
+                if info["role"] == "master" or info.get("master_link_status") == "up":
+                    break
+            except redis.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(10)
 
 
 async def _measure(store, index_class, ops: int) -> dict:
