@@ -102,3 +102,22 @@ def redis_server(tmp_path) -> Iterator[RedisServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def redis_with_replica(tmp_path) -> Iterator[tuple[RedisServer, RedisServer]]:
+    """A redis-server of the test's own and a replica of it, synced: (primary, replica)."""
+    folders = [tmp_path / "primary", tmp_path / "replica"]
+    for folder in folders:
+        folder.mkdir()
+    primary = RedisServer(folders[0])
+    primary.start()
+    replica = RedisServer(folders[1], "--replicaof", "127.0.0.1", str(primary.port))
+    replica.start()
+    primary.wait_replicated()
+    try:
+        yield primary, replica
+    finally:
+        replica.stop()
+        primary.stop()
+

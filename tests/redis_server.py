@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis
+
 from chatd.tools.server_process import free_port
 
 DATABASES = 4096  # one per test that shares the server: a test's keys are never another's
@@ -45,6 +47,17 @@ class RedisServer:
             except OSError:
                 time.sleep(0.05)
         raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def wait_replicated(self, timeout_s: float = 20.0) -> None:
+        """Until a replica of this server has synced with it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = redis.Redis(port=self.port).info("replication")
+            if info["connected_slaves"] and info["slave0"]["state"] == "online":
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no replica of the redis-server on port {self.port} synced")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.process is not None:

@@ -79,8 +79,10 @@ def panel_queries() -> list[tuple[str, str]]:
 
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="Debian's prometheus package is not installed")
-async def test_every_dashboard_query_returns_data_from_a_real_prometheus(tiny, prometheus):
-    settings = Settings(port=0, model=MODEL, enable_fault_injection=True, verify_sample_rate=0.0)
+async def test_every_dashboard_query_returns_data_from_a_real_prometheus(tiny, prometheus, redis_with_replica):
+    primary, _ = redis_with_replica  # (sessions in Redis, each turn acknowledged once the replica holds it)
+    settings = Settings(port=0, model=MODEL, enable_fault_injection=True, verify_sample_rate=0.0,
+                        redis_url=primary.url)
     async with ChatServer(settings, load=lambda: tiny) as server:
         await server.wait_ready()
         base = prometheus(f"127.0.0.1:{server.port}")

@@ -5,7 +5,6 @@ Redis cannot record is answered `unavailable` and leaves nothing behind."""
 import asyncio
 import json
 import re
-import time
 import urllib.request
 
 import pytest
@@ -14,34 +13,6 @@ import redis
 from chatd.api.server import ChatServer
 from chatd.config import Settings
 from chatd.tools.client import ChatClient, ChatError, connect
-from tests.redis_server import RedisServer
-
-
-@pytest.fixture
-def primary_and_replica(tmp_path):
-    folders = [tmp_path / "primary", tmp_path / "replica"]
-    for folder in folders:
-        folder.mkdir()
-    primary = RedisServer(folders[0])
-    primary.start()
-    replica = RedisServer(folders[1], "--replicaof", "127.0.0.1", str(primary.port))
-    replica.start()
-    _wait_synced(primary)
-    try:
-        yield primary, replica
-    finally:
-        replica.stop()
-        primary.stop()
-
-
-def _wait_synced(primary: RedisServer) -> None:
-    deadline = time.monotonic() + 20
-    while True:
-        info = redis.Redis(port=primary.port).info("replication")
-        if info["connected_slaves"] and info["slave0"]["state"] == "online":
-            return
-        assert time.monotonic() < deadline, "the replica did not sync"
-        time.sleep(0.05)
 
 
 async def _get(server: ChatServer, path: str) -> str:
@@ -53,10 +24,10 @@ def _waits(metrics: str, outcome: str) -> float:
     return float(found.group(1))
 
 
-async def test_a_turn_is_answered_once_the_replica_holds_it(tiny, primary_and_replica):
+async def test_a_turn_is_answered_once_the_replica_holds_it(tiny, redis_with_replica):
     """Where each primary has a replica, a worker waits for one by itself: when a turn is answered, the replica
     already holds it. With the replica gone, turns are still answered (within the WAIT timeout), counted short."""
-    primary, replica = primary_and_replica
+    primary, replica = redis_with_replica
     settings = Settings(port=0, redis_url=primary.url, redis_wait_timeout_ms=300)
     async with ChatServer(settings, load=lambda: tiny) as server:
         await server.wait_ready()
@@ -80,11 +51,11 @@ async def test_a_turn_is_answered_once_the_replica_holds_it(tiny, primary_and_re
             assert _waits(await _get(server, "/metrics"), "short") == 1
 
 
-async def test_a_turn_redis_cannot_record_is_unavailable_and_leaves_nothing(tiny, primary_and_replica):
+async def test_a_turn_redis_cannot_record_is_unavailable_and_leaves_nothing(tiny, redis_with_replica):
     """The primary dies while a reply streams: the worker retries the turn's write for `--redis-failover-s`, then
     answers `unavailable` (retryable) and keeps nothing of it; sent again once Redis is back, the message gets the
     reply a fresh conversation gets, and the history holds it once."""
-    primary, _ = primary_and_replica
+    primary, _ = redis_with_replica
     settings = Settings(port=0, redis_url=primary.url, redis_failover_s=1.0)
     async with ChatServer(settings, load=lambda: tiny) as server, \
             ChatServer(Settings(port=0, session_cache=False), load=lambda: tiny) as reference_server:
@@ -102,7 +73,7 @@ async def test_a_turn_redis_cannot_record_is_unavailable_and_leaves_nothing(tiny
             assert failed.value.code == "unavailable" and failed.value.retryable
             primary.process.wait(10)
             primary.start()  # (its append-only file has what was acknowledged)
-            _wait_synced(primary)
+            primary.wait_replicated()
             again = await client.chat(session_id, "My order is late.", max_new_tokens=8)
             await again.result()
             expected_id = (await reference.open_session(system="Be brief.")).session_id

@@ -12,6 +12,7 @@ from playwright.async_api import Page, async_playwright, expect
 from cache_store import CacheStore
 from chatd.api.server import ChatServer
 from chatd.config import Settings
+from chatd.tools.client import ChatClient, connect
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SCREENSHOTS = Path(__file__).resolve().parent.parent / "test-output" / "web"
@@ -205,4 +206,23 @@ async def test_api_key_form_and_a_reply_resumed_after_a_dropped_socket(smollm2, 
         assert shown.strip() == recorded.strip() and len(recorded) > 20  # nothing lost, nothing doubled
         await page.screenshot(path=SCREENSHOTS / "chat-resumed.png")
         watch.assert_clean(origin, expected_errors=("WebSocket",))
+        await page.close()
+
+
+async def test_dashboard_shows_redis_and_its_replica(browser, tiny, redis_with_replica):
+    """With sessions in a Redis that has a replica, the dashboard names the mode and nodes, and counts the turns
+    acknowledged once the replica held them."""
+    primary, _ = redis_with_replica
+    async with ChatServer(Settings(port=0, redis_url=primary.url), load=lambda: tiny) as redis_server:
+        await redis_server.wait_ready()
+        async with ChatClient(await connect(redis_server.url)) as client:
+            session_id = (await client.open_session()).session_id
+            await (await client.chat(session_id, "Hello.", max_new_tokens=4)).result()
+        origin = f"http://127.0.0.1:{redis_server.port}"
+        page, watch = await open_page(browser, origin, "/dashboard")
+        summary = page.locator("#summary")
+        await expect(summary).to_contain_text("Redis: mode, primaries / replicas")
+        await expect(summary).to_contain_text("single, 1 / 0")
+        await expect(summary).to_contain_text("2 / 0 (waiting for 1)")  # the session and its turn
+        watch.assert_clean(origin)
         await page.close()

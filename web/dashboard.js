@@ -56,6 +56,7 @@ function tiles(stats) {
     ["Host offloads: written / not written again", `${mb(now.tiers.host.offload?.written_bytes ?? 0)} / ${mb(now.tiers.host.offload?.skipped_bytes ?? 0)}`],
     ["Redis chunks: known / written / renewed / fetched", `${chunks.known ?? 0} / ${chunks.written ?? 0} / ${chunks.renewed ?? 0} / ${chunks.fetched ?? 0}`],
     ["Redis chunks: bytes written / not moved", `${mb(chunks.written_bytes ?? 0)} / ${mb((chunks.not_sent_bytes ?? 0) + (chunks.not_copied_bytes ?? 0) + (chunks.not_fetched_bytes ?? 0))}`],
+    ...redisRows(now.redis || {}),
   ];
   const body = byId("summary");
   body.replaceChildren(...rows.map(([name, value]) => {
@@ -67,6 +68,19 @@ function tiles(stats) {
     }
     return row;
   }));
+}
+
+function redisRows(redis) {
+  if (!redis.mode) return [];  // sessions in memory
+  const roles = (role) => (redis.nodes || []).filter((node) => node.role === role).length;
+  const waits = redis.waits || {};
+  return [
+    ["Redis: mode, primaries / replicas", `${redis.mode}, ${roles("primary")} / ${roles("replica")}`],
+    ["Redis: turns acknowledged / short of replicas", redis.wait_replicas
+      ? `${waits.acked ?? 0} / ${(waits.short ?? 0) + (waits.failed ?? 0)} (waiting for ${redis.wait_replicas})` : "not waiting for replicas"],
+    ["Redis: errors / retries / slot-map changes",
+      `${Object.values(redis.errors || {}).reduce((a, b) => a + b, 0)} / ${redis.retries ?? 0} / ${redis.slot_map_changes ?? 0}`],
+  ];
 }
 
 function draw(stats) {
