@@ -82,3 +82,15 @@ async def test_a_turn_redis_cannot_record_is_unavailable_and_leaves_nothing(tiny
             assert again.deltas == expected.deltas
             assert redis.Redis(port=primary.port).llen(f"chatd:{{{session_id}}}:messages") == 2
             assert server.sessions.state()["retries"] > 0
+
+
+async def test_waiting_for_more_replicas_than_redis_has_is_said_at_start_and_turns_still_answer(tiny, redis_db,
+                                                                                                caplog):
+    settings = Settings(port=0, redis_url=redis_db.url, redis_wait_replicas=1, redis_wait_timeout_ms=100)
+    async with ChatServer(settings, load=lambda: tiny) as server:
+        await server.wait_ready()
+        assert "--redis-wait-replicas is 1 but a Redis primary has 0 replica(s)" in caplog.text
+        async with ChatClient(await connect(server.url)) as client:
+            session_id = (await client.open_session()).session_id
+            await (await client.chat(session_id, "Hello.", max_new_tokens=4)).result()
+        assert server.sessions.state()["waits"] == {"short": 2}  # the session and its turn, each after 100 ms

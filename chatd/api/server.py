@@ -83,6 +83,10 @@ class ChatServer:
             settings.redis_cluster = found.cluster
             if settings.redis_wait_replicas is None:
                 settings.redis_wait_replicas = min(1, found.replicas)
+            elif settings.redis_wait_replicas > found.replicas:
+                log.warning("--redis-wait-replicas is %d but a Redis primary has %d replica(s): each turn will wait "
+                            "the whole --redis-wait-timeout-ms (%d ms) until it has more", settings.redis_wait_replicas,
+                            found.replicas, settings.redis_wait_timeout_ms)
         self.settings = settings
         self.metrics = Metrics(settings.model, typing.get_args(ErrorCode))
         self.stats = StatsRecorder(settings.model)
