@@ -90,6 +90,7 @@ class Engine(CacheCommands):
         self._deferred: list[CacheCommand] = []
         self._waiting = 0
         self._active = 0
+        self._counted: set[int] = set()  # the turns `_active` counts (by id), so that one that ends leaves it at once
         self._lock = threading.Lock()  # the waiting count, and submissions against a failure
 
     def start(self) -> None:
@@ -157,7 +158,8 @@ class Engine(CacheCommands):
                 self._prefill_step()
             if self._decoding:
                 self._decode_step()
-            self._active = len(self._decoding) + len(self._prefilling)
+            self._counted = {id(running.turn) for running in (*self._decoding, *self._prefilling)}
+            self._active = len(self._counted)
             if time.monotonic() - expired_at >= EXPIRE_EVERY_S:
                 self._housekeep(CacheStore.expire)
                 expired_at = time.monotonic()
@@ -183,12 +185,16 @@ class Engine(CacheCommands):
             self._end(turn, TurnFailed("unavailable", self._unavailable()))
         with self._lock:
             self._waiting = 0
+        self._counted.clear()
         self._active = 0
 
     def _end(self, turn: Turn, event: TurnResult | TurnFailed) -> None:
         """A turn's last event: it is no longer the engine's. The counters are published first, so that a
         client that has its answer reads them with its turn counted."""
         self._live.pop(id(turn), None)
+        if id(turn) in self._counted:
+            self._counted.discard(id(turn))
+            self._active -= 1
         self._publish()
         turn.emit(event)
 
