@@ -170,7 +170,7 @@ async def write_and_wait(client: aioredis.Redis | AsyncRedisCluster, key: str, c
     reply, acked = await _then_wait(client, node, command, replicas, timeout_ms)
     if isinstance(reply, Exception):
         raise reply
-    if isinstance(acked, Exception) or (node is not None and client.get_node_from_key(key) is not node):
+    if isinstance(acked, Exception) or (node is not None and client.get_node_from_key(key).name != node.name):
         # The write was redirected (a failover, a moved slot) and the WAIT went elsewhere: a write to the key's slot
         # on its node now orders after ours there, and a WAIT after it covers both.
         if isinstance(acked, Exception):

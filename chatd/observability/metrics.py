@@ -248,14 +248,14 @@ def _redis_families(live: LiveState, name: list[str], label: list[str]):
                                  "...): an outage, or a node failing over.", labels=[*label, "error"])
     for error, count in sorted(redis.get("errors", {}).items()):
         errors.add_metric([*name, error], count)
-    retries = CounterMetricFamily("chatd:redis_retries", "Turn writes retried because their Redis node could not "
-                                  "answer (with --redis-wait-replicas: through a failover).", labels=label)
+    retries = CounterMetricFamily("chatd:redis_retries", "Session-store calls retried because their Redis node could "
+                                  "not answer (with --redis-wait-replicas: through a failover).", labels=label)
     retries.add_metric(name, redis.get("retries", 0))
-    redirections = CounterMetricFamily("chatd:redis_slot_map_changes", "Times a cluster client changed its slot "
-                                       "map: at start, after a MOVED or ASK redirection to another node, or after a "
-                                       "failover.", labels=label)
-    redirections.add_metric(name, redis.get("slot_map_changes", 0))
-    return nodes, errors, retries, redirections
+    slot_map = CounterMetricFamily("chatd:redis_slot_map_changes", "Times a cluster client changed its slot "
+                                   "map: at start, after a MOVED or ASK redirection to another node, or after a "
+                                   "failover.", labels=label)
+    slot_map.add_metric(name, redis.get("slot_map_changes", 0))
+    return nodes, errors, retries, slot_map
 
 
 _ARENA_COUNTERS = [  # (metric, help, key of the engine's published counters)
