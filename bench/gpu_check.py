@@ -18,6 +18,8 @@ import torch
 from cache_store import CacheEntry
 from cache_store.host_pool import HostBufferPool
 from cache_store.offload import Offloader, kv_nbytes
+from cache_store.remote_moves import pinned
+from cache_store.remote_tier import StoredKV
 from chatd.config import Settings
 from chatd.engine.deep_check import deep_check_distance
 from chatd.engine.scheduler import Engine
@@ -55,6 +57,31 @@ def offload_and_restore(engine: Engine, tokens: int) -> list[tuple[str, str]]:
     return [(f"offload and restore, {tokens} tokens ({nbytes / 2**20:.1f} MB, {memory})",
              f"bytes equal: {equal}; offload {nbytes / offload_s / 1e9:.2f} GB/s, "
              f"restore {nbytes / restore_s / 1e9:.2f} GB/s")]
+
+
+def fetched_copy_to_device(engine: Engine, tokens: int) -> list[tuple[str, str]]:
+    """A cache as a Redis fetch brings it (host bytes, pinned on the fetching thread on CUDA), copied into the device
+    on the side stream: bytes equal, and the copy rate seen by the engine thread."""
+    device = engine.loaded.device
+    ids = torch.randint(100, 1000, (tokens,)).tolist()
+    with torch.inference_mode():
+        entry = CacheEntry(engine.runner.new_cache())
+        engine.runner.forward(entry, ids)
+    part = StoredKV([(k.cpu(), v.cpu()) for k, v in entry.tensors()], None, "")
+    part = pinned(part) if device.type == "cuda" else part
+    offloader, nbytes = Offloader(device), kv_nbytes(entry)
+    synchronize(device)
+    started = time.perf_counter()
+    (tensors,) = offloader.to_device([(part.tensors, None)], engine.loaded.model.dtype)
+    queued_s = time.perf_counter() - started
+    synchronize(device)
+    copied_s = time.perf_counter() - started
+    equal = all(torch.equal(a, b) for pair, again in zip(entry.tensors(), tensors, strict=True)
+                for a, b in zip(pair, again, strict=True))
+    memory = "pinned" if part.tensors[0][0].is_pinned() else "pageable"
+    return [(f"a fetched Redis copy to the device, {tokens} tokens ({memory})",
+             f"bytes equal: {equal}; the engine thread waited {1000 * queued_s:.2f} ms, "
+             f"the copy took {1000 * copied_s:.2f} ms ({nbytes / copied_s / 1e9:.2f} GB/s)")]
 
 
 def out_of_memory_retry(engine: Engine) -> list[tuple[str, str]]:
@@ -157,6 +184,7 @@ def main() -> None:
     rows = [("device", f"{loaded.device} ({name}), {loaded.model.dtype}, "
                        f"KV arena {engine.arena.nbytes() / 2**20:.0f} MB")]
     rows += offload_and_restore(engine, args.tokens)
+    rows += fetched_copy_to_device(engine, args.tokens)
     rows += out_of_memory_retry(engine)
     rows += deep_check_distances(engine, min(args.tokens, 512))
     rows += batched_against_single(engine, min(args.tokens, 256), min(8, max(args.batches)))

@@ -5,27 +5,47 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+MIN_PATIENCE_S = 0.25  # however short the history, a turn waits this long for Redis before recomputing
+
 
 class Throughput:
-    """A moving average of bytes per second, measured on real transfers."""
+    """Moving averages of the link to Redis, measured on real calls: its round trip (small calls) and its bytes per
+    second once the round trip is taken out (large transfers)."""
 
     def __init__(self) -> None:
         self.bytes_per_s: float | None = None
+        self.round_trip_s: float | None = None
 
     def record(self, nbytes: int, seconds: float) -> None:
+        """A transfer of `nbytes` that took `seconds`, its round trip included."""
         if nbytes < 64 * 1024 or seconds <= 0:
             return  # too small to say anything about bandwidth
-        rate = nbytes / seconds
+        rate = nbytes / max(seconds - (self.round_trip_s or 0.0), seconds / 10)
         self.bytes_per_s = rate if self.bytes_per_s is None else 0.7 * self.bytes_per_s + 0.3 * rate
+
+    def record_round_trip(self, seconds: float) -> None:
+        """A call that moved next to nothing (a header): how far Redis is."""
+        if seconds <= 0:
+            return
+        current = self.round_trip_s
+        self.round_trip_s = seconds if current is None else 0.7 * current + 0.3 * seconds
+
+    def transfer_s(self, nbytes: int) -> float | None:
+        """The estimated time of one round trip that moves `nbytes`; None before any measure."""
+        if self.bytes_per_s is None:
+            return None
+        return (self.round_trip_s or 0.0) + nbytes / self.bytes_per_s
 
 
 @dataclass(frozen=True)
 class RemoteDecision:
-    """Fetch a remote cache or recompute, and the estimates behind the choice."""
+    """Fetch a remote cache or recompute, and the estimates behind the choice; `timeout`: Redis did not answer in
+    the time recomputing was estimated to take, so the turn recomputed without waiting any longer."""
 
-    choice: Literal["fetch", "recompute"]
-    fetch_ms: float | None  # estimated: bytes over the measured Redis throughput
+    choice: Literal["fetch", "recompute", "timeout"]
+    fetch_ms: float | None  # estimated: a round trip, then the bytes over the measured Redis throughput
     prefill_ms: float | None  # estimated: tokens over the measured prefill rate
+    waited_ms: float | None = None  # how long the turn waited for Redis (its header, then its chunks)
 
 
 class CostModel:
@@ -42,9 +62,21 @@ class CostModel:
         current = self.prefill_tokens_per_s
         self.prefill_tokens_per_s = rate if current is None else 0.7 * current + 0.3 * rate
 
+    def prefill_s(self, tokens: int) -> float | None:
+        return tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s else None
+
     def decide(self, nbytes: int, tokens: int) -> RemoteDecision:
-        fetch_ms = 1000 * nbytes / self.throughput.bytes_per_s if self.throughput.bytes_per_s else None
-        prefill_ms = 1000 * tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s else None
+        """Fetch `nbytes` (one more round trip) or prefill `tokens`."""
+        fetch_s, prefill_s = self.throughput.transfer_s(nbytes), self.prefill_s(tokens)
+        fetch_ms = 1000 * fetch_s if fetch_s is not None else None
+        prefill_ms = 1000 * prefill_s if prefill_s is not None else None
         if fetch_ms is None or prefill_ms is None:
             return RemoteDecision("fetch", fetch_ms, prefill_ms)  # nothing measured yet: try it, and measure
         return RemoteDecision("fetch" if fetch_ms < prefill_ms else "recompute", fetch_ms, prefill_ms)
+
+    def patience_s(self, tokens: int, timeout_s: float) -> float:
+        """How long a turn of `tokens` waits for Redis (its header, then its chunks) before it recomputes instead:
+        twice the estimated prefill (the batch decodes on meanwhile: only this turn waits), at least
+        `MIN_PATIENCE_S`, and never past what the Redis calls may take (`timeout_s` each)."""
+        prefill_s = self.prefill_s(tokens)
+        return min(max(MIN_PATIENCE_S, 2 * prefill_s if prefill_s is not None else 2 * timeout_s), 2 * timeout_s)

@@ -4,8 +4,9 @@ store asks of a remote tier."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 from cache_store.cost_model import RemoteDecision, Throughput
 from cache_store.entry import CacheEntry
@@ -14,6 +15,7 @@ from cache_store.remote_tier import RemoteCopy, RemoteHeader, RemoteSnapshot
 
 CacheSource = Literal["device", "host", "remote", "prefix", "miss"]
 CopyObserver = Callable[[Literal["offload", "restore"], Literal["host", "remote"], float], None]
+T = TypeVar("T")
 MissReason = Literal["new", "cold", "evicted", "disabled", "drift", "corrupt", "stale", "truncated"]
 
 class SessionRunning(RuntimeError):
@@ -49,17 +51,26 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 class RemoteCaches(Protocol):
     """Where caches are shared beyond this process (`RemoteTier`: Redis, as chains of chunks): what the store asks
-    of it."""
+    of it. `head`, `fetch` and `usage`'s refresh talk to Redis: they run on its own threads (`submit`), never the
+    engine's; `put`, `delete` and `delete_chunk` only queue."""
 
     throughput: Throughput
     errors: int
     write_errors: int
     chunk_tokens: int
+    timeout_s: float
     counters: dict[str, int]
+
+    @property
+    def reachable(self) -> bool: ...
+
+    def submit(self, job: Callable[[], T]) -> Future[T]: ...
 
     def known_chunks(self, chunks: list[str]) -> int: ...
 
     def chunks_known(self) -> int: ...
+
+    def pending(self) -> dict[str, int]: ...
 
     def put(self, session_id: str, snapshot: RemoteSnapshot) -> None: ...
 

@@ -9,20 +9,28 @@ session's token ids (int32) and the keys and values of its tail (the positions a
 shapes, dtype and checksum). A write renews the chunks Redis holds and sends only those it lacks, then the
 session's bytes, then its header, so a reader that finds a header finds its bytes unless they expired; one whose
 bytes are gone is deleted and counts as a miss, and a chunk gone or damaged ends what a reader takes from the
-chain there. Writes happen on a background thread, latest snapshot first.
+chain there.
+
+No Redis call is made on the engine thread: fetches run on reader threads (the engine polls them), writes and
+deletes on a writer thread, in order, from a queue bounded in bytes and in age (a session's newest snapshot only).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
-import queue
 import struct
 import threading
 import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from typing import TypeVar
 
 import torch
+import xxhash
 from redis.cluster import RedisCluster
 
 from cache_store.chunks import CHUNK_TOKENS
@@ -35,6 +43,7 @@ from sessions.encoding import UNREACHABLE, pack_ids, redis_key, unpack_ids
 from sessions.redis_client import sync_client
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # 2: checksums carry their kind (xxh3:…); 3: int8 caches with their scales; 4: key scales per group; 5: a cache may
 # hold only its own positions, naming the shared segment it starts with; 6: chains of chunks
@@ -43,6 +52,12 @@ PROBE_BYTES = 4 * 2**20
 BACK_OFF_S = 5.0  # after a failure, turns skip the remote tier this long instead of waiting on Redis
 USAGE_EVERY_S = 5.0
 CHUNKS_REMEMBERED = 100_000  # chunks this tier remembers Redis holding (beyond: the oldest are sent again)
+READERS = 8  # threads that fetch (and read the memory figure): each waits on a round trip, not on a core
+WRITERS = 4  # threads that write and delete (a key's ops all on one, in order)
+PENDING_BYTES = 256 * 2**20  # snapshots queued for writing, at most (while Redis is slow or down)
+PENDING_AGE_S = 30.0  # a snapshot queued longer is dropped unwritten (its turn stopped waiting long before)
+MAX_QUEUED_DELETES = 100_000
+DROP_REASONS = ("full", "expired", "deletes")  # why a queued write was not made: no room, too old, delete queue full
 _FRAME = struct.Struct("<I")  # the length of a chunk's JSON frame, before it
 
 
@@ -94,6 +109,21 @@ class RemoteSnapshot:
     tensors: KVTensors  # the positions from `start` chunks on
     scales: KVTensors | None
 
+    @property
+    def nbytes(self) -> int:
+        """The host memory its keys, values and scales hold while it waits to be written."""
+        return sum(k.nbytes + v.nbytes for k, v in [*self.tensors, *(self.scales or [])])
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A session's newest snapshot, queued for writing (`ticket`: the queued op that writes it)."""
+
+    snapshot: RemoteSnapshot
+    ticket: int
+    queued_at: float
+    nbytes: int
+
 
 @dataclass(frozen=True)
 class RemoteHeader:
@@ -133,51 +163,88 @@ def _dtype(name: str) -> torch.dtype:
 
 
 class RemoteTier:
-    """Caches in Redis as chains of chunks, written in the background, shared by every worker."""
+    """Caches in Redis as chains of chunks, shared by every worker. No call to Redis is made on the caller's thread:
+    fetches (`submit`) and the memory figure run on reader threads, snapshots and deletes on a writer thread, from
+    a queue bounded in bytes and age (what does not fit, or waits too long, is dropped and counted)."""
 
     def __init__(self, url: str, ttl_s: float, timeout_s: float = 1.0, chunk_tokens: int = CHUNK_TOKENS,
-                 cluster: bool = False):
+                 cluster: bool = False, pending_bytes: int = PENDING_BYTES, pending_age_s: float = PENDING_AGE_S):
         self.ttl_s = int(ttl_s)
+        self.timeout_s = timeout_s
         self.chunk_tokens = chunk_tokens
+        self.pending_budget_bytes, self.pending_age_s = pending_bytes, pending_age_s
         self.throughput = Throughput()
         self.errors = 0  # reads that failed
         self.write_errors = 0  # snapshots that could not be written
         self.counters = {"chunks_written": 0, "chunk_bytes_written": 0, "chunks_renewed": 0,
                          "chunk_bytes_not_sent": 0, "chunks_lost": 0}  # (written by the writer thread)
+        self.dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)  # snapshots and deletes not sent, by why
         self._write_error_logged_at = float("-inf")
         self._down_until = 0.0
         self._usage = (0, 0)
         self._usage_at = float("-inf")
         self._redis = sync_client(url, cluster, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        self._writes: queue.Queue[str | None] = queue.Queue()
-        self._latest: dict[str, RemoteSnapshot] = {}
         self._lock = threading.Lock()
+        self._queued = [threading.Condition(self._lock) for _ in range(WRITERS)]  # each writer waits on its own
+        self._written = threading.Condition(self._lock)  # `wait_written` waits on it
+        # Each writer's ops, in order: (put | delete | delete_chunk, key, ticket); a key's ops go to one writer.
+        self._ops: list[deque[tuple[str, str, int]]] = [deque() for _ in range(WRITERS)]
+        self._latest: OrderedDict[str, _Pending] = OrderedDict()  # session -> its newest snapshot, oldest first
+        self._pending_bytes = 0
+        self._deletes = 0  # deletes queued
+        self._tickets = itertools.count()
+        self._closing = False
+        self._busy = [False] * WRITERS  # each writer: carrying out an op
         self._unwritten: set[str] = set()  # sessions with a snapshot queued or being written
         self._held: dict[str, float] = {}  # chunk -> when this tier last wrote or renewed it in Redis
-        self._written = threading.Condition(self._lock)
-        self._writer = threading.Thread(target=self._write_loop, name="chatd-remote-kv", daemon=True)
-        self._writer.start()
+        self._session_chunks: OrderedDict[str, int] = OrderedDict()  # session -> chunks its last write named
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="chatd-remote-read")
+        self._writers = [threading.Thread(target=self._write_loop, args=(shard,), name=f"chatd-remote-kv-{shard}",
+                                          daemon=True) for shard in range(WRITERS)]
+        for writer in self._writers:
+            writer.start()
 
     def probe(self) -> None:
-        """Measure the Redis throughput once at start, so the first decision is not a guess."""
+        """Measure the Redis round trip and throughput once at start, so the first decision is not a guess (at
+        start: the only call made on the caller's thread)."""
         key = f"chatd:probe:{id(self)}"
         payload = bytes(PROBE_BYTES)
         try:
+            self._redis.ping()  # (connects: not part of a round trip)
+            for _ in range(3):
+                started = time.perf_counter()
+                self._redis.ping()
+                self.throughput.record_round_trip(time.perf_counter() - started)
             started = time.perf_counter()
             self._redis.set(key, payload, ex=60)
             self._redis.get(key)
-            self.throughput.record(2 * PROBE_BYTES, time.perf_counter() - started)
+            self.throughput.record(2 * PROBE_BYTES, time.perf_counter() - started)  # (two round trips: one counted)
             self._redis.delete(key)
         except UNREACHABLE:
-            self.errors += 1
+            self._failed()
+            log.warning("remote KV tier: Redis unreachable at start; turns recompute until it answers")
+
+    @property
+    def reachable(self) -> bool:
+        """False for a while after a call found Redis unreachable: turns then skip this tier instead of waiting."""
+        return time.monotonic() >= self._down_until
+
+    def submit(self, job: Callable[[], T]) -> Future[T]:
+        """Run `job` (a fetch: it calls `head` and `fetch`) on a reader thread."""
+        return self._readers.submit(job)
 
     def chunks_known(self) -> int:
-        """How many chunks this tier knows Redis holds (written or renewed by it within their retention)."""
         with self._lock:
             return len(self._held)
 
+    def pending(self) -> dict[str, int]:
+        """Snapshots queued for writing and their bytes, deletes queued, and what was dropped (by why)."""
+        with self._lock:
+            return {"pending_writes": len(self._latest), "pending_bytes": self._pending_bytes,
+                    "pending_deletes": self._deletes, **{f"dropped_{why}": n for why, n in self.dropped.items()}}
+
     def known_chunks(self, chunks: list[str]) -> int:
-        """How many leading `chunks` this tier wrote or renewed in Redis within half their retention, so that a
+        """How many leading chunks of a chain this tier wrote or renewed in Redis within half their retention, so that a
         snapshot need not carry them (every write renews the chunks it names; Redis may still have lost one, or
         another worker deleted one that failed its checks: the writer finds out and sends it again next time)."""
         deadline = time.monotonic() - self.ttl_s / 2
@@ -191,25 +258,46 @@ class RemoteTier:
 
     def put(self, session_id: str, snapshot: RemoteSnapshot) -> None:
         """Queue a snapshot for writing; only the newest snapshot of a session is written. (A newer snapshot
-        carries the bytes of every chunk an older one did: chunks are known held only once written.)"""
+        carries the bytes of every chunk an older one did: chunks are known held only once written.) Within the
+        budget of queued bytes: the oldest queued snapshots are dropped for it (counted), or it is."""
+        nbytes = snapshot.nbytes
         with self._lock:
-            fresh = session_id not in self._latest
-            self._latest[session_id] = snapshot
+            previous = self._latest.pop(session_id, None)
+            if previous is not None:
+                self._pending_bytes -= previous.nbytes
+            while self._latest and self._pending_bytes + nbytes > self.pending_budget_bytes:
+                self._drop_pending(next(iter(self._latest)), "full")
+            if nbytes > self.pending_budget_bytes:
+                self.dropped["full"] += 1
+                self._settled(session_id)
+                return
+            ticket = previous.ticket if previous is not None else next(self._tickets)
+            self._latest[session_id] = _Pending(snapshot, ticket, time.monotonic(), nbytes)
+            self._pending_bytes += nbytes
             self._unwritten.add(session_id)
-        if fresh:
-            self._writes.put(session_id)
+            if previous is None:
+                self._queue_op("put", session_id, ticket)
 
     def wait_written(self, session_id: str, timeout_s: float) -> bool:
-        """Wait until the session's newest snapshot has been written (or has failed); whether it was within
-        `timeout_s`. A turn is answered after this, so that another worker can continue it from Redis."""
+        """Wait until the session's newest snapshot has been written (or has failed, or was dropped); whether it was
+        within `timeout_s`. A turn is answered after this, so that another worker can continue it from Redis."""
         with self._written:
             return self._written.wait_for(lambda: session_id not in self._unwritten, timeout_s)
 
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued write and delete has been carried out (or has failed); whether within
+        `timeout_s`."""
+        with self._written:
+            return self._written.wait_for(lambda: not any(self._ops) and not any(self._busy), timeout_s)
+
     def head(self, session_id: str) -> RemoteHeader | None:
-        if time.monotonic() < self._down_until:
+        """The session's header (a reader thread's call: one round trip, measured)."""
+        if not self.reachable:
             return None
         try:
+            started = time.perf_counter()
             raw = self._redis.get(redis_key(session_id, "kvmeta"))
+            self.throughput.record_round_trip(time.perf_counter() - started)
         except UNREACHABLE:
             self._failed()
             return None
@@ -231,8 +319,8 @@ class RemoteTier:
             return None
 
     def fetch(self, header: RemoteHeader, first: int = 0) -> RemoteCopy | None:
-        """The session's token ids, tail and chunks from `first` on, in one round trip; None if its own bytes are
-        gone (the header is then deleted) or Redis cannot be reached."""
+        """The session's token ids, tail and chunks from `first` on, in one round trip (a reader thread's call);
+        None if its own bytes are gone (the header is then deleted) or Redis cannot be reached."""
         try:
             started = time.perf_counter()
             pipe = self._redis.pipeline(transaction=False)
@@ -255,34 +343,47 @@ class RemoteTier:
                           [_decode_chunk(chunk) if chunk is not None else None for chunk in chunks], tail)
 
     def delete(self, session_id: str) -> None:
-        """Best effort: a header left behind is refused later by its version or fingerprint. Its chunks stay for
-        the other sessions that start with them, until their retention runs out."""
-        if time.monotonic() < self._down_until:
-            return
-        try:
-            self._redis.delete(redis_key(session_id, "kvmeta"), redis_key(session_id, "kv"))
-        except UNREACHABLE:
-            self._failed()
+        """Queue the deletion of the session's own keys (a snapshot of it still queued is not written). Best effort:
+        a header left behind is refused later by its version or fingerprint. Its chunks stay for the other
+        sessions that start with them, until their retention runs out."""
+        with self._lock:
+            if session_id in self._latest:
+                self._drop_pending(session_id)
+            self._session_chunks.pop(session_id, None)
+            self._queue_delete("delete", session_id)
 
     def delete_chunk(self, name: str) -> None:
-        """A chunk failed its checks: gone from Redis, so that the next writer that has it sends it again."""
+        """A chunk failed its checks: queue its deletion from Redis, so that the next writer that has it sends it
+        again."""
         with self._lock:
             self._held.pop(name, None)
-        if time.monotonic() < self._down_until:
-            return
-        try:
-            self._redis.delete(chunk_key(name))
-        except UNREACHABLE:
-            self._failed()
+            self._queue_delete("delete_chunk", name)
 
     def usage(self) -> tuple[int, int]:
         """Redis memory in use and its limit (`maxmemory`, or the machine's memory when unlimited; a cluster's:
-        the sums over its primaries), read at most every few seconds. The remote tier shares that memory with
-        sessions and leases."""
+        the sums over its primaries), as last read: a reader thread reads it again at most every few seconds. The
+        remote tier shares that memory with sessions and leases."""
         now = time.monotonic()
-        if now - self._usage_at < USAGE_EVERY_S or now < self._down_until:
-            return self._usage
-        self._usage_at = now
+        if now - self._usage_at >= USAGE_EVERY_S and self.reachable and not self._closing:
+            self._usage_at = now
+            self._readers.submit(self._read_usage)
+        return self._usage
+
+    def close(self) -> None:
+        """Write what is queued (while Redis answers), then stop the threads."""
+        with self._lock:
+            self._closing = True
+            for queued in self._queued:
+                queued.notify()
+        deadline = time.monotonic() + 30
+        for writer in self._writers:
+            writer.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._readers.shutdown(wait=True, cancel_futures=True)
+        self._redis.close()
+
+    # ##### Helpers #####
+
+    def _read_usage(self) -> None:
         try:
             if isinstance(self._redis, RedisCluster):
                 nodes = list(self._redis.info("memory", target_nodes=RedisCluster.PRIMARIES).values())
@@ -290,68 +391,130 @@ class RemoteTier:
                 nodes = [self._redis.info("memory")]
         except UNREACHABLE:
             self._failed()
-            return self._usage
+            return
         self._usage = (sum(int(info["used_memory"]) for info in nodes),
                        sum(int(info.get("maxmemory") or info.get("total_system_memory", 0)) for info in nodes))
-        return self._usage
 
     def _failed(self) -> None:
-        self.errors += 1
+        with self._lock:
+            self.errors += 1
         self._down_until = time.monotonic() + BACK_OFF_S
         log.warning("remote KV tier: Redis unreachable; skipping it for %.0f s", BACK_OFF_S)
 
-    def close(self) -> None:
-        self._writes.put(None)
-        self._writer.join(timeout=30)
-        self._redis.close()
+    def _queue_delete(self, kind: str, key: str) -> None:
+        """(Under the lock.) Deletes are small; past `MAX_QUEUED_DELETES` they are dropped and counted (a copy left
+        behind is refused by its checks, and expires)."""
+        if self._deletes >= MAX_QUEUED_DELETES:
+            self.dropped["deletes"] += 1
+            return
+        self._deletes += 1
+        self._queue_op(kind, key, 0)
 
-    def _write_loop(self) -> None:
-        """Write snapshots until closed. No error ends the thread: a failed write (Redis unreachable,
-        out of memory, refused) is counted and logged once per back-off, and the next snapshot goes on."""
-        while (session_id := self._writes.get()) is not None:
-            with self._lock:
-                snapshot = self._latest.pop(session_id)
+    def _queue_op(self, kind: str, key: str, ticket: int) -> None:
+        """(Under the lock.) A key's ops all go to one writer, in order; different keys' to several at once."""
+        shard = xxhash.xxh3_64_intdigest(key.encode()) % WRITERS
+        self._ops[shard].append((kind, key, ticket))
+        self._queued[shard].notify()
+
+    def _drop_pending(self, session_id: str, reason: str | None = None) -> None:
+        """(Under the lock.) Forget the session's queued snapshot (its queued op is skipped); `reason`: counted."""
+        pending = self._latest.pop(session_id)
+        self._pending_bytes -= pending.nbytes
+        if reason is not None:
+            self.dropped[reason] += 1
+        self._settled(session_id)
+
+    def _settled(self, session_id: str) -> None:
+        """(Under the lock.) The session has no snapshot on its way: whoever waits for it is told."""
+        if session_id not in self._latest:
+            self._unwritten.discard(session_id)
+            self._written.notify_all()
+
+    def _next_op(self, shard: int) -> tuple[str, str, RemoteSnapshot | None] | None:
+        """The next op of writer `shard` (a snapshot taken out of the queue), or None once closed with nothing
+        left."""
+        ops = self._ops[shard]
+        with self._lock:
+            self._busy[shard] = False
+            while True:
+                while not ops:
+                    self._written.notify_all()  # (`drain` waits for this)
+                    if self._closing:
+                        return None
+                    self._queued[shard].wait()
+                kind, key, ticket = ops.popleft()
+                if kind != "put":
+                    self._deletes -= 1
+                    self._busy[shard] = True
+                    return kind, key, None
+                pending = self._latest.get(key)
+                if pending is None or pending.ticket != ticket:
+                    continue  # deleted or dropped since: a later op (if any) carries its newest snapshot
+                del self._latest[key]
+                self._pending_bytes -= pending.nbytes
+                if time.monotonic() - pending.queued_at > self.pending_age_s:
+                    self.dropped["expired"] += 1  # (its turn stopped waiting for it long ago)
+                    self._settled(key)
+                    continue
+                self._busy[shard] = True
+                return kind, key, pending.snapshot
+
+    def _write_loop(self, shard: int) -> None:
+        """Carry out the queued ops, in order, until closed. No error ends the thread: a failed write (Redis
+        unreachable, out of memory, refused) is counted and logged once per back-off, and the next op goes on."""
+        while (op := self._next_op(shard)) is not None:
+            kind, key, snapshot = op
             try:
-                self._write(session_id, snapshot)
+                if snapshot is not None:
+                    self._write(key, snapshot)
+                elif kind == "delete":
+                    self._redis.delete(redis_key(key, "kvmeta"), redis_key(key, "kv"))
+                else:
+                    self._redis.delete(chunk_key(key))
             except Exception as error:
-                self.write_errors += 1
+                with self._lock:
+                    self.write_errors += 1
                 now = time.monotonic()
                 if now >= self._write_error_logged_at + BACK_OFF_S:
                     self._write_error_logged_at = now
-                    log.warning("remote KV tier: writing session %s's cache failed (%s: %s); %d writes have "
-                                "failed so far, later snapshots are still written", session_id,
+                    log.warning("remote KV tier: %s of %s failed (%s: %s); %d writes have failed so far, later ones "
+                                "are still made", "writing the cache" if snapshot is not None else kind, key,
                                 type(error).__name__, error, self.write_errors)
             finally:
-                with self._written:
-                    if session_id not in self._latest:  # no newer snapshot queued meanwhile
-                        self._unwritten.discard(session_id)
-                        self._written.notify_all()
+                if snapshot is not None:
+                    with self._lock:
+                        self._settled(key)
 
     def _write(self, session_id: str, snapshot: RemoteSnapshot) -> None:
-        """Renew the chunks Redis holds and send those it lacks (that the snapshot carries), then the session's
-        token ids and tail, then its header: one round trip to learn what Redis holds, one to write."""
+        """Send the chunks Redis lacks (that the snapshot carries) and renew those it holds, then the session's token
+        ids and tail, then its header. A session's later turn, whose carried chunks all come after those its last
+        written snapshot named (its new positions), is written in one round trip that renews the others as it
+        goes; otherwise (a first write: its policy's chunks may be another session's or worker's) one round trip
+        asks Redis which it holds, and a second sends only the others."""
         started = time.perf_counter()
-        renew = self._redis.pipeline(transaction=False)
-        for name in snapshot.chunks:
-            renew.expire(chunk_key(name), self.ttl_s)
-        held = renew.execute()
+        with self._lock:
+            ahead = snapshot.start >= self._session_chunks.get(session_id, len(snapshot.chunks) + 1)
+        held = None if ahead else self._holding(snapshot.chunks)
         pieces = _split(snapshot, self.chunk_tokens)
         tail = pieces.pop()
         write = self._redis.pipeline(transaction=False)
-        sent, lost, chunk_nbytes = 0, [], 0
+        renewing = snapshot.chunks[:snapshot.start] if ahead else []
+        for name in renewing:  # (their answers come first: whether Redis still held each)
+            write.expire(chunk_key(name), self.ttl_s)
+        sent, lost, chunk_nbytes, counts = 0, [], 0, Counter()
         for index, name in enumerate(snapshot.chunks):
             piece = pieces[index - snapshot.start] if index >= snapshot.start else None
             blob = _encode_chunk(name, piece) if piece is not None else None
             chunk_nbytes = len(blob) if blob is not None else chunk_nbytes
-            if held[index]:
-                self.counters["chunks_renewed"] += 1
+            if held is not None and held[index]:
+                counts["chunks_renewed"] += 1
                 if blob is not None:
-                    self.counters["chunk_bytes_not_sent"] += len(blob)  # another session or worker wrote it
+                    counts["chunk_bytes_not_sent"] += len(blob)  # another session or worker wrote it
             elif blob is not None:
                 write.set(chunk_key(name), blob, ex=self.ttl_s)
                 sent += len(blob)
-                self.counters["chunks_written"] += 1
-            else:
+                counts["chunks_written"] += 1
+            elif held is not None:
                 lost.append(name)  # gone from Redis, and this snapshot does not carry it: the next one will
         tail_bytes = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in _flat(tail.stored))
         blob = pack_ids(snapshot.token_ids) + tail_bytes
@@ -365,19 +528,38 @@ class RemoteTier:
                 "nbytes": len(blob)}
         write.set(redis_key(session_id, "kv"), blob, ex=self.ttl_s)  # bytes first, then the header
         write.set(redis_key(session_id, "kvmeta"), json.dumps(meta), ex=self.ttl_s)
-        write.execute()
-        self.counters["chunk_bytes_written"] += sent
+        renewed = write.execute()[:len(renewing)]
+        counts["chunks_renewed"] += sum(map(bool, renewed))
+        lost += [name for name, found in zip(renewing, renewed, strict=True) if not found]
+        counts["chunk_bytes_written"] += sent
         self.throughput.record(sent + len(blob), time.perf_counter() - started)
+        self._written_chain(session_id, snapshot.chunks, lost, counts)
+
+    def _holding(self, chunks: list[str]) -> list[bool]:
+        """Which of `chunks` Redis holds, each renewed (one round trip)."""
+        renew = self._redis.pipeline(transaction=False)
+        for name in chunks:
+            renew.expire(chunk_key(name), self.ttl_s)
+        return [bool(found) for found in renew.execute()]
+
+    def _written_chain(self, session_id: str, chunks: list[str], lost: list[str], counts: Counter[str]) -> None:
+        """Remember the chunks a write left in Redis (all but those found `lost`), and the session's chain length."""
         now = time.monotonic()
         with self._lock:
+            for name, count in counts.items():
+                self.counters[name] += count
             if len(self._held) >= CHUNKS_REMEMBERED:  # the oldest have expired or soon will
                 for old in sorted(self._held, key=self._held.get)[:CHUNKS_REMEMBERED // 2]:
                     del self._held[old]
-            for name in snapshot.chunks:
+            for name in chunks:
                 self._held[name] = now
             for name in lost:
                 self._held.pop(name, None)
                 self.counters["chunks_lost"] += 1
+            self._session_chunks[session_id] = len(chunks)
+            self._session_chunks.move_to_end(session_id)
+            while len(self._session_chunks) > CHUNKS_REMEMBERED:
+                self._session_chunks.popitem(last=False)
 
 
 def _split(snapshot: RemoteSnapshot, chunk_tokens: int) -> list[StoredKV]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Literal
 
-Stage = Literal["render", "lookup", "prefill", "sampling", "decode", "write-back", "offload"]
+Stage = Literal["render", "lookup", "prefill", "grammar", "sampling", "decode", "write-back", "offload", "restore"]
 STAGES: tuple[str, ...] = Stage.__args__
 
 

@@ -34,7 +34,7 @@ from cache_store.lookup import (
 from cache_store.offload import Offloader
 from cache_store.policy import EvictionPolicy
 from cache_store.quantize import KVDtype
-from cache_store.remote_moves import RemoteMoves
+from cache_store.remote_moves import FetchRequest, HeldIds, RemoteFetch, RemoteMoves, fetch_copy
 from cache_store.segments import SharedSegments, is_segment, segment_key
 from cache_store.sizing import layer_tokens_needed
 from cache_store.stage_faults import FaultPoints
@@ -108,10 +108,40 @@ class CacheStore:
         self._turns[session_id] = turn
         return True
 
+    def remote_request(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int = 0,
+                       session_version: int = 0, scope: str | None = None) -> FetchRequest | None:
+        """What a turn should ask Redis for before its lookup, if anything: the session's copy there, when this
+        worker has none as current as the turn (`session_version`; a session with no completed turn has nothing
+        in Redis worth a round trip), and Redis answers. Names, by their ids, what the device holds that a fetch
+        may keep. No call to Redis here: the fetch runs on the remote tier's threads (`start_fetch`)."""
+        if self.remote is None or not self.enabled or session_version == 0 or not self.remote.reachable:
+            return None
+        own = self.device.peek(session_id) or self.host.get(session_id)
+        if own is not None and own.session_version >= session_version:
+            return None
+        self._remember_scope(session_id, scope, prefix_len)
+        if own is not None:
+            held = self._remote_moves.held_ids(own) if isinstance(own, CacheEntry) else \
+                HeldIds(tuple(own.token_ids), False, own.prefix_tokens)
+        else:  # (checked now, and brought back from the host tier if it must: what the fetch keeps is sound)
+            held = self._remote_moves.held_ids(self._segment_for(prompt_ids, prefix_len, scope))
+        return FetchRequest(session_id, session_version, self.scope_of(session_id), self.model_key, self.layout,
+                            self.remote_kv_dtype, held, pin=self.offloader.pins_memory)
+
+    def start_fetch(self, request: FetchRequest, prompt_tokens: int,
+                    done: Callable[[], None] = lambda: None) -> RemoteFetch:
+        """Fetch what `request` asks for on the remote tier's threads; `done` is called (on one of them) when it has
+        finished. The turn waits for it at most as long as recomputing its `prompt_tokens` is estimated to take."""
+        job = self.remote.submit(lambda: fetch_copy(request, self.remote, self.cost))
+        job.add_done_callback(lambda _: done())
+        patience = self.cost.patience_s(prompt_tokens, self.remote.timeout_s)
+        return RemoteFetch(job, time.monotonic(), patience, self.cost.prefill_s(prompt_tokens))
+
     def lookup(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int = 0,
-               session_version: int = 0, turn: object | None = None, scope: str | None = None) -> CacheLookup:
-        """Find the session's cache (device, host, then remote), check it, crop it to what the prompt
-        shares with it, and hand it to `turn`, which `admit` admitted (a lookup for a turn not admitted
+               session_version: int = 0, turn: object | None = None, scope: str | None = None,
+               fetch: RemoteFetch | None = None) -> CacheLookup:
+        """Find the session's cache (device, host, then what `fetch` brought from Redis), check it, crop it to what
+        the prompt shares with it, and hand it to `turn`, which `admit` admitted (a lookup for a turn not admitted
         admits it as it goes). Raises `SessionRunning` while another turn of the session runs: a
         running cache is never handed to a second turn. Without a cache, start from the shared prefix
         of the first `prefix_len` prompt ids when `scope` (the owner) shared it. A cache older than `session_version` is
@@ -139,21 +169,20 @@ class CacheStore:
                 return self.report_corruption(session_id, cleared)
             self._count_corruption(cleared)  # (a later copy failed: the turn recomputes from the last good one)
             source = "host"  # (or nothing: the segment it starts with is gone, and it was dropped)
-        decision = None
-        header = self.remote.head(session_id) if (entry is None or stale) and self.remote is not None else None
-        if header is not None and header.fingerprint.quantized and self.remote_kv_dtype == "same":
-            header = None  # a quantised copy never stands in for an exact one where exact ones are asked for
-        if header is not None and header.session_version < session_version:
-            self.remote.delete(session_id)
-            header = None
-        if header is not None:
+        outcome = fetch.outcome() if fetch is not None and (entry is None or stale) else None
+        decision = outcome.decision if outcome is not None else None
+        if outcome is not None:
+            self.counters.update(outcome.counters)
+            if decision is not None:
+                self.counters[f"remote_decisions_{decision.choice}"] += 1
+        if outcome is not None and outcome.header is not None and decision.choice == "fetch":
             held = entry or self._segment_for(prompt_ids, prefix_len, scope)
-            fetched, decision, failed = self._remote_moves.fetch(session_id, header, held)
-            if failed and fetched is None:
-                return self.report_corruption(session_id, failed)
-            self._count_corruption(failed)  # (a chunk failed: the turn recomputes from the last good one)
+            fetched = self._remote_moves.adopt(session_id, outcome, held)
+            if outcome.failed and fetched is None:
+                return self.report_corruption(session_id, outcome.failed)
+            self._count_corruption(outcome.failed)  # (a chunk failed: the turn recomputes from the last good one)
             if fetched is not None:
-                entry, source, cleared = fetched, "remote", failed
+                entry, source, cleared = fetched, "remote", outcome.failed
                 self._remote_moves.hold_policy(session_id, entry, prompt_ids, prefix_len, scope)
         if stale and source != "remote":
             self.device.pop(session_id)
@@ -399,6 +428,8 @@ class CacheStore:
             stats["remote_read_errors"], stats["remote_write_errors"] = self.remote.errors, self.remote.write_errors
             stats.update({f"remote_{name}": value for name, value in self.remote.counters.items()})
             stats["remote_chunks_known"] = self.remote.chunks_known()
+            stats.update({f"remote_{name}": value for name, value in self.remote.pending().items()})
+            stats["remote_round_trip_ms"] = round(1000 * (self.remote.throughput.round_trip_s or 0.0), 3)
         return stats
 
     # ##### Helpers #####

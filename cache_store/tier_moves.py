@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 import cache_store.chain as chain
-from cache_store.arena import ArenaCache, ArenaFull
+from cache_store.arena import ArenaCache
 from cache_store.chunks import CHUNK_TOKENS, chain_hashes, chunk_identity
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry, NewCache
@@ -116,11 +116,11 @@ class TierMoves:
         store.host.hold(chain)  # (while it is read: room made meanwhile never drops a copy of it)
         try:
             entry, failed, kept = self._bring_back(key, chain, started, stamp=not for_turn)
-        except ArenaFull:
-            store.host.unhold(chain)
+        except BaseException:  # no room (ArenaFull), or a copy that failed: the host copy is as it was
             store.host.put(key, chain)  # kept where it was, for when there is room
             raise
-        store.host.unhold(chain)
+        finally:
+            store.host.unhold(chain)
         if entry is None:
             store.host.release(chain)
             return None, failed
@@ -204,6 +204,7 @@ class TierMoves:
         entry, copied = store.offloader.restore(host_entry, store.new_cache, segment.cache if segment else None)
         for piece in host_entry.pieces():  # (a host copy stays: see `restore`)
             piece.restoring = copied
+        store.faults.check("restore", session_id)  # (a copy that fails once it has begun, for tests and drills)
         # The checksum verified on the host is the device's when both are read the same way (on a CPU, at
         # full precision, one copy); a GPU reads the device copy with its own kind, and a dequantised copy or a
         # chain of copies is new bytes.

@@ -55,7 +55,11 @@ class Settings(BaseSettings):
                             description="where bundled models are converted once")
     session_cache: bool = Field(True, description="reuse each session's KV cache between turns")
     threads: int | None = Field(None, ge=1, description="threads for the model's CPU work (torch.set_num_threads; "
-                                                        "default: the cores this process may use)")
+                                                        "default: the cores this process may use, by its affinity "
+                                                        "and its cgroup's CPU quota)")
+    adaptive_threads: bool = Field(True, description="run the model's CPU work with fewer threads while other "
+                                                     "processes take this process's cores (its threads spin-wait "
+                                                     "for each other: a busy neighbour would stall every step)")
     max_batch: int = Field(16, ge=1, description="turns decoded together in one batched step (like max_num_seqs)")
     prefill_chunk: int = Field(256, ge=1, description="prompt tokens fed per engine step (across the turns "
                                                       "being prefilled), between decode steps of the others")
@@ -95,6 +99,9 @@ class Settings(BaseSettings):
     remote_kv_dtype: KVDtype = Field("same", description="how caches are kept in Redis: same (exact) or int8 "
                                                          "(a quarter of the bytes in float32; with same, int8 "
                                                          "copies written by other workers are not used)")
+    remote_kv_queue_mb: float = Field(256, gt=0, description=(
+        "host memory for snapshots waiting to be written to Redis (while it is slow or down); beyond it the oldest "
+        "are dropped, and a snapshot queued over 30 s is too (counted on /metrics)"))
     remote_kv_chunk_tokens: int = Field(CHUNK_TOKENS, ge=16, multiple_of=16, description=(
         "positions per chunk of a cache in Redis: a chunk Redis holds (a shared policy, earlier turns) is not "
         "written or fetched again (docs/benchmarks.md)"))
@@ -136,10 +143,6 @@ class Settings(BaseSettings):
             free, _ = torch.cuda.mem_get_info(device)
             return max(1.0, free / 2 / 2**20)
         return CPU_DEVICE_CACHE_MB
-
-    def torch_threads(self) -> int:
-        """--threads, or the cores this process may run on (its CPU affinity, not the machine's count)."""
-        return self.threads or len(os.sched_getaffinity(0))
 
     def api_keys(self) -> list[str]:
         """The keys from --api-key and --api-key-file."""

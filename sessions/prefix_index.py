@@ -10,7 +10,9 @@ hint).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -18,6 +20,7 @@ from sessions.encoding import pack_ids
 
 BLOCK = 16  # tokens per hashed block
 MAX_CANDIDATES = 8
+MAX_SESSIONS = 100_000  # sessions indexed in one worker's memory (about 100 bytes a block: tens of MB at most)
 
 
 def block_hashes(owner: str | None, token_ids: Sequence[int]) -> list[int]:
@@ -30,10 +33,15 @@ def block_hashes(owner: str | None, token_ids: Sequence[int]) -> list[int]:
 
 
 class PrefixIndex:
-    """Chained block hashes of each session's conversation ids, per owner, to find a resent conversation's session."""
+    """Chained block hashes of each session's conversation ids, per owner, to find a resent conversation's session;
+    bounded: at most `max_sessions`, each forgotten `ttl_s` after it was last indexed (as its session is), the least
+    recently indexed first."""
 
-    def __init__(self) -> None:
-        self._hashes: dict[str, list[int]] = {}  # session id -> its chain
+    def __init__(self, max_sessions: int = MAX_SESSIONS, ttl_s: float = float("inf"),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_sessions, self.ttl_s, self._clock = max_sessions, ttl_s, clock
+        self.forgotten = 0  # sessions dropped to stay within the bounds (expired, or the least recently indexed)
+        self._hashes: OrderedDict[str, tuple[list[int], float]] = OrderedDict()  # session -> its chain, indexed at
         self._sessions: dict[int, set[str]] = {}  # chained hash -> sessions whose conversation has that prefix
 
     def __len__(self) -> int:
@@ -43,20 +51,33 @@ class PrefixIndex:
         """Index (or re-index) a session by the ids its conversation has reached."""
         self.remove(session_id)
         hashes = block_hashes(owner, token_ids)
-        self._hashes[session_id] = hashes
+        self._hashes[session_id] = (hashes, self._clock())
         for chained in hashes:
             self._sessions.setdefault(chained, set()).add(session_id)
+        self._trim()
 
     def remove(self, session_id: str) -> None:
-        for chained in self._hashes.pop(session_id, ()):
+        hashes, _ = self._hashes.pop(session_id, ((), 0.0))
+        for chained in hashes:
             holders = self._sessions[chained]
             holders.discard(session_id)
             if not holders:
                 del self._sessions[chained]
 
+    def _trim(self) -> None:
+        """Forget the least recently indexed sessions beyond the bound, and those indexed longer ago than the TTL."""
+        deadline = self._clock() - self.ttl_s
+        while self._hashes:
+            oldest, (_, indexed_at) = next(iter(self._hashes.items()))
+            if len(self._hashes) <= self.max_sessions and indexed_at >= deadline:
+                return
+            self.remove(oldest)
+            self.forgotten += 1
+
     def candidates(self, owner: str | None, token_ids: Sequence[int]) -> list[str]:
         """Sessions of `owner` whose conversation shares the most leading blocks with `token_ids`,
         deepest first (at most MAX_CANDIDATES)."""
+        self._trim()
         found: list[str] = []
         hashes = block_hashes(owner, token_ids)
         depth = self._deepest(hashes)

@@ -51,19 +51,24 @@ RETRY_FLUSH_S = 0.5
 LEASE_WAIT_S = 2.0
 BACK_OFF_S = 5.0
 FAILOVER_RETRY_S = 0.25  # between retries of a durable write whose node cannot answer
-# Take the lease if free, and only then advance the session's fence: returns the new fence or nil. A retry that finds
-# the lease its own (the reply to the first try was lost) gets the fence that try took; a lease this worker could not
-# release (ARGV[4], its token) is taken over.
+# Take the lease if free, and only then advance the session's fence; in the same round trip, read the session as the
+# turn will run it. KEYS lease, fence, meta, messages, tokens. Returns {fence, meta, messages, tokens} or nil. A retry
+# that finds the lease its own (the reply to the first try was lost) gets the fence that try took; a lease this worker
+# could not release (ARGV[4], its token) is taken over.
 _ACQUIRE = """
+local fence = nil
 local held = redis.call('GET', KEYS[1])
-if held == ARGV[1] then return tonumber(redis.call('GET', KEYS[2])) end
-if held == ARGV[4] then redis.call('DEL', KEYS[1]) end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local fence = redis.call('INCR', KEYS[2])
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
-  return fence
+if held == ARGV[1] then
+  fence = tonumber(redis.call('GET', KEYS[2]))
+else
+  if held == ARGV[4] then redis.call('DEL', KEYS[1]) end
+  if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    fence = redis.call('INCR', KEYS[2])
+    redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  end
 end
-return nil
+if not fence then return nil end
+return {fence, redis.call('HGETALL', KEYS[3]), redis.call('LRANGE', KEYS[4], 0, -1), redis.call('GET', KEYS[5])}
 """
 _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
@@ -71,12 +76,22 @@ _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL
 _READ = """
 return {redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1), redis.call('GET', KEYS[3])}
 """
+# Lua's `unpack` fails past about 8,000 values (its C stack): messages are pushed this many at a time.
+_PUSH_BATCH = 1000
+# RPUSH the messages in ARGV[first..], a batch at a time (a branched history may hold thousands of messages).
+_PUSH = f"""
+local function push(key, first)
+  for i = first, #ARGV, {_PUSH_BATCH} do
+    redis.call('RPUSH', key, unpack(ARGV, i, math.min(i + {_PUSH_BATCH - 1}, #ARGV)))
+  end
+end
+"""
 # A new session: KEYS meta, messages; ARGV retention (s), the meta fields as a JSON object of strings, messages...
-_CREATE = """
+_CREATE = _PUSH + """
 for name, value in pairs(cjson.decode(ARGV[2])) do redis.call('HSET', KEYS[1], name, value) end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 if #ARGV > 2 then
-  redis.call('RPUSH', KEYS[2], unpack(ARGV, 3))
+  push(KEYS[2], 3)
   redis.call('EXPIRE', KEYS[2], ARGV[1])
 end
 return 'ok'
@@ -84,7 +99,7 @@ return 'ok'
 # A completed turn: KEYS meta, messages, tokens, fence; ARGV expected version, fence ('' for none), retention (s),
 # updated_at, dropped_turns, this write's id, packed token ids, messages... Returns 'ok', 'done' (this write was
 # applied already: a retry), 'gone', 'fence' or 'version <stored>'.
-_APPEND = """
+_APPEND = _PUSH + """
 local stored = redis.call('HGET', KEYS[1], 'version')
 if not stored then return 'gone' end
 if tonumber(stored) == tonumber(ARGV[1]) + 1 and redis.call('HGET', KEYS[1], 'write') == ARGV[6] then
@@ -92,7 +107,7 @@ if tonumber(stored) == tonumber(ARGV[1]) + 1 and redis.call('HGET', KEYS[1], 'wr
 end
 if tonumber(stored) ~= tonumber(ARGV[1]) then return 'version ' .. stored end
 if ARGV[2] ~= '' and tonumber(redis.call('GET', KEYS[4]) or '0') ~= tonumber(ARGV[2]) then return 'fence' end
-redis.call('RPUSH', KEYS[2], unpack(ARGV, 8))
+push(KEYS[2], 8)
 redis.call('SET', KEYS[3], ARGV[7])
 redis.call('HSET', KEYS[1], 'version', tostring(tonumber(ARGV[1]) + 1), 'updated_at', ARGV[4],
            'dropped_turns', ARGV[5], 'write', ARGV[6])
@@ -114,11 +129,15 @@ class RedisSessionStore:
         self.retention_s = int(retention_s)
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.errors = 0  # Redis calls that failed because it could not be reached
+        self.conflicts = 0  # queued turns refused when flushed (another writer moved the session on)
         self.events = events or RedisEvents()
         self.wait_replicas, self.wait_timeout_ms, self.failover_s = wait_replicas, wait_timeout_ms, failover_s
         self._cluster = cluster
+        # A write's WAIT may take its whole timeout before it answers: the connection waits that long more.
+        read_timeout_s = timeout_s + (wait_timeout_ms / 1000 if wait_replicas else 0.0)
         self._redis = async_client(
-            url, cluster, self.events, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=64,
+            url, cluster, self.events, socket_timeout=read_timeout_s, socket_connect_timeout=timeout_s,
+            max_connections=64,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
             retry_on_error=[RedisConnectionError, RedisTimeoutError], health_check_interval=15)
         self._local: OrderedDict[str, Session] = OrderedDict()
@@ -150,7 +169,8 @@ class RedisSessionStore:
             options = self._redis.connection_pool.connection_kwargs
             mode, nodes = "single", [{"address": f"{options.get('host')}:{options.get('port')}", "role": "primary"}]
         return {"mode": mode, "nodes": nodes, "wait_replicas": self.wait_replicas,
-                "wait_timeout_ms": self.wait_timeout_ms, **self.events.snapshot()}
+                "wait_timeout_ms": self.wait_timeout_ms, "queued_turns_refused": self.conflicts,
+                **self.events.snapshot()}
 
     async def create(self, system: str | None, owner: str | None = None, messages: Sequence[Message] = (),
                      tool_options: dict | None = None) -> Session:
@@ -179,35 +199,35 @@ class RedisSessionStore:
             if local is not None and not self.durable:  # (durable: another worker may have moved it on)
                 return local
             raise StoreUnavailable("the session store (Redis) is unreachable") from error
-        if stored is None:
-            self._local.pop(session_id, None)
-            return None
-        if local is not None and local.version == stored.version:
-            return local
-        self._remember(stored)
-        return stored
+        return self._adopt(session_id, stored)
 
     async def lease(self, session_id: str) -> Lease:
-        """Take `chatd:{id}:lease` (renewed while held) and a new fence number; wait up to
-        LEASE_WAIT_S for another worker's turn to end. With Redis unreachable, a session this worker
-        holds keeps chatting without a lease (its writes are queued anyway), unless turns are durable."""
+        """Take `chatd:{id}:lease` (renewed while held) and a new fence number, and read the session in the same
+        round trip (`Lease.session`); wait up to LEASE_WAIT_S for another worker's turn to end. With Redis
+        unreachable, a session this worker holds keeps chatting without a lease (its writes are queued anyway),
+        unless turns are durable."""
         token = secrets.token_hex(8)
         deadline = asyncio.get_running_loop().time() + LEASE_WAIT_S
         while True:
             try:
                 if self._down():
                     raise RedisConnectionError("backing off after Redis was unreachable")
-                fence = await self._call(lambda: self._redis.eval(
-                    _ACQUIRE, 2, redis_key(session_id, "lease"), redis_key(session_id, "fence"), token,
-                    self.lease_ttl_ms, int(self.retention_s * 1000), self._unreleased.get(session_id, "")))
+                taken = await self._call(lambda: self._redis.eval(
+                    _ACQUIRE, 5, *[redis_key(session_id, part) for part in ("lease", "fence", "meta", "messages",
+                                                                            "tokens")],
+                    token, self.lease_ttl_ms, int(self.retention_s * 1000), self._unreleased.get(session_id, "")))
             except UNREACHABLE as error:
                 self._unreachable()
                 if session_id in self._local and not self.durable:
                     return LocalLease()
                 raise StoreUnavailable("the session store (Redis) is unreachable") from error
-            if fence is not None:
+            if taken is not None:
                 self._unreleased.pop(session_id, None)
-                return _RedisLease(self, session_id, token, int(fence))
+                fence, fields, messages, tokens = taken
+                # (this worker's queued writes are newer than what Redis holds)
+                session = self._local.get(session_id) if self._has_pending(session_id) else \
+                    self._adopt(session_id, _session(session_id, fields, messages, tokens))
+                return _RedisLease(self, session_id, token, int(fence), session)
             if asyncio.get_running_loop().time() >= deadline:
                 raise SessionBusy(f"session {session_id} is running a turn on another worker")
             await asyncio.sleep(0.05)
@@ -292,17 +312,18 @@ class RedisSessionStore:
 
     async def _read(self, session_id: str) -> Session | None:
         keys = [redis_key(session_id, part) for part in ("meta", "messages", "tokens")]
-        fields, messages, tokens = await self._redis.eval(_READ, len(keys), *keys)
-        if not fields:
+        return _session(session_id, *await self._redis.eval(_READ, len(keys), *keys))
+
+    def _adopt(self, session_id: str, stored: Session | None) -> Session | None:
+        """A session as Redis holds it, kept as this worker's copy (the same object while its version is)."""
+        if stored is None:
+            self._local.pop(session_id, None)
             return None
-        meta = dict(zip(fields[::2], fields[1::2], strict=True))
-        return Session(
-            session_id=session_id, system=json.loads(meta[b"system"]),
-            messages=[_decode_message(m) for m in messages], token_ids=unpack_ids(tokens),
-            version=int(meta[b"version"]), created_at=float(meta[b"created_at"]),
-            updated_at=float(meta[b"updated_at"]), owner=json.loads(meta.get(b"owner", b"null")),
-            dropped_turns=int(meta.get(b"dropped_turns", 0)),
-            tool_options=json.loads(meta.get(b"tool_options", b"null")))
+        local = self._local.get(session_id)
+        if local is not None and local.version == stored.version:
+            return local
+        self._remember(stored)
+        return stored
 
     def _remember(self, session: Session) -> None:
         self._local[session.session_id] = session
@@ -348,14 +369,25 @@ class RedisSessionStore:
                 await asyncio.sleep(RETRY_FLUSH_S)
                 continue
             except VersionConflict:
-                log.error("session %s: a queued turn conflicts with another writer; it was not stored", session_id)
+                # Another writer moved the session on: this worker's copy (and its later queued turns, which build
+                # on the refused one) would diverge from Redis, so they go, and the session is read again.
+                log.error("session %s: a queued turn conflicts with another writer; it and %d later queued turns of "
+                          "the session were not stored, and the session is read again from Redis", session_id,
+                          sum(owner == session_id for owner, _ in self._pending) - 1)
+                self._down_until = float("-inf")  # (it answered)
+                self._local.pop(session_id, None)
+                self._pending = deque(item for item in self._pending if item[0] != session_id)
+                self.conflicts += 1
+                continue
             self._pending.popleft()
         log.info("Redis reachable again: queued writes flushed")
 
 
 class _RedisLease:
-    def __init__(self, store: RedisSessionStore, session_id: str, token: str, fence: int):
+    def __init__(self, store: RedisSessionStore, session_id: str, token: str, fence: int, session: Session | None):
         self.store, self.session_id, self.token, self.fence = store, session_id, token, fence
+        self.session = session
+        self._released = False
         self._renewer = asyncio.create_task(self._renew())
 
     async def _renew(self) -> None:
@@ -369,8 +401,11 @@ class _RedisLease:
                 self.store.events.error(error)
 
     async def release(self) -> None:
-        """Free the session; one Redis cannot be told of expires by itself, or this worker's next turn of the
-        session takes it over."""
+        """Free the session (once: a second call does nothing); one Redis cannot be told of expires by itself, or
+        this worker's next turn of the session takes it over."""
+        if self._released:
+            return
+        self._released = True
         self._renewer.cancel()
         if self.store._down():
             self.store._unreleased_lease(self.session_id, self.token)
@@ -406,6 +441,20 @@ class _Append:
         if outcome not in ("ok", "done"):
             stored = outcome.removeprefix("version ") if outcome != "gone" else None
             raise VersionConflict(f"session {self.session_id}: stored version {stored}, expected {self.version}")
+
+
+def _session(session_id: str, fields: list, messages: list, tokens: bytes | None) -> Session | None:
+    """A session from its keys as a script read them (None: gone)."""
+    if not fields:
+        return None
+    meta = dict(zip(fields[::2], fields[1::2], strict=True))
+    return Session(
+        session_id=session_id, system=json.loads(meta[b"system"]),
+        messages=[_decode_message(m) for m in messages], token_ids=unpack_ids(tokens),
+        version=int(meta[b"version"]), created_at=float(meta[b"created_at"]),
+        updated_at=float(meta[b"updated_at"]), owner=json.loads(meta.get(b"owner", b"null")),
+        dropped_turns=int(meta.get(b"dropped_turns", 0)),
+        tool_options=json.loads(meta.get(b"tool_options", b"null")))
 
 
 def _encode_message(message: Message) -> str:

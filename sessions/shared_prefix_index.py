@@ -34,11 +34,15 @@ class SharedPrefixIndex:
     """The prefix index in Redis (when there is one) and in this worker's memory."""
 
     def __init__(self, client: redis.Redis | None = None, retention_s: float = 0, events: RedisEvents | None = None):
-        self.local = PrefixIndex()
+        self.local = PrefixIndex(ttl_s=retention_s or float("inf"))
         self._redis, self._events = client, events
         self._ttl_s = max(1, int(retention_s))
         self.errors = 0  # Redis calls that failed: the local index answered instead
         self._down_until = float("-inf")
+
+    def local_state(self) -> dict[str, int]:
+        """This worker's own index: the sessions it holds, and those it forgot to stay within its bounds."""
+        return {"sessions": len(self.local), "forgotten": self.local.forgotten}
 
     async def add(self, owner: str | None, session_id: str, token_ids: Sequence[int]) -> None:
         """Index (or re-index) a session by the ids its conversation has reached."""

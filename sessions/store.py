@@ -24,9 +24,11 @@ class SessionBusy(Exception):
 
 class Lease(Protocol):
     """The right to run one turn of a session. `fence` grows with every lease of the session; a
-    write carrying an older fence than the store's is refused."""
+    write carrying an older fence than the store's is refused. `session`: the session as read in the
+    lease's own round trip (None when it was not read with it)."""
 
     fence: int | None
+    session: Session | None
 
     async def release(self) -> None: ...
 
@@ -35,6 +37,7 @@ class LocalLease:
     """Within one process the gateway already runs one turn per session at a time."""
 
     fence = None
+    session = None
 
     async def release(self) -> None:
         return None

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import redis
 
+from sessions.redis_client import RedisSetupError
+
 NODES = 6
 BUS_OFFSET = 10_000  # a node's cluster bus listens on its port plus this
 
@@ -97,12 +99,14 @@ class RedisClusterNodes:
 
     @staticmethod
     def _wait(ready, timeout_s: float = 20.0) -> None:
+        """Until `ready()` is true; a node that refuses, cannot answer yet (loading, cluster down) or is not ready for
+        chatd (`RedisSetupError`) is waited for like one that says no."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 if ready():
                     return
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
+            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, RedisSetupError, OSError):
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("the Redis Cluster did not come up")

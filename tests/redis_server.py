@@ -49,15 +49,22 @@ class RedisServer:
         raise RuntimeError(f"redis-server did not start on port {self.port}")
 
     def wait_replicated(self, timeout_s: float = 20.0) -> None:
-        """Until a replica of this server has synced with it."""
+        """Until a replica of this server has synced with it and acknowledges writes (a replica still loading what
+        it was sent answers a first WAIT late)."""
         deadline = time.monotonic() + timeout_s
+        client = redis.Redis(port=self.port)
         while True:
-            info = redis.Redis(port=self.port).info("replication")
+            info = client.info("replication")
             if info["connected_slaves"] and info["slave0"]["state"] == "online":
-                return
+                break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no replica of the redis-server on port {self.port} synced")
             time.sleep(0.05)
+        client.set("chatd-test:replicated", 1)
+        if client.wait(1, int(timeout_s * 1000)) < 1:
+            raise RuntimeError(f"the replica of the redis-server on port {self.port} acknowledges no write")
+        client.delete("chatd-test:replicated")
+        client.close()
 
     def stop(self) -> None:
         if self.process is not None:

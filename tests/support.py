@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from websockets.asyncio.client import connect
 
-from cache_store import kv_bytes_per_token
+from cache_store import CacheLookup, CacheStore, kv_bytes_per_token
 from chatd.api.server import ChatServer
 from chatd.config import Settings
 from chatd.engine.sampling import SamplingParams
@@ -22,18 +22,29 @@ from sessions import Session
 TINY_CONTEXT = 512
 
 
-def tiny_model(tokenizer_dir) -> LoadedModel:
+def tiny_model(tokenizer_dir, context: int = TINY_CONTEXT) -> LoadedModel:
     """A 2-layer GQA Llama with random weights and the real SmolLM2 tokenizer. float64, so that
     cached and uncached prefills agree to the last bit that matters for argmax."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=TINY_CONTEXT, tie_word_embeddings=True, initializer_range=0.2,
+                         max_position_embeddings=context, tie_word_embeddings=True, initializer_range=0.2,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.float64).eval()
     return LoadedModel(name="tiny", model=model, tokenizer=tokenizer, device=torch.device("cpu"),
                        stop_token_ids=stop_token_ids(tokenizer, model))
+
+
+def lookup_through_redis(store: CacheStore, session_id: str, prompt_ids: list[int], prefix_len: int = 0,
+                         session_version: int = 0, scope: str | None = None) -> CacheLookup:
+    """A turn's lookup as the engine makes it: what the turn asks of Redis fetched first (on the remote tier's
+    threads, waited for here), then the lookup with what it brought."""
+    request = store.remote_request(session_id, prompt_ids, prefix_len, session_version, scope)
+    fetch = store.start_fetch(request, len(prompt_ids)) if request is not None else None
+    if fetch is not None:
+        fetch.job.result(timeout=30)
+    return store.lookup(session_id, prompt_ids, prefix_len, session_version, scope=scope, fetch=fetch)
 
 
 def kv_budget_mb(loaded: LoadedModel, tokens: int) -> float:

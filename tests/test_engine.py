@@ -138,3 +138,51 @@ def test_stop_string_ends_the_reply(tiny):
         assert stopped.finish_reason == "stop"
         assert stopped.content == free.content[:free.content.index(stop)]
         assert "".join(deltas) == stopped.content
+
+
+def test_a_long_system_prompt_is_prefilled_in_chunks_between_the_others_decode_steps(smollm2_dir):
+    """A 20,000-token policy is prefilled --prefill-chunk tokens at a time, like any long prompt, with another
+    conversation's decode steps between its chunks (it once took one pass that every stream waited for); it is
+    still shared as a segment by the next session with that policy, whose sampled deep check (20,000 tokens
+    recomputed from scratch) runs in chunks between the other's steps too."""
+    import threading
+
+    import torch
+
+    from tests.support import tiny_model
+
+    long_context = tiny_model(smollm2_dir, context=32_768)
+    long_context.model.to(torch.float32)  # (what is tested is the order of the work: float32 is 8x faster here)
+    policy = " ".join(f"Rule {number}: refunds for order class {number} take {number % 9 + 5} days."
+                      for number in range(990))
+    assert len(PromptRenderer(long_context.tokenizer).render([Message("system", policy)])) > 20_000
+
+    def beside_a_stream(engine, session, content):
+        """`session`'s turn, started while another conversation streams: its result, and how many of the other's
+        tokens came while it was before its first token."""
+        first_piece, results = threading.Event(), {}
+
+        def stream():
+            results["other"] = run_turn(engine, Session(f"other-{session.session_id}", system="Be brief."),
+                                        "Tell me a long story.", lambda turn, text: first_piece.set(),
+                                        max_new_tokens=300)[0]
+
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        assert first_piece.wait(60)
+        result, _ = run_turn(engine, session, content, max_new_tokens=4)
+        streamer.join(120)
+        prefill_end = result.token_times[0]
+        prefill_start = prefill_end - result.timings["prefill_ms"] / 1000
+        return result, sum(prefill_start < t < prefill_end for t in results["other"].token_times)
+
+    with running_engine(long_context, prefill_chunk=256, verify_sample_rate=1.0) as engine:
+        chunks_before = engine.prefill_chunks
+        read, between = beside_a_stream(engine, Session("reading", system=policy), "How long does a refund take?")
+        assert engine.prefill_chunks - chunks_before >= 20_000 // 256, "the policy went in chunks"
+        assert between >= 50, "the other conversation decoded between the policy's chunks"
+        again, between = beside_a_stream(engine, Session("next", system=policy), "And for class 7?")
+        assert again.cache_source == "prefix" and again.cached_tokens > 20_000
+        # (checked: this reuse of the policy, and the other conversation's of its short prompt, copied)
+        assert len(engine.deep_check_distances) == 2 and max(engine.deep_check_distances) < 1e-3
+        assert between >= 50, "the other conversation decoded between the deep check's chunks"

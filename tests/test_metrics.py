@@ -154,6 +154,10 @@ async def test_metrics_and_stats_move_by_exactly_what_the_run_did(tiny):
     assert tiers["remote"]["kv_dtype"] is None  # no remote tier
     # (a session restored from the host keeps its host copy while resident: the next offload adds only its turns)
     assert tiers["host"]["bytes"] > 0 and tiers["device"]["sessions"] == 1 and 1 <= tiers["host"]["sessions"] <= 2
+    engine = stats["now"]["engine"]  # (this test's process has its own share of the cores: the engine's threads)
+    assert engine["threads"] == engine["threads_max"] == after["chatd:engine_threads", frozenset({("state", "max")})]
+    assert engine["fetching"] == after["chatd:num_requests_fetching", frozenset()] == 0
+    assert stats["now"]["prefix_index"] == {"sessions": 0, "forgotten": 0}  # (no OpenAI client here)
     assert len(stats["series"]["points"]) == 30
     assert stats["series"]["points"][-1]["ttft_ms"]["p50"] is not None
 

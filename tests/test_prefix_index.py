@@ -40,3 +40,21 @@ def test_a_system_prompt_shared_by_many_sessions_yields_a_bounded_list():
         index.add("key-a", f"s{number}", SYSTEM + [number % 50_000 + 1] * BLOCK)
     found = index.candidates("key-a", SYSTEM + [7] * BLOCK)
     assert found[0] == "s6" and len(found) == MAX_CANDIDATES
+
+
+def test_the_index_is_bounded_in_sessions_and_time():
+    """At most `max_sessions`, the least recently indexed forgotten first; and nothing older than the TTL."""
+    now = [0.0]
+    index = PrefixIndex(max_sessions=3, ttl_s=100, clock=lambda: now[0])
+    for number in range(4):
+        now[0] += 1
+        index.add("key-a", f"s{number}", SYSTEM + [number + 1] * BLOCK)
+    assert len(index) == 3 and index.forgotten == 1
+    assert index.candidates("key-a", SYSTEM + [1] * BLOCK)[0] != "s0", "the least recently indexed went first"
+    now[0] = 10.0
+    index.add("key-a", "s1", SYSTEM + [2] * BLOCK + [9] * BLOCK)  # re-indexed: now the most recent
+    now[0] = 105.0
+    assert index.candidates("key-a", SYSTEM + [2] * BLOCK)[0] == "s1"
+    assert set(index._hashes) == {"s1"} and index.forgotten == 3, "the others were indexed over 100 s ago"
+    now[0] = 111.0
+    assert index.candidates("key-a", SYSTEM) == [] and len(index) == 0 and not index._sessions

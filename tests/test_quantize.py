@@ -11,6 +11,7 @@ from cache_store import CacheEntry, CacheLayout, CacheStore, Offloader
 from cache_store.integrity import fingerprint
 from cache_store.quantize import GROUP_TOKENS, dequantize, key_groups, quantize, quantized_nbytes
 from cache_store.remote_tier import RemoteTier
+from tests.support import lookup_through_redis
 
 LAYERS, HEADS, HEAD_DIM, TOKENS = 4, 3, 64, 200
 LAYOUT = CacheLayout(LAYERS, HEADS, HEAD_DIM, torch.float32)
@@ -129,20 +130,21 @@ def test_redis_holds_under_a_third_of_the_bytes_and_a_flipped_byte_is_caught(red
     writer_tier = RemoteTier(redis_db.url, ttl_s=60)
     writer = store("same", host_budget_bytes=10 * CACHE_BYTES, remote=writer_tier, remote_kv_dtype="int8")
     writer.lookup("s", [3, 4])  # (a turn looks its cache up, then writes it back)
-    writer.put("s", entry(3, "s"))
+    writer.put("s", entry(3, "s"), session_version=1)
     writer_tier.close()  # flushes the background write
     reader_tier = RemoteTier(redis_db.url, ttl_s=60)
     header = reader_tier.head("s")
     assert header.fingerprint.quantized == "int8" and header.fetch_nbytes(0) < CACHE_BYTES / 3.4
     exact_only = store("same", host_budget_bytes=10 * CACHE_BYTES, remote=reader_tier)
     prompt = list(range(3, 3 + TOKENS)) + [7]
-    assert exact_only.lookup("s", prompt).source == "miss"  # an int8 copy never passes for an exact one
+    assert lookup_through_redis(exact_only, "s", prompt, session_version=1).source == "miss", \
+        "an int8 copy never passes for an exact one"
     reader = store("same", host_budget_bytes=10 * CACHE_BYTES, remote=reader_tier, remote_kv_dtype="int8")
     blob_key = "chatd:{s}:kv"
     raw = bytearray(reader_tier._redis.get(blob_key))
     raw[-10] ^= 0x01  # a byte of the last scale
     reader_tier._redis.set(blob_key, bytes(raw))
-    lookup = reader.lookup("s", prompt)  # nothing measured yet: the cost model fetches
+    lookup = lookup_through_redis(reader, "s", prompt, session_version=1)  # nothing measured yet: it fetches
     whole_chunks = TOKENS // reader_tier.chunk_tokens * reader_tier.chunk_tokens
     assert (lookup.source, lookup.cached_tokens, lookup.cleared) == ("remote", whole_chunks, ("checksum",)), \
         "restored up to the damaged tail"

@@ -236,7 +236,8 @@ def test_the_compose_cluster_profile_starts_a_cluster_chatd_finds(tmp_path):
             done = subprocess.run(["sh", "-c", init], capture_output=True, text=True, timeout=60)
             assert done.returncode == 0, done.stdout + done.stderr
         url = f"redis://127.0.0.1:{ports[names[0]]}/0"
-        RedisClusterNodes._wait(lambda: topology(url) == RedisTopology(cluster=True, replicas=1))
+        # (slots are covered, replicas synced and gossiped some seconds after the init: "not ready" until then)
+        RedisClusterNodes._wait(lambda: topology(url) == RedisTopology(cluster=True, replicas=1), timeout_s=60)
     finally:
         for process in processes:
             process.kill()

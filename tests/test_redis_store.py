@@ -131,3 +131,41 @@ async def test_a_lease_is_waited_for_briefly(redis_db):
     await taken.release()
     for store in (first, second):
         await store.close()
+
+
+async def test_a_history_of_ten_thousand_messages_round_trips(redis_db):
+    """A long branched history is written whole (Lua's `unpack` takes about 8,000 values at most: messages go a
+    batch at a time) and read back equal, and a turn on top of it is recorded."""
+    history = [Message("user" if number % 2 == 0 else "assistant", f"message {number}") for number in range(10_000)]
+    writer = RedisSessionStore(redis_db.url, retention_s=3600)
+    session = await writer.create("Be brief.", messages=history)
+    await writer.append_turn(session, "one more", "done", list(range(20_000)))
+    reader = RedisSessionStore(redis_db.url, retention_s=3600)
+    loaded = await reader.get(session.session_id)
+    assert loaded.messages == [*history, Message("user", "one more"), Message("assistant", "done")]
+    assert (loaded.version, len(loaded.token_ids)) == (1, 20_000)
+    for store in (writer, reader):
+        await store.close()
+
+
+async def test_a_queued_turn_that_conflicts_drops_the_local_copy(redis_server):
+    """A turn queued through an outage that another writer overtook is not stored, and this worker reads the
+    session again from Redis rather than serving a history Redis does not hold."""
+    store, other = (RedisSessionStore(redis_server.url, retention_s=3600, timeout_s=0.3) for _ in range(2))
+    session = await store.create("sys")
+    theirs = await other.get(session.session_id)
+    await other.append_turn(theirs, "from another worker", "theirs", [9])  # (this worker does not know yet)
+    redis_server.stop()
+    await store.append_turn(session, "queued 1", "reply 1", [1])
+    await store.append_turn(session, "queued 2", "reply 2", [1, 2])
+    assert store.pending_writes == 2 and (await store.get(session.session_id)).version == 2
+    redis_server.start()
+    for _ in range(100):
+        if store.pending_writes == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert store.pending_writes == 0 and store.conflicts == 1
+    read = await store.get(session.session_id)
+    assert [m.content for m in read.messages] == ["from another worker", "theirs"] and read.version == 1
+    for each in (store, other):
+        await each.close()

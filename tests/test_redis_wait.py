@@ -28,7 +28,7 @@ async def test_a_turn_is_answered_once_the_replica_holds_it(tiny, redis_with_rep
     """Where each primary has a replica, a worker waits for one by itself: when a turn is answered, the replica
     already holds it. With the replica gone, turns are still answered (within the WAIT timeout), counted short."""
     primary, replica = redis_with_replica
-    settings = Settings(port=0, redis_url=primary.url, redis_wait_timeout_ms=300)
+    settings = Settings(port=0, redis_url=primary.url, redis_wait_timeout_ms=2000)  # (a busy machine's replica)
     async with ChatServer(settings, load=lambda: tiny) as server:
         await server.wait_ready()
         assert settings.redis_wait_replicas == 1

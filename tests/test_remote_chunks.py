@@ -9,6 +9,7 @@ from cache_store import CacheEntry, CacheStore, Offloader
 from cache_store.arena import ArenaCache, KVArena
 from cache_store.chunks import chain_hashes, chunk_identity
 from cache_store.remote_tier import RemoteTier, chunk_key
+from tests.support import lookup_through_redis
 from tests.test_cache_store import BYTES_PER_TOKEN, HEAD_DIM, HEADS, LAYERS, LAYOUT, Clock, make_entry
 
 CHUNK = 16
@@ -110,7 +111,7 @@ def test_a_cache_of_whole_chunks_that_redis_holds_is_written_with_an_empty_tail_
     write_turn(writer, writer_remote, "s", history(0, 2 * CHUNK), 1)
     write_turn(writer, writer_remote, "s", history(0, 2 * CHUNK), 2)  # every chunk known: nothing to copy
     assert writer.counters["remote_snapshot_failures"] == 0 and writer_remote.counters["chunks_renewed"] == 2
-    found = reader.lookup("s", [*history(0, 2 * CHUNK), 7], session_version=2)
+    found = lookup_through_redis(reader, "s", [*history(0, 2 * CHUNK), 7], session_version=2)
     assert (found.source, found.cached_tokens, found.cleared) == ("remote", 2 * CHUNK, ())
     assert same_tensors(found.entry, keyed_entry(history(0, 2 * CHUNK)), 2 * CHUNK)
 
@@ -119,12 +120,12 @@ def test_a_worker_holding_an_older_copy_fetches_only_the_chunks_it_lacks(workers
     writer, writer_remote = workers()
     reader, _ = workers()
     write_turn(writer, writer_remote, "s", history(0, 50), 1)
-    first = reader.lookup("s", [*history(0, 50), 7], session_version=1)
+    first = lookup_through_redis(reader, "s", [*history(0, 50), 7], session_version=1)
     assert first.source == "remote" and first.cached_tokens == 50
     assert reader.counters["remote_chunks_fetched"] == 3
     reader.put("s", first.entry, session_version=1)  # (its turn ends; the writer goes on with the next turns)
     write_turn(writer, writer_remote, "s", history(0, 130), 3)
-    later = reader.lookup("s", [*history(0, 130), 7], session_version=3)
+    later = lookup_through_redis(reader, "s", [*history(0, 130), 7], session_version=3)
     assert later.source == "remote" and later.cached_tokens == 130
     assert reader.counters["remote_chunks_fetched"] == 3 + (130 // CHUNK - 3), "chunks 3 to 7 only"
     assert reader.counters["remote_bytes_not_fetched"] > 0
@@ -136,11 +137,11 @@ def test_a_restored_policy_becomes_a_segment_and_the_next_session_fetches_none_o
     reader, _ = workers(min_shared_tokens=16)
     for session in range(2):
         write_turn(writer, writer_remote, f"s{session}", history(session, 80), 1)
-    first = reader.lookup("s0", [*history(0, 80), 7], prefix_len=len(POLICY), session_version=1)
+    first = lookup_through_redis(reader, "s0", [*history(0, 80), 7], prefix_len=len(POLICY), session_version=1)
     assert first.source == "remote" and reader.counters["remote_policies_held"] == 1
     assert first.entry.prefix_tokens == 32, "the policy's whole units: a segment here now"
     fetched = reader.counters["remote_chunks_fetched"]
-    second = reader.lookup("s1", [*history(1, 80), 7], prefix_len=len(POLICY), session_version=1)
+    second = lookup_through_redis(reader, "s1", [*history(1, 80), 7], prefix_len=len(POLICY), session_version=1)
     assert second.source == "remote" and second.entry.cache.prefix is first.entry.cache.prefix
     assert reader.counters["remote_chunks_fetched"] - fetched == 80 // CHUNK - 2
     assert same_tensors(second.entry, keyed_entry(history(1, 80)), 80)
@@ -155,7 +156,10 @@ def test_a_damaged_chunk_shared_by_several_sessions_ends_each_restore_at_the_chu
     blob = bytearray(reader_remote._redis.get(shared))
     blob[-5] ^= 0x01
     reader_remote._redis.set(shared, bytes(blob))
-    lookups = [reader.lookup(f"s{session}", [*history(session, 64), 7], session_version=1) for session in range(3)]
+    lookups = []
+    for session in range(3):
+        lookups.append(lookup_through_redis(reader, f"s{session}", [*history(session, 64), 7], session_version=1))
+        assert reader_remote.drain(10)  # (a damaged chunk's deletion is queued; the next fetch finds it gone)
     assert [(found.source, found.cached_tokens, found.cleared) for found in lookups] == [
         ("remote", CHUNK, ("checksum",)), ("remote", CHUNK, ()), ("remote", CHUNK, ())]
     assert reader.counters["corrupt_checksum"] == 1 and reader.counters["remote_chunks_missing"] == 2
@@ -187,9 +191,10 @@ def test_a_chunk_of_another_owners_chain_is_never_served(workers):
     assert not set(names_a) & set(names_b), "the same ids under two keys: two chains"
     client = writer_remote._redis
     client.set(chunk_key(names_b[0]), client.get(chunk_key(names_a[0])))
-    found = reader.lookup("b", [*history(0, 48), 7], session_version=1, scope="key-b")
+    found = lookup_through_redis(reader, "b", [*history(0, 48), 7], session_version=1, scope="key-b")
     assert (found.source, found.miss_reason, found.cleared) == ("miss", "corrupt", ("fingerprint",))
-    assert client.get(chunk_key(names_b[0])) is None, "deleted: the next write of that chain sends its own"
+    assert reader.remote.drain(10) and client.get(chunk_key(names_b[0])) is None, \
+        "deleted: the next write of that chain sends its own"
 
 
 def test_an_int8_chunk_is_quantised_once_when_first_written(workers):
@@ -198,7 +203,7 @@ def test_an_int8_chunk_is_quantised_once_when_first_written(workers):
     write_turn(writer, writer_remote, "s", history(0, 50), 1)
     names = chunk_names(history(0, 50), kind="int8")
     written = [writer_remote._redis.get(chunk_key(name)) for name in names]
-    found = reader.lookup("s", [*history(0, 50), 7], session_version=1)
+    found = lookup_through_redis(reader, "s", [*history(0, 50), 7], session_version=1)
     assert found.source == "remote" and found.quantized == "int8"
     grown = found.entry.clone(reader.new_cache)  # its next turn: the restored (dequantised) positions, then more
     more = keyed_entry(history(0, 90))
@@ -216,8 +221,9 @@ def test_a_chunk_missing_right_after_the_held_policy_leaves_the_turn_the_policy(
     reader, _ = workers(min_shared_tokens=16)
     for session in range(2):
         write_turn(writer, writer_remote, f"s{session}", history(session, 80), 1)
-    reader.lookup("s0", [*history(0, 80), 7], prefix_len=len(POLICY), session_version=1)  # holds the policy now
+    # (it holds the policy now)
+    lookup_through_redis(reader, "s0", [*history(0, 80), 7], prefix_len=len(POLICY), session_version=1)
     writer_remote._redis.delete(chunk_key(chunk_names(history(1, 80))[2]))  # the first after the policy's 32
-    found = reader.lookup("s1", [*history(1, 80), 7], prefix_len=len(POLICY), session_version=1)
+    found = lookup_through_redis(reader, "s1", [*history(1, 80), 7], prefix_len=len(POLICY), session_version=1)
     assert (found.source, found.cached_tokens, found.cleared) == ("prefix", 32, ())
     assert reader.counters["remote_chunks_missing"] == 1

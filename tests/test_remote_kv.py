@@ -4,6 +4,7 @@ and passes every check; damaged blobs are caught and recomputed; the cost model 
 import asyncio
 import json
 import re
+import time
 import urllib.request
 
 import pytest
@@ -355,3 +356,34 @@ async def test_a_conversation_alternating_workers_fetches_only_the_chunks_each_l
         for server in servers[:2]:
             counters = server.engine.cache.counters
             assert counters["remote_bytes_not_fetched"] > 0, "later fetches skipped the chunks the worker held"
+
+
+def test_queued_writes_are_bounded_in_bytes_and_age_and_what_is_dropped_is_counted():
+    """While Redis answers nothing (a listener that never replies), snapshots queue within their byte budget (the
+    oldest dropped for a newer one), a delete cancels the session's queued snapshot, and a snapshot queued longer
+    than its age limit is dropped unwritten; whoever waits for one is told at once."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # connections complete in the kernel; nothing is ever read or answered
+    size = snapshot(64).nbytes
+    tier = RemoteTier(f"redis://127.0.0.1:{silent.getsockname()[1]}/0", ttl_s=60, timeout_s=0.5,
+                      pending_bytes=int(2.5 * size), pending_age_s=0.3)
+    try:
+        tier.put("first", snapshot(64))  # the writer takes it and waits out the timeout
+        for _ in range(100):
+            if tier.pending()["pending_writes"] == 0:
+                break
+            time.sleep(0.01)
+        for name in ("a", "b", "c"):
+            tier.put(name, snapshot(64))
+        assert tier.wait_written("a", 0), "dropped for a newer snapshot: nobody waits for it"
+        tier.delete("b")
+        assert tier.pending() == {"pending_writes": 1, "pending_bytes": size, "pending_deletes": 1,
+                                  "dropped_full": 1, "dropped_expired": 0, "dropped_deletes": 0}
+        assert tier.wait_written("c", 5) and tier.drain(5)
+        assert tier.pending()["dropped_expired"] == 1 and tier.write_errors == 2  # "first", then the delete
+    finally:
+        tier.close()
+        silent.close()

@@ -167,3 +167,60 @@ async def test_chatd_serve_exits_non_zero_when_its_engine_cannot_go_on(tiny_chec
         if process.poll() is None:
             process.kill()
             process.wait(10)
+
+
+async def test_a_grammar_that_raises_fails_its_turn_only_while_another_conversation_streams_on(tiny, reference):
+    """The grammar library fails while filling a constrained turn's mask in the middle of its reply, in the steps it
+    shares with another turn: that turn alone is answered `internal`, naming the grammar; the other streams on."""
+    note = {"type": "object", "properties": {"note": {"type": "string", "minLength": 400}}, "required": ["note"]}
+    async with ChatServer(Settings(port=0, enable_fault_injection=True), load=lambda: tiny) as server:
+        await server.wait_ready()
+        async with ChatClient(await connect(server.url)) as client:
+            sessions = await after_first_turns(client)
+            constrained = (await client.open_session(
+                system=SYSTEM, response_format={"type": "json_schema", "schema": note})).session_id
+            faulty = await client.chat(constrained, "Leave me a long note.", max_new_tokens=200)
+            healthy = await client.chat(sessions["b"], SECOND["b"], max_new_tokens=TOKENS)
+            for turn in (faulty, healthy):
+                async for _ in turn:  # both are streaming (the note cannot end before 400 characters)
+                    break
+            await arm(server, "grammar", constrained)
+            with pytest.raises(ChatError) as failed:
+                await faulty.result()
+            assert failed.value.code == "internal" and "grammar" in failed.value.message
+            assert (await healthy.result()).finish_reason in ("stop", "length")
+            assert healthy.deltas == reference["b"][1], "the other turn streamed on, untouched"
+            retry = await client.chat(constrained, "Leave me a short note.", max_new_tokens=TOKENS)
+            assert (await retry.result()).finish_reason == "length", "the next turn of that session is served"
+        assert server.engine.failure is None and server.engine.failures["grammar"] == 1
+
+
+async def test_a_restore_that_fails_after_its_copy_began_leaks_nothing_from_the_host_tier(tiny, reference):
+    """The copy of a host cache back to the device fails once it has begun: the turn is answered `internal`, the
+    host tier holds no memory for it beyond what its copies hold (the chain was put back, then dropped with the
+    failed turn's cache), and the same question recomputes the same reply."""
+    def leaked(store: CacheStore) -> int:
+        held = {id(piece.buffer): piece.buffer.numel() for key in store.host.keys()
+                for piece in store.host.get(key).pieces() if piece.buffer is not None}
+        return store.host.pool.held_bytes - store.host.pool.free_bytes - sum(held.values())
+
+    async with ChatServer(Settings(port=0, enable_fault_injection=True), load=lambda: tiny) as server:
+        await server.wait_ready()
+        async with ChatClient(await connect(server.url)) as client:
+            sessions = await after_first_turns(client)
+            assert await asyncio.wrap_future(server.engine.call(CacheStore.evict_idle)) >= 2
+            host_bytes = await asyncio.wrap_future(server.engine.call(lambda store: store.host.used_bytes()))
+            await arm(server, "restore", sessions["a"])
+            faulty = await client.chat(sessions["a"], SECOND["a"], max_new_tokens=TOKENS)
+            with pytest.raises(ChatError) as failed:
+                await faulty.result()
+            assert failed.value.code == "internal" and "lookup" in failed.value.message
+            assert await asyncio.wrap_future(server.engine.call(leaked)) == 0
+            assert await asyncio.wrap_future(server.engine.call(lambda store: store.host.used_bytes())) == host_bytes
+            for name, session_id in sessions.items():
+                turn = await client.chat(session_id, SECOND[name], max_new_tokens=TOKENS)
+                done = await turn.result()
+                assert turn.deltas == reference[name][1]
+                expected = "host" if name == "b" else "prefix" if done.usage.cached_tokens else "miss"
+                assert done.cache.source == expected
+        assert await asyncio.wrap_future(server.engine.call(leaked)) == 0

@@ -2,6 +2,7 @@
 real server with the real model. Screenshots go to test-output/web/."""
 
 import asyncio
+import re
 import shutil
 from pathlib import Path
 
@@ -173,6 +174,9 @@ async def test_dashboard_draws_live_charts_after_traffic(server, browser):
     assert (int(segments), int(sessions)) == (stats["prefixes"], stats["shared_sessions"])
     assert await page.locator("#summary tr").count() >= 4
     await expect(page.locator("#summary")).to_contain_text("Host offloads: written / not written again")
+    most = server.engine.cache_stats["engine_threads_max"]
+    await expect(page.locator("#summary")).to_contain_text(
+        re.compile(rf"Engine threads: now / max \(CPUs others take\)\d+ / {most} \(\d+\.\d\)"))
     first_update = await page.locator("#updated").inner_text()
     await asyncio.sleep(3.5)
     assert await page.locator("#updated").inner_text() != first_update  # it refreshes by itself
@@ -213,7 +217,9 @@ async def test_dashboard_shows_redis_and_its_replica(browser, tiny, redis_with_r
     """With sessions in a Redis that has a replica, the dashboard names the mode and nodes, and counts the turns
     acknowledged once the replica held them."""
     primary, _ = redis_with_replica
-    async with ChatServer(Settings(port=0, redis_url=primary.url), load=lambda: tiny) as redis_server:
+    # (the WAIT timeout of a machine under load: the replica acknowledges every turn, however busy the test run)
+    settings = Settings(port=0, redis_url=primary.url, redis_wait_timeout_ms=10_000)
+    async with ChatServer(settings, load=lambda: tiny) as redis_server:
         await redis_server.wait_ready()
         async with ChatClient(await connect(redis_server.url)) as client:
             session_id = (await client.open_session()).session_id

@@ -56,6 +56,7 @@ function tiles(stats) {
     ["Host offloads: written / not written again", `${mb(now.tiers.host.offload?.written_bytes ?? 0)} / ${mb(now.tiers.host.offload?.skipped_bytes ?? 0)}`],
     ["Redis chunks: known / written / renewed / fetched", `${chunks.known ?? 0} / ${chunks.written ?? 0} / ${chunks.renewed ?? 0} / ${chunks.fetched ?? 0}`],
     ["Redis chunks: bytes written / not moved", `${mb(chunks.written_bytes ?? 0)} / ${mb((chunks.not_sent_bytes ?? 0) + (chunks.not_copied_bytes ?? 0) + (chunks.not_fetched_bytes ?? 0))}`],
+    ...engineRows(now.engine || {}, now.tiers.remote),
     ...redisRows(now.redis || {}),
   ];
   const body = byId("summary");
@@ -68,6 +69,21 @@ function tiles(stats) {
     }
     return row;
   }));
+}
+
+function engineRows(engine, remote) {
+  const rows = [
+    ["Engine threads: now / max (CPUs others take)",
+      engine.threads === undefined || engine.threads === null ? "–"
+        : `${engine.threads} / ${engine.threads_max} (${(engine.cpu_taken_by_others ?? 0).toFixed(1)})`],
+  ];
+  if (!remote.budget_bytes) return rows;  // no --remote-kv
+  const fetches = remote.fetches || {}, queue = remote.queue || {}, dropped = queue.dropped || {};
+  return rows.concat([
+    ["Redis caches: fetched / recomputed / timed out", `${fetches.fetch ?? 0} / ${fetches.recompute ?? 0} / ${fetches.timeout ?? 0}`],
+    ["Redis: round trip, turns fetching", `${ms(remote.round_trip_ms)} ms, ${engine.fetching ?? 0}`],
+    ["Redis write queue: snapshots / dropped", `${queue.writes ?? 0} (${mb(queue.bytes ?? 0)}) / ${sum(dropped)}`],
+  ]);
 }
 
 function redisRows(redis) {

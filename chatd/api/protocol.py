@@ -259,11 +259,13 @@ class Timings(BaseModel):
 
 
 class RemoteReport(BaseModel):
-    """Why a cache found in the remote tier was fetched or not: the two estimates compared."""
+    """Why a cache found in the remote tier was fetched or not: the two estimates compared; `timeout`: Redis did not
+    answer within the time recomputing was estimated to take, and the turn recomputed instead of waiting longer."""
 
-    choice: Literal["fetch", "recompute"]
+    choice: Literal["fetch", "recompute", "timeout"]
     fetch_ms: float | None
     prefill_ms: float | None
+    waited_ms: float | None = None  # how long the turn waited for Redis (the batch decoded on meanwhile)
 
 
 class CacheReport(BaseModel):

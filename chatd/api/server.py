@@ -178,7 +178,8 @@ class ChatServer:
                          engine_up=self.engine.failure is None, engine_failures=dict(self.engine.failures),
                          decode_steps=dict(self.engine.batch_sizes), kv_dtypes=self._kv_dtypes(),
                          kv=self._kv_layout(),
-                         redis=self.sessions.state() if isinstance(self.sessions, RedisSessionStore) else {})
+                         redis=self.sessions.state() if isinstance(self.sessions, RedisSessionStore) else {},
+                         prefix_index=self.openai.index.local_state())
 
     def _kv_layout(self) -> dict:
         """The model's layers and windows, and what a session of N tokens holds against what its windows need

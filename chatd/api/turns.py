@@ -96,7 +96,8 @@ class TurnRunner:
         except SessionBusy as error:
             return ErrorMessage(turn_id=turn_id, code="busy", retryable=True, message=str(error))
         try:
-            session = await self.store.get(session.session_id) or session  # fresh: another worker may have written
+            # Fresh (another worker may have written): as read with the lease, in the same round trip.
+            session = lease.session or await self.store.get(session.session_id) or session
         except BaseException:
             await lease.release()
             raise
@@ -149,13 +150,18 @@ class TurnRunner:
                     started.reply = started.parse(event.content)
                     event = await self._record(started, event)
                 if isinstance(event, TurnResult) and self.settings.remote_kv:
-                    await self._await_shared(session_id)
+                    # (the lease goes while the cache reaches Redis: the client hears of its turn after both)
+                    await asyncio.gather(self._await_shared(session_id), started.lease.release())
         finally:
             # Free the session before the reply goes out, so the client's next request is never `busy`.
             del self._turns[session_id]
             self._claims.discard(session_id)
             await started.lease.release()
-        await on_end(event)
+        try:
+            await on_end(event)
+        except Exception:  # (a reply that cannot be put in its API's shape: the client still hears of its turn)
+            log.exception("answering the end of turn %s of session %s failed", started.turn.turn_id, session_id)
+            await on_end(TurnFailed("internal", "the end of this reply could not be sent; send the message again"))
 
     async def _await_shared(self, session_id: str) -> None:
         """Answer once the turn's cache is in Redis: a stateless client's next request may reach another

@@ -24,6 +24,8 @@ import llguidance.hf
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from cache_store.stage_faults import FaultPoints
+
 GRAMMAR_CACHE_SIZE = 256
 MAX_GRAMMAR_CHARS = 256 * 1024  # a larger schema is refused before any work (an abuse, not a support bot)
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -63,9 +65,11 @@ class GrammarStats:
 class GrammarCompiler:
     """Compiles grammar specs for one tokenizer in a worker thread, keeping the latest ones by spec."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: frozenset[int]):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: frozenset[int],
+                 faults: FaultPoints | None = None):
         self._hf_tokenizer, self._stop_token_ids = tokenizer, stop_token_ids
         self.vocab_size = vocab_size
+        self.faults = faults or FaultPoints()  # (the "grammar" stage fails one session's mask, for tests and drills)
         self.stats = GrammarStats()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="chatd-grammar")
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="chatd-masks")
@@ -123,16 +127,16 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
-    def start(self, compiled: CompiledGrammar) -> ReplyGrammar:
-        """A new reply held to `compiled`."""
-        return ReplyGrammar(self, compiled)
+    def start(self, compiled: CompiledGrammar, session_id: str | None = None) -> ReplyGrammar:
+        """A new reply (of `session_id`) held to `compiled`."""
+        return ReplyGrammar(self, compiled, session_id)
 
 
 class ReplyGrammar:
     """One reply's place in its grammar: the mask of the tokens that may come next, and the tokens taken."""
 
-    def __init__(self, compiler: GrammarCompiler, compiled: CompiledGrammar):
-        self._compiler, self._compiled = compiler, compiled
+    def __init__(self, compiler: GrammarCompiler, compiled: CompiledGrammar, session_id: str | None = None):
+        self._compiler, self._compiled, self.session_id = compiler, compiled, session_id
         self.trigger = compiled.spec.trigger
         self.matcher: llguidance.LLMatcher | None = None if self.trigger else self._new_matcher()
         self.error: str | None = None
@@ -177,6 +181,8 @@ def fill_masks(compiler: GrammarCompiler, grammars: list[ReplyGrammar]) -> torch
     """The next-token masks of active grammars, one row each (in parallel threads for several); the GIL
     is released while llguidance computes, so this may run beside the model's forward pass."""
     started = time.perf_counter()
+    for grammar in grammars:
+        compiler.faults.check("grammar", grammar.session_id)
     masks = allocate_masks(len(grammars), compiler.vocab_size)
     if len(grammars) == 1:
         row = masks[0]

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 from cache_store import CacheEntry, CacheLookup
+from cache_store.remote_moves import RemoteFetch
+from chatd.engine.deep_check import DeepCheck
 from chatd.engine.grammar import ReplyGrammar
 from chatd.engine.sampling import TokenSampler
 from chatd.engine.text_stream import TextStream
@@ -28,7 +30,9 @@ class RunningTurn:
     messages: list[Message] = field(default_factory=list)  # the window the prompt renders
     dropped_turns: int = 0  # oldest turns the window leaves out
     reserve_bytes: int = 0  # what its cache may reach: counted against the device budget while it runs
+    fetch: RemoteFetch | None = None  # its cache on its way from Redis (asked once, before its lookup)
     lookup: CacheLookup | None = None
+    deep_check: DeepCheck | None = None  # a sampled reuse's deep check, run in chunks before its prefill
     entry: CacheEntry | None = None
     rollback_to: int = 0  # the cache's length before this turn fed it: a cancel crops it back to this
     pending: list[int] = field(default_factory=list)  # prompt ids still to prefill

@@ -1,8 +1,9 @@
 """The engine thread: all model work happens here, off the event loop.
 
 The data path of a turn, top to bottom: render the prompt, admit it under the device budget, look up
-the session's cache (device, host, shared prefix, miss), prefill only the tokens the cache does not
-cover, stream the reply token by token, write the cache back.
+the session's cache (device, host, Redis, shared prefix, miss), prefill only the tokens the cache does not
+cover, stream the reply token by token, write the cache back. This thread never waits on the network: a turn
+whose cache must come from Redis waits in its own state (fetching) while the batch decodes on.
 
 Supervision: a failure at any stage fails only the turns of that stage (each gets `internal`, its
 cache is dropped from every tier) and the engine goes on. A failure it cannot go on from (its thread
@@ -19,6 +20,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -33,7 +35,8 @@ from cache_store.lookup import CopyObserver
 from cache_store.stage_faults import FaultPoints, Stage
 from chatd.config import Settings
 from chatd.engine.commands import CacheCommand, CacheCommands
-from chatd.engine.grammar import GrammarCompiler, masked_logits
+from chatd.engine.cpu_share import ThreadGovernor, usable_cpus
+from chatd.engine.grammar import GrammarCompiler, fill_masks, masked_logits
 from chatd.engine.model_runner import ModelRunner
 from chatd.engine.running_turn import RunningTurn
 from chatd.engine.supervision import EngineUnavailable, is_fatal
@@ -49,6 +52,7 @@ PUBLISH_EVERY_S = 0.1  # while busy, how often the counters are published for /m
 
 
 _STOP = object()
+_WAKE = object()  # a fetch finished: look at the fetching turns now
 
 
 def _queue_ms(turn: Turn) -> float:
@@ -77,16 +81,19 @@ class Engine(CacheCommands):
         self.cache: CacheStore | None = None
         self.runner: ModelRunner | None = None
         self.grammars: GrammarCompiler | None = None  # compiles what constrained replies follow, off this thread
+        self.governor: ThreadGovernor | None = None  # fewer threads while other processes take this one's CPUs
         self._queued: deque[Turn] = deque()  # submitted, not started: admitted oldest first
         self._head: RunningTurn | None = None  # the oldest, rendered, waiting for device memory
         self._live: dict[int, Turn] = {}  # every turn taken from the queue and not yet ended, by id
         self._prefilling: deque[RunningTurn] = deque()  # admitted, prompt being fed chunk by chunk
+        self._fetching: list[RunningTurn] = []  # admitted, waiting for their cache from Redis (oldest first)
         self._decoding: list[RunningTurn] = []  # the decode batch
         self.prefill_chunks = 0
         self.outside_arena_turns = 0  # turns longer than the whole arena, run in a temporary cache outside it
         self.cache_stats: dict[str, int | float] = {}  # published between steps: `_publish`
         self._published_at = 0.0
         self.batch_sizes: Counter[int] = Counter()  # decode steps by batch size
+        self.steps_beside_fetches = 0  # decode steps taken while a turn waited for its cache from Redis
         self._deferred: list[CacheCommand] = []
         self._waiting = 0
         self._active = 0
@@ -153,13 +160,16 @@ class Engine(CacheCommands):
                 self._publish()  # before waiting: what /metrics reads while the engine is idle is current
             if not self._take_commands(block=idle):
                 break
+            self._fetched()
             self._admit()
             if self._prefilling:
                 self._prefill_step()
             if self._decoding:
                 self._decode_step()
-            self._counted = {id(running.turn) for running in (*self._decoding, *self._prefilling)}
+            self._counted = {id(running.turn) for running in self._started()}
             self._active = len(self._counted)
+            if self.governor is not None:
+                self.governor.tick()
             if time.monotonic() - expired_at >= EXPIRE_EVERY_S:
                 self._housekeep(CacheStore.expire)
                 expired_at = time.monotonic()
@@ -170,7 +180,7 @@ class Engine(CacheCommands):
             self._closed = reason
         turns = list(self._live.values())  # wherever each was when the engine stopped
         self._queued.clear()
-        self._head, self._prefilling, self._decoding = None, deque(), []
+        self._head, self._prefilling, self._decoding, self._fetching = None, deque(), [], []
         commands = [*self._deferred]
         while True:
             try:
@@ -201,19 +211,38 @@ class Engine(CacheCommands):
     def _publish(self) -> None:
         """Publish the cache store's and the arena's counters for /metrics and /v1/stats, which read the latest
         snapshot and never wait for the engine."""
-        if self.cache is not None:
-            self.cache_stats = {**self.cache.stats(), **self.arena.stats(),
-                                "outside_arena_turns": self.outside_arena_turns}
         self._published_at = time.monotonic()
+        if self.cache is None:
+            return
+        try:
+            self.cache_stats = {**self.cache.stats(), **self.arena.stats(),
+                                "outside_arena_turns": self.outside_arena_turns,
+                                "fetching_turns": len(self._fetching),
+                                "decode_steps_beside_fetches": self.steps_beside_fetches, **self._thread_stats()}
+        except Exception as error:  # figures for /metrics: never worth a turn, let alone the engine
+            if is_fatal(error):
+                raise
+            log.exception("reading the cache figures failed; /metrics keeps the last ones")
+
+    def _thread_stats(self) -> dict[str, int | float]:
+        """The threads the engine runs with now, at most, and how often that changed; the CPUs others took."""
+        governor = self.governor
+        if governor is None:
+            return {"engine_threads": torch.get_num_threads(), "engine_threads_max": torch.get_num_threads()}
+        return {"engine_threads": governor.threads, "engine_threads_max": governor.max_threads,
+                "engine_thread_changes": governor.changes, "cpu_taken_by_others": round(governor.others, 2)}
 
     def _unavailable(self) -> str:
         return f"the engine has stopped ({self._closed}); retry on another worker or after its restart"
 
     def _take_commands(self, block: bool) -> bool:
         """Queue new turns (FIFO) and run cache housekeeping; False once asked to stop. Waits for a
-        command only when no turn is running."""
+        command only when no turn is running (and, with turns fetching, at most until the first gives up)."""
+        timeout = EXPIRE_EVERY_S
+        if self._fetching:
+            timeout = max(0.0, min(timeout, min(r.fetch.deadline for r in self._fetching) - time.monotonic()))
         try:
-            command = self._commands.get(timeout=EXPIRE_EVERY_S) if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
         except queue.Empty:
             command = None
         while command is not None:
@@ -222,13 +251,13 @@ class Engine(CacheCommands):
             if isinstance(command, Turn):
                 self._queued.append(command)
                 self._live[id(command)] = command
-            else:
+            elif command is not _WAKE:  # (a wake-up has nothing to run: the fetching turns are looked at next)
                 self._deferred.append(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 command = None
-        running = {r.turn.session_id for r in (*self._decoding, *self._prefilling)}
+        running = {r.turn.session_id for r in self._started()}
         ready = [c for c in self._deferred if c.session_id not in running]
         self._deferred = [c for c in self._deferred if c.session_id in running]
         for command in ready:
@@ -240,7 +269,7 @@ class Engine(CacheCommands):
         what their caches may reach; each is then looked up and prefilled chunk by chunk before it
         joins the decode batch. The oldest that does not fit waits, and the others behind it, for a
         running turn to finish (first come, first served)."""
-        while (self._head or self._queued) and len(self._decoding) + len(self._prefilling) < self.settings.max_batch:
+        while (self._head or self._queued) and len(self._started()) < self.settings.max_batch:
             running, self._head = self._head or self._render(self._queued.popleft()), None
             if running is None:
                 self._left_queue()
@@ -252,7 +281,7 @@ class Engine(CacheCommands):
                 continue
             try:
                 admitted = self.cache.admit(turn.session_id, turn, running.reserve_bytes,
-                                            alone=not (self._decoding or self._prefilling))
+                                            alone=not self._started())
             except SessionRunning as error:  # a second turn of a session: never let it near the cache
                 self._left_queue()
                 self._end(turn, TurnFailed("busy", f"{error}; retry when it has finished"))
@@ -284,6 +313,37 @@ class Engine(CacheCommands):
         with self._lock:
             self._waiting -= 1
 
+    def _started(self) -> list[RunningTurn]:
+        """The turns admitted and not ended: decoding, prefilling, or fetching their cache from Redis."""
+        return [*self._decoding, *self._prefilling, *self._fetching]
+
+    def _fetch(self, running: RunningTurn) -> bool:
+        """Start fetching the turn's cache from Redis when it should (on the remote tier's threads); the turn then
+        waits among the fetching turns, and the batch goes on. Whether it does."""
+        request = self._finder.remote_request(running)
+        if request is None:
+            return False
+        running.fetch = self.cache.start_fetch(request, len(running.prompt_ids), lambda: self._commands.put(_WAKE))
+        self._prefilling.popleft()
+        self._fetching.append(running)
+        return True
+
+    def _fetched(self) -> None:
+        """Turns whose fetch has finished, or that waited for it as long as recomputing would take, go back to the
+        front of the prefilling turns (oldest first), to look up their cache; cancelled ones end."""
+        now = time.monotonic()
+        done = [running for running in self._fetching if running.fetch.ready(now) or running.turn.cancelled.is_set()]
+        if not done:
+            return
+        self._fetching = [running for running in self._fetching if running not in done]
+        for running in reversed(done):
+            if running.turn.cancelled.is_set():
+                running.fetch.job.cancel()
+                self.cache.release(running.turn.session_id)
+                self._end(running.turn, TurnResult.cancelled_before_start(_queue_ms(running.turn)))
+            else:
+                self._prefilling.appendleft(running)
+
     def _prefill_step(self) -> None:
         """Spend up to --prefill-chunk prompt tokens on the oldest prefilling turns, so that prefill
         shares the engine with the others' decode steps and several short prefills (a returning
@@ -313,12 +373,20 @@ class Engine(CacheCommands):
             with torch.inference_mode():
                 if running.lookup is None:  # as late as possible: turns ahead may have shared a prefix
                     self.faults.check("lookup", session_id)
+                    if running.fetch is None and self._fetch(running):
+                        return 0
                     try:
                         lookup = self._finder.find(running)
                     except ArenaFull:  # no room on the device to restore its cache into
                         self._wait_for_room(running)
                         return 0
                     self._begin_prefill(running, lookup)
+                if running.deep_check is not None:  # (a sampled reuse: checked first, in chunks like a prefill)
+                    fed = running.deep_check.advance(self.runner.forward, budget)
+                    if not running.deep_check.done:
+                        return fed
+                    self._begin_prefill(running, self._finder.judge(running))
+                    return fed
                 if not running.has_room and not self._make_room(running):
                     return 0
                 stage = "prefill"
@@ -382,6 +450,12 @@ class Engine(CacheCommands):
     def _sample(self, running: RunningTurn, logits: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Pick the turn's next token (among those its grammar allows, `mask` if computed ahead) and stream it;
         it then decodes on, or ends and writes back."""
+        if mask is None and running.grammar is not None and running.grammar.active:  # (its first token)
+            try:
+                mask = fill_masks(self.grammars, [running.grammar])[0]
+            except Exception as error:
+                self._fail(running, error, "grammar")
+                return
         try:
             self.faults.check("sampling", running.turn.session_id)
             if (allowed := masked_logits(self.grammars, running.grammar, logits, mask)) is None:
@@ -400,13 +474,13 @@ class Engine(CacheCommands):
     def _prefill_chunk(self, running: RunningTurn, budget: int) -> tuple[torch.Tensor | None, int]:
         """Feed the next chunk; return the logits after the prompt's last token (None before it)
         and the number of tokens fed."""
-        if running.share_prefix:
-            chunk = running.pending[:running.prefix_len]  # the system prompt alone, shared with later sessions
+        if running.share_prefix:  # the system prompt alone first (in chunks too), to be shared with later sessions
+            chunk = running.pending[:min(budget, running.prefix_len - running.entry.num_tokens)]
         else:
             chunk = running.pending[:budget]
         logits = self.runner.timed_prefill(running.entry, chunk)
         running.pending = running.pending[len(chunk):]
-        if running.share_prefix:
+        if running.share_prefix and running.entry.num_tokens == running.prefix_len:
             # The system prompt's tokens become a shared segment that the turn's cache starts with; its region
             # gave them up, so it is made whole again before the next chunk.
             if self.cache.put_prefix(running.entry, running.turn.owner, holder=running.turn.session_id):
@@ -420,6 +494,7 @@ class Engine(CacheCommands):
         turn is tried alone, so that only the turns that fail by themselves are failed."""
         batch, self._decoding = self._decoding, []
         self.batch_sizes[len(batch)] += 1
+        self.steps_beside_fetches += bool(self._fetching)
         # The constrained rows' masks are computed while the model computes the logits (llguidance frees the GIL).
         constrained = [r for r in batch if r.grammar is not None and r.grammar.active]
         masks = self.grammars.masks_ahead([r.grammar for r in constrained]) if constrained else None
@@ -438,9 +513,33 @@ class Engine(CacheCommands):
                     rows.append((running, self._forward_decode([running])[0]))
                 except Exception as alone_error:
                     self._fail(running, alone_error, "decode")
-        row_masks = dict(zip(map(id, constrained), masks.result(), strict=True)) if masks is not None else {}
+        row_masks, failed = self._row_masks(constrained, masks) if masks is not None else ({}, {})
         for running, logits in rows:
-            self._sample(running, logits, row_masks.get(id(running)))
+            if id(running) in failed:
+                self._fail(running, failed[id(running)], "grammar")
+            else:
+                self._sample(running, logits, row_masks.get(id(running)))
+
+    def _row_masks(self, constrained: list[RunningTurn], masks: Future[torch.Tensor]
+                   ) -> tuple[dict[int, torch.Tensor], dict[int, Exception]]:
+        """Each constrained row's mask, by the row's id. When the grammar library fails the batch's fill, each row
+        is filled alone, so that only a row whose own fill fails fails (the second dict: its error)."""
+        try:
+            return dict(zip(map(id, constrained), masks.result(), strict=True)), {}
+        except Exception as error:
+            if is_fatal(error):
+                raise
+            log.warning("filling the masks of %d constrained turns failed (%s: %s); filling each alone",
+                        len(constrained), type(error).__name__, error)
+        row_masks, failed = {}, {}
+        for running in constrained:
+            try:
+                row_masks[id(running)] = fill_masks(self.grammars, [running.grammar])[0]
+            except Exception as error:
+                if is_fatal(error):
+                    raise
+                failed[id(running)] = error
+        return row_masks, failed
 
     def _forward_decode(self, batch: list[RunningTurn]) -> torch.Tensor:
         """One decode pass over `batch`: the logits [B, V] (a pass that fails leaves every cache as it was)."""
@@ -464,11 +563,13 @@ class Engine(CacheCommands):
         self._end(turn, TurnFailed("internal", f"the turn failed at the {stage} stage: {type(error).__name__}"))
 
     def _prepare(self, loaded: LoadedModel) -> None:
-        torch.set_num_threads(self.settings.torch_threads())
+        threads = self.settings.threads or usable_cpus()
+        torch.set_num_threads(threads)
+        self.governor = ThreadGovernor(threads) if self.settings.adaptive_threads else None
         self.loaded = loaded
         self.arena, self.runner, self.cache = wire(loaded, self.settings, self.faults, self._on_cache_copy)
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model.config.get_text_config().vocab_size,
-                                        loaded.stop_token_ids)
+                                        loaded.stop_token_ids, self.faults)
         self._preparer = TurnPreparer(loaded, self.arena, self.settings, self.grammars)
         self._finder = CacheFinder(self.cache, self.runner, self.settings, loaded.model.dtype)
         for text in self.settings.warm_prompts():

@@ -12,10 +12,11 @@ from collections import deque
 
 import torch
 
-from cache_store import CacheLookup, CacheStore, kv_bytes_per_token
+from cache_store import CacheEntry, CacheLookup, CacheStore, kv_bytes_per_token
 from cache_store.arena import KVArena
+from cache_store.remote_moves import FetchRequest
 from chatd.config import Settings
-from chatd.engine.deep_check import DEEP_CHECK_TOLERANCE, DEEP_CHECK_TOLERANCE_INT8, deep_check_distance
+from chatd.engine.deep_check import DEEP_CHECK_TOLERANCE, DEEP_CHECK_TOLERANCE_INT8, DeepCheck
 from chatd.engine.grammar import GrammarCompiler
 from chatd.engine.model_runner import ModelRunner
 from chatd.engine.running_turn import RunningTurn
@@ -66,7 +67,7 @@ class TurnPreparer:
                            TokenSampler(turn.params), TextStream(self._loaded.tokenizer, turn.params.stop),
                            started_at, messages=window.messages, dropped_turns=window.dropped_turns,
                            reserve_bytes=region_tokens * self._bytes_per_token,
-                           grammar=self._grammars.start(grammar) if grammar is not None else None)
+                           grammar=self._grammars.start(grammar, turn.session_id) if grammar is not None else None)
 
     def _shared_prefix_length(self, messages: list[Message], prompt_ids: list[int]) -> int:
         """Length of the system prompt's tokens at the start of the prompt, which sessions share."""
@@ -85,23 +86,39 @@ class CacheFinder:
         self._sampling = random.Random()
         self.deep_check_distances: deque[float] = deque(maxlen=256)
 
+    def remote_request(self, running: RunningTurn) -> FetchRequest | None:
+        """What to fetch from Redis before the turn's lookup, if anything."""
+        turn = running.turn
+        if running.dropped_turns > turn.dropped_turns:
+            return None  # (nothing of its cache is reused)
+        return self._cache.remote_request(turn.session_id, running.prompt_ids, running.prefix_len,
+                                          turn.session_version, scope=turn.owner)
+
     def find(self, running: RunningTurn) -> CacheLookup:
-        """None to reuse when the turn's window just moved past turns the cache covered (`truncated`)."""
+        """The turn's cache; on a sampled reuse, the deep check it must pass first (`running.deep_check`, run in
+        chunks like a prefill, then `judge`). None to reuse when the turn's window just moved past turns the cache
+        covered (`truncated`)."""
         turn = running.turn
         if running.dropped_turns > turn.dropped_turns:
             self._cache.drop(turn.session_id)
             return CacheLookup("miss", 0, miss_reason="truncated")
         lookup = self._cache.lookup(turn.session_id, running.prompt_ids, running.prefix_len, turn.session_version,
-                                    turn=turn, scope=turn.owner)
+                                    turn=turn, scope=turn.owner, fetch=running.fetch)
         if lookup.miss_reason == "new" and any(m.role == "assistant" for m in running.messages):
             lookup = dataclasses.replace(lookup, miss_reason="cold")  # history, but no cache here yet
-        if (lookup.entry is None or lookup.cached_tokens < 2
-                or self._sampling.random() >= self._settings.verify_sample_rate):
-            return lookup
-        # The check feeds the last cached token again; a cache that holds no tokens of its own beyond the shared
-        # segments it starts with is checked on a copy, so that the crop into a segment does not unshare it.
-        checked = lookup.entry if lookup.entry.own_tokens else lookup.entry.clone(self._runner.new_cache)
-        distance = deep_check_distance(checked, self._runner.forward, self._runner.scratch_cache)
+        if (lookup.entry is not None and lookup.cached_tokens >= 2
+                and self._sampling.random() < self._settings.verify_sample_rate):
+            # The check feeds the last cached token again; a cache that holds no tokens of its own beyond the shared
+            # segments it starts with is checked on a copy, so that the crop into a segment does not unshare it.
+            checked = lookup.entry if lookup.entry.own_tokens else lookup.entry.clone(self._runner.new_cache)
+            running.deep_check = DeepCheck(checked, CacheEntry(self._runner.scratch_cache()))
+        return lookup
+
+    def judge(self, running: RunningTurn) -> CacheLookup:
+        """The turn's deep check, all of its tokens recomputed: its lookup, or a `corrupt` miss."""
+        check, lookup, turn = running.deep_check, running.lookup, running.turn
+        running.deep_check = None
+        distance = check.distance(self._runner.forward)
         self.deep_check_distances.append(distance)
         tolerance = DEEP_CHECK_TOLERANCE_INT8 if lookup.quantized else DEEP_CHECK_TOLERANCE.get(self._dtype, 5e-2)
         if distance > tolerance:

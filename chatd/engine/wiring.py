@@ -27,7 +27,8 @@ def wire(loaded: LoadedModel, settings: Settings, faults: FaultPoints,
     geometry = KVGeometry.of(loaded.model.config)
     bytes_per_token = kv_bytes_per_token(loaded.model.config, loaded.model.dtype)
     remote = RemoteTier(settings.redis_url, settings.remote_kv_ttl_s, chunk_tokens=settings.remote_kv_chunk_tokens,
-                        cluster=bool(settings.redis_cluster)) if settings.remote_kv else None
+                        cluster=bool(settings.redis_cluster), pending_bytes=int(settings.remote_kv_queue_mb * MB)
+                        ) if settings.remote_kv else None
     budget_bytes = int(settings.device_budget_mb(loaded.device) * MB)
     # The arena and the runner call back into the store, which is built last (the lambdas bind it late).
     arena = KVArena(geometry.layers, geometry.kv_heads, geometry.head_dim, loaded.model.dtype, loaded.device,

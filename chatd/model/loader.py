@@ -19,6 +19,7 @@ import xxhash
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from chatd.model.servable import attention_implementation, check_servable, read_config
+from chatd.model.weights_digest import parameters_digest, weights_digest
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     device: torch.device
     stop_token_ids: frozenset[int]
+    weights: str | None = None  # the digest of its weight files (`weights_digest`); None: of its parameters
 
     @property
     def max_context(self) -> int:
@@ -53,11 +55,11 @@ class LoadedModel:
         return int(getattr(text, "max_position_embeddings", 2048))
 
     def identity(self) -> str:
-        """A digest of what a cache depends on: the model's name, config and weight metadata (names,
-        shapes, dtypes), and the tokenizer's vocabulary size and chat template."""
+        """A digest of what a cache depends on: the model's name, config, weights (their content, and their
+        names, shapes and dtypes), and the tokenizer's vocabulary size and chat template."""
         digest = xxhash.xxh3_64()
         for part in (self.name, self.model.config.to_json_string(), str(len(self.tokenizer)),
-                     str(self.tokenizer.chat_template)):
+                     str(self.tokenizer.chat_template), self.weights or parameters_digest(self.model)):
             digest.update(part.encode())
         for name, parameter in self.model.named_parameters():
             digest.update(f"{name}:{tuple(parameter.shape)}:{parameter.dtype};".encode())
@@ -150,7 +152,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto",
                                                  attn_implementation=attention_implementation(config))
     model.to(resolved_device).eval()
     return LoadedModel(name=spec, model=model, tokenizer=tokenizer, device=resolved_device,
-                       stop_token_ids=stop_token_ids(tokenizer, model))
+                       stop_token_ids=stop_token_ids(tokenizer, model),
+                       weights=weights_digest(source, model, cache_dir or default_cache_dir()))
 
 
 def check_model(spec: str) -> None:

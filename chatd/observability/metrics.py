@@ -47,6 +47,7 @@ class LiveState:
     kv_dtypes: dict[str, str] = field(default_factory=dict)  # how each tier stores caches: a dtype, or int8
     kv: dict = field(default_factory=dict)  # the model's layers and windows: `chatd.model.kv_size.kv_report`
     redis: dict = field(default_factory=dict)  # with --redis-url: its mode and nodes (`RedisSessionStore.nodes`)
+    prefix_index: dict = field(default_factory=dict)  # this worker's own prefix index: sessions, forgotten
 
     def tier_bytes(self, tier: str) -> tuple[int, int]:
         """Bytes in use and the budget of a tier (0, 0 when it does not exist)."""
@@ -231,6 +232,8 @@ class _LiveCollector(Collector):
         yield from _segment_families(live, name, label)
         yield from _remote_chunks(live, name, label)
         yield from _redis_families(live, name, label)
+        yield from _engine_families(live, name, label)
+        yield from _remote_io_families(live, name, label)
         yield from (running, waiting, usage, sessions, evictions, corruptions, engine_up, failures, remote_errors,
                     offload_failures, offload_bytes, steps, tier_info, tier_sessions)
 
@@ -255,7 +258,65 @@ def _redis_families(live: LiveState, name: list[str], label: list[str]):
                                    "map: at start, after a MOVED or ASK redirection to another node, or after a "
                                    "failover.", labels=label)
     slot_map.add_metric(name, redis.get("slot_map_changes", 0))
-    return nodes, errors, retries, slot_map
+    refused = CounterMetricFamily("chatd:redis_queued_turns_refused", "Turns recorded here through an outage (queued) "
+                                  "that Redis refused once back, because another worker moved the session on: the "
+                                  "session is read again from Redis.", labels=label)
+    refused.add_metric(name, redis.get("queued_turns_refused", 0))
+    return nodes, errors, retries, slot_map, refused
+
+
+def _single(family: type, metric: str, help_text: str, name: list[str], label: list[str], value: float):
+    """A metric family with one series."""
+    made = family(metric, help_text, labels=label)
+    made.add_metric(name, value)
+    return made
+
+
+def _engine_families(live: LiveState, name: list[str], label: list[str]):
+    """The engine's threads (fewer while other processes take its CPUs) and the turns waiting for Redis beside it."""
+    threads = GaugeMetricFamily("chatd:engine_threads", "Threads the engine's CPU work runs with: now, and at most "
+                                "(the cores this process may use, or --threads).", labels=[*label, "state"])
+    threads.add_metric([*name, "now"], live.cache.get("engine_threads", 0))
+    threads.add_metric([*name, "max"], live.cache.get("engine_threads_max", 0))
+    singles = [
+        (CounterMetricFamily, "chatd:engine_thread_changes", "Times the engine changed its thread count (other "
+         "processes took, or gave back, its CPUs).", live.cache.get("engine_thread_changes", 0)),
+        (GaugeMetricFamily, "chatd:cpu_taken_by_others", "CPUs of this process's own that other processes used at "
+         "the engine's last look (half-second windows).", live.cache.get("cpu_taken_by_others", 0.0)),
+        (GaugeMetricFamily, "chatd:num_requests_fetching", "Turns waiting in their own state for their cache from "
+         "Redis while the batch decodes on.", live.cache.get("fetching_turns", 0)),
+        (CounterMetricFamily, "chatd:decode_steps_beside_fetches", "Decode steps taken while at least one turn "
+         "waited for its cache from Redis.", live.cache.get("decode_steps_beside_fetches", 0)),
+        (GaugeMetricFamily, "chatd:prefix_index_sessions", "Sessions in this worker's own prefix index (bounded; "
+         "with Redis, the shared index has them all).", live.prefix_index.get("sessions", 0)),
+        (CounterMetricFamily, "chatd:prefix_index_forgotten", "Sessions this worker's prefix index forgot to stay "
+         "within its bounds (expired, or the least recently indexed).", live.prefix_index.get("forgotten", 0)),
+    ]
+    return threads, *(_single(family, metric, text, name, label, value) for family, metric, text, value in singles)
+
+
+def _remote_io_families(live: LiveState, name: list[str], label: list[str]):
+    """The remote KV tier's I/O beside the engine: what fetches decided, the measured round trip, the bounded write
+    queue and what it dropped."""
+    decisions = CounterMetricFamily("chatd:remote_kv_fetch_decisions", "Turns whose cache was in Redis, by what "
+                                    "they did: fetch, recompute (estimated faster), timeout (Redis did not answer "
+                                    "in time: recomputed).", labels=[*label, "choice"])
+    for choice in ("fetch", "recompute", "timeout"):
+        decisions.add_metric([*name, choice], live.cache.get(f"remote_decisions_{choice}", 0))
+    round_trip = GaugeMetricFamily("chatd:remote_kv_round_trip_seconds", "The measured round trip to Redis of the "
+                                   "remote KV tier (a moving average; the cost model adds it to every fetch).",
+                                   labels=label)
+    round_trip.add_metric(name, live.cache.get("remote_round_trip_ms", 0.0) / 1000)
+    pending = GaugeMetricFamily("chatd:remote_kv_pending", "The remote KV tier's queue: snapshots waiting to be "
+                                "written (writes), their bytes, and deletes.", labels=[*label, "kind"])
+    for kind in ("writes", "bytes", "deletes"):
+        pending.add_metric([*name, kind], live.cache.get(f"remote_pending_{kind}", 0))
+    dropped = CounterMetricFamily("chatd:remote_kv_dropped", "Queued snapshots and deletes never sent to Redis, by "
+                                  "why: full (over the queue's byte budget), expired (queued too long), deletes (the "
+                                  "delete queue was full).", labels=[*label, "reason"])
+    for reason in ("full", "expired", "deletes"):
+        dropped.add_metric([*name, reason], live.cache.get(f"remote_dropped_{reason}", 0))
+    return decisions, round_trip, pending, dropped
 
 
 _ARENA_COUNTERS = [  # (metric, help, key of the engine's published counters)

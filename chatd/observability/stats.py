@@ -124,11 +124,25 @@ class StatsRecorder:
             ("renewed", "chunks_renewed"), ("not_sent_bytes", "chunk_bytes_not_sent"),
             ("not_copied_bytes", "snapshot_kv_bytes_skipped"), ("fetched", "chunks_fetched"),
             ("not_fetched_bytes", "bytes_not_fetched"), ("missing", "chunks_missing"), ("lost", "chunks_lost"))}
+        # The remote tier's I/O beside the engine: what turns whose cache was in Redis did, the round trip, the queue.
+        tiers["remote"]["fetches"] = {choice: live.cache.get(f"remote_decisions_{choice}", 0)
+                                      for choice in ("fetch", "recompute", "timeout")}
+        tiers["remote"]["round_trip_ms"] = live.cache.get("remote_round_trip_ms")
+        tiers["remote"]["queue"] = {
+            "writes": live.cache.get("remote_pending_writes", 0), "bytes": live.cache.get("remote_pending_bytes", 0),
+            "deletes": live.cache.get("remote_pending_deletes", 0),
+            "dropped": {reason: live.cache.get(f"remote_dropped_{reason}", 0)
+                        for reason in ("full", "expired", "deletes")}}
+        engine = {"threads": live.cache.get("engine_threads"), "threads_max": live.cache.get("engine_threads_max"),
+                  "thread_changes": live.cache.get("engine_thread_changes", 0),
+                  "cpu_taken_by_others": live.cache.get("cpu_taken_by_others", 0.0),
+                  "fetching": live.cache.get("fetching_turns", 0),
+                  "decode_steps_beside_fetches": live.cache.get("decode_steps_beside_fetches", 0)}
         arena = {key.removeprefix("arena_"): value for key, value in live.cache.items() if key.startswith("arena_")}
         if arena:
             arena["outside_arena_turns"] = live.cache.get("outside_arena_turns", 0)
         return {"running": live.running, "waiting": live.waiting, "tiers": tiers, "kv": live.kv, "arena": arena,
-                "redis": live.redis,
+                "redis": live.redis, "engine": engine, "prefix_index": live.prefix_index,
                 "sessions": {"connected": live.connected_sessions, "idle": live.cache.get("idle_sessions", 0)}}
 
     def _window(self, start: float, end: float, live: LiveState, tokens: tuple[np.ndarray, np.ndarray]) -> dict:

@@ -1,0 +1,165 @@
+"""How many threads the engine's CPU work uses: the CPUs this process may really use (its affinity, and its
+cgroup's CPU quota: a container may see more cores than it may use), less what other processes take of them now.
+
+torch's OpenMP threads spin-wait for each other at the end of every parallel region; when one of them is
+descheduled because another busy process shares its core, the others spin until it runs again. Beside one busy
+process on a 2-core machine, one stream fell from 28-30 to 0.7 decode tokens/s with two threads, and ran at 17.9
+with one (docs/benchmarks.md). So the engine looks, every half second between its steps, at how much of its CPUs
+other processes used (`/proc/stat`, less this process's own time) and runs with the threads the rest can hold,
+until the CPUs come back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SAMPLE_EVERY_S = 0.5
+AGREEING_SAMPLES = 2  # a change of the thread count needs this many samples in a row that ask for it
+SLACK_CPUS = 0.3  # a thread is kept for a CPU others leave at least 70% free
+
+
+def allowed_cpus() -> set[int]:
+    """The CPUs this process may run on (all of them where affinity is not known)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        return set(range(os.cpu_count() or 1))
+
+
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The CPUs this process's cgroup (or the tightest of its parents) may use per period (`cpu.max` of cgroup v2,
+    `cpu.cfs_quota_us` / `cpu.cfs_period_us` of v1); None where unlimited or unknown."""
+    try:
+        lines = own.read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy; the limit of each level up to the root applies
+            folder = root / path.lstrip("/")
+            while True:
+                limits.append(_v2_limit(folder / "cpu.max"))
+                if folder == root or root not in folder.parents:
+                    break
+                folder = folder.parent
+        elif "cpu" in controllers.split(","):
+            for base in (root / "cpu,cpuacct", root / "cpu"):
+                limits.append(_v1_limit(base / path.lstrip("/")))
+    found = [limit for limit in limits if limit is not None]
+    return min(found) if found else None
+
+
+def _v2_limit(path: Path) -> float | None:
+    try:
+        quota, period = path.read_text().split()
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _v1_limit(folder: Path) -> float | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 else quota / period
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may really use: its affinity, within its cgroup's quota (rounded up)."""
+    limit = cgroup_cpu_limit()
+    cpus = len(allowed_cpus())
+    return max(1, min(cpus, math.ceil(limit))) if limit is not None else cpus
+
+
+class CpuWatch:
+    """How much of `cpus` other processes used since the last look: their busy time in `/proc/stat` less this
+    process's own (`/proc/self/stat`), in CPUs."""
+
+    def __init__(self, cpus: set[int], stat: Path = Path("/proc/stat"), own: Path = Path("/proc/self/stat")):
+        self.cpus, self._stat, self._own = cpus, stat, own
+        self._last = self._read()
+
+    @property
+    def available(self) -> bool:
+        return self._last is not None
+
+    def others(self) -> float | None:
+        """CPUs taken by other processes (and the hypervisor: steal) since the last call; None without `/proc`."""
+        now = self._read()
+        if now is None or self._last is None:
+            return None
+        (busy, total, mine), (last_busy, last_total, last_mine) = now, self._last
+        self._last = now
+        if total <= last_total:
+            return None
+        elapsed = (total - last_total) / len(self.cpus)  # ticks of one CPU
+        return max(0.0, (busy - last_busy) - (mine - last_mine)) / elapsed
+
+    def _read(self) -> tuple[int, int, int] | None:
+        """(busy, total) ticks over `cpus`, and this process's ticks."""
+        try:
+            lines = self._stat.read_text().splitlines()
+            fields = self._own.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        busy = total = 0
+        for line in lines:
+            name, *ticks = line.split()
+            if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in self.cpus:
+                continue
+            values = [int(tick) for tick in ticks[:8]]  # user nice system idle iowait irq softirq steal
+            total += sum(values)
+            busy += sum(values) - values[3] - values[4]
+        mine = int(fields[11]) + int(fields[12])  # utime, stime (the 14th and 15th fields)
+        return busy, total, mine
+
+
+class ThreadGovernor:
+    """Runs the engine (started with `max_threads`) with fewer while other processes take its CPUs; called between
+    steps."""
+
+    def __init__(self, max_threads: int, watch: CpuWatch | None = None,
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_threads = self.threads = max_threads
+        self.watch = watch if watch is not None else CpuWatch(allowed_cpus())
+        self.changes = 0  # times the thread count changed
+        self.others = 0.0  # CPUs other processes took at the last look
+        self._set_threads, self._clock = set_threads, clock
+        self._looked_at = clock()
+        self._asked: list[int] = []  # the counts the latest samples asked for
+
+    def tick(self) -> None:
+        """At most every `SAMPLE_EVERY_S`: look at the CPUs, and change the thread count once `AGREEING_SAMPLES`
+        looks in a row ask for the same other count."""
+        now = self._clock()
+        if self.max_threads <= 1 or now - self._looked_at < SAMPLE_EVERY_S:
+            return
+        self._looked_at = now
+        others = self.watch.others()
+        if others is None:
+            return
+        self.others = others
+        free = len(self.watch.cpus) - others
+        wanted = max(1, min(self.max_threads, math.floor(free + SLACK_CPUS)))
+        self._asked = [*self._asked, wanted][-AGREEING_SAMPLES:]
+        if wanted == self.threads or self._asked != [wanted] * AGREEING_SAMPLES:
+            return
+        log.log(logging.WARNING if wanted < self.threads else logging.INFO,
+                "other processes take %.1f of this process's %d CPUs: the engine runs with %d thread%s (of %d)",
+                others, len(self.watch.cpus), wanted, "s" if wanted > 1 else "", self.max_threads)
+        self._set_threads(wanted)
+        self.threads = wanted
+        self.changes += 1

@@ -1,0 +1,89 @@
+"""The engine's thread count: the CPUs the process may use (affinity and cgroup quota), and fewer while other
+processes take them (measured from /proc: a real busy process here)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from chatd.engine.cpu_share import AGREEING_SAMPLES, SAMPLE_EVERY_S, CpuWatch, ThreadGovernor, cgroup_cpu_limit
+
+
+def test_the_cgroup_quota_is_the_tightest_on_the_way_to_the_root(tmp_path):
+    root = tmp_path / "cgroup"
+    (root / "outer" / "inner").mkdir(parents=True)
+    (root / "cpu.max").write_text("max 100000\n")
+    (root / "outer" / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs for everything below
+    (root / "outer" / "inner" / "cpu.max").write_text("max 100000\n")
+    own = tmp_path / "cgroup-of-self"
+    own.write_text("0::/outer/inner\n")
+    assert cgroup_cpu_limit(root, own) == 1.5
+    (root / "outer" / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(root, own) is None, "unlimited"
+    v1 = tmp_path / "v1"
+    (v1 / "cpu" / "job").mkdir(parents=True)
+    (v1 / "cpu" / "job" / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu" / "job" / "cpu.cfs_period_us").write_text("100000\n")
+    own.write_text("4:memory:/job\n3:cpu:/job\n")
+    assert cgroup_cpu_limit(v1, own) == 0.5
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux's /proc")
+def test_a_busy_process_on_this_process_cpus_is_seen_and_its_end_too():
+    """Measured against what else runs on these cores meanwhile (other tests' servers may)."""
+    cpus = os.sched_getaffinity(0)
+    watch = CpuWatch(cpus)
+    time.sleep(1.0)
+    before = watch.others()
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(busy.pid, {min(cpus)})
+        time.sleep(0.2)
+        watch.others()
+        time.sleep(1.0)
+        beside = watch.others()
+    finally:
+        busy.kill()
+        busy.wait(10)
+    watch.others()
+    time.sleep(1.0)
+    after = watch.others()
+    assert beside >= before + 0.5, "one of this process's CPUs is taken"
+    assert after <= beside - 0.5, "and given back"
+
+
+class Stat:
+    """A /proc/stat and /proc/self/stat pair that a test advances: two CPUs, and what others used of them."""
+
+    def __init__(self, folder):
+        self.system, self.own, self.busy, self.idle = folder / "stat", folder / "self-stat", 0, 0
+        self.advance(0.0)
+
+    def advance(self, others: float, ticks: int = 50) -> None:
+        self.busy += round(others * ticks)
+        self.idle += round((2 - others) * ticks)
+        lines = [f"cpu {self.busy} 0 0 {self.idle} 0 0 0 0 0 0"]
+        for cpu in range(2):
+            lines.append(f"cpu{cpu} {self.busy // 2 + cpu * (self.busy % 2)} 0 0 "
+                         f"{self.idle // 2 + cpu * (self.idle % 2)} 0 0 0 0 0 0")
+        self.system.write_text("\n".join(lines) + "\n")
+        self.own.write_text("1 (chatd serve) S " + " ".join(["0"] * 50) + "\n")  # this process: idle
+
+
+def test_the_governor_runs_fewer_threads_while_others_take_the_cpus_and_all_once_they_leave(tmp_path):
+    stat, now, applied = Stat(tmp_path), [0.0], []
+    governor = ThreadGovernor(2, CpuWatch({0, 1}, stat.system, stat.own), applied.append, lambda: now[0])
+
+    def look(others: float) -> int:
+        stat.advance(others)
+        now[0] += SAMPLE_EVERY_S
+        governor.tick()
+        return governor.threads
+
+    assert look(0.9) == 2, "one look is not enough"
+    assert look(0.9) == 1 and governor.changes == 1
+    assert [look(0.05) for _ in range(AGREEING_SAMPLES)] == [1, 2] and applied == [1, 2]
+    assert [look(others) for others in (0.9, 0.0, 0.9, 0.0)] == [2, 2, 2, 2], "no flapping on single looks"
+    assert governor.others == pytest.approx(0.0, abs=0.05)
