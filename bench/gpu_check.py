@@ -18,8 +18,8 @@ import torch
 from cache_store import CacheEntry
 from cache_store.host_pool import HostBufferPool
 from cache_store.offload import Offloader, kv_nbytes
+from cache_store.remote_format import StoredKV
 from cache_store.remote_moves import pinned
-from cache_store.remote_tier import StoredKV
 from chatd.config import Settings
 from chatd.engine.deep_check import deep_check_distance
 from chatd.engine.scheduler import Engine

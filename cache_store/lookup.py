@@ -11,7 +11,7 @@ from typing import Literal, Protocol, TypeVar
 from cache_store.cost_model import RemoteDecision, Throughput
 from cache_store.entry import CacheEntry
 from cache_store.integrity import Check
-from cache_store.remote_tier import RemoteCopy, RemoteHeader, RemoteSnapshot
+from cache_store.remote_format import RemoteCopy, RemoteHeader, RemoteSnapshot
 
 CacheSource = Literal["device", "host", "remote", "prefix", "miss"]
 CopyObserver = Callable[[Literal["offload", "restore"], Literal["host", "remote"], float], None]

@@ -40,7 +40,7 @@ from cache_store.integrity import (
 )
 from cache_store.lookup import RemoteCaches
 from cache_store.quantize import GROUP_TOKENS, KVDtype
-from cache_store.remote_tier import RemoteCopy, RemoteHeader, RemoteSnapshot, StoredKV
+from cache_store.remote_format import RemoteCopy, RemoteHeader, RemoteSnapshot, StoredKV
 from cache_store.segments import segment_key
 from cache_store.tier_moves import TierOwner
 

@@ -1,53 +1,49 @@
-"""Caches serialized to Redis, shared by every worker: a session can move to another worker (or
-survive a restart) without recomputing its history, when fetching is cheaper than recomputing.
+"""Caches in Redis, shared by every worker: a session can move to another worker (or survive a restart) without
+recomputing its history, when fetching is cheaper than recomputing. What they look like there: `remote_format.py`.
 
-A cache is a chain of immutable chunks (`cache_store/chunks.py`) plus its session's own two keys, all with one
-TTL. `chatd:kvchunk:{name}` holds one chunk: a JSON frame (its name, shapes, dtype, checksum) and its bytes, the
-same key for every session of one owner whose history starts with the same ids. `chatd:{id}:kv` holds the
-session's token ids (int32) and the keys and values of its tail (the positions after its last whole chunk);
-`chatd:{id}:kvmeta` a JSON header (format version, fingerprint, session version, the chunks' names, the tail's
-shapes, dtype and checksum). A write renews the chunks Redis holds and sends only those it lacks, then the
-session's bytes, then its header, so a reader that finds a header finds its bytes unless they expired; one whose
-bytes are gone is deleted and counts as a miss, and a chunk gone or damaged ends what a reader takes from the
-chain there.
+A write renews the chunks Redis holds and sends only those it lacks, then the session's bytes, then its header, so
+a reader that finds a header finds its bytes unless they expired; one whose bytes are gone is deleted and counts as
+a miss, and a chunk gone or damaged ends what a reader takes from the chain there.
 
 No Redis call is made on the engine thread: fetches run on reader threads (the engine polls them), writes and
-deletes on a writer thread, in order, from a queue bounded in bytes and in age (a session's newest snapshot only).
+deletes on writer threads, in order per key, from a queue bounded in bytes and in age (a session's newest snapshot
+only).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import struct
 import threading
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TypeVar
 
-import torch
 import xxhash
 from redis.cluster import RedisCluster
 
 from cache_store.chunks import CHUNK_TOKENS
 from cache_store.cost_model import Throughput
-from cache_store.entry import KVTensors
-from cache_store.identity import CacheLayout, Fingerprint
-from cache_store.integrity import checksum
-from cache_store.quantize import GROUP_TOKENS
-from sessions.encoding import UNREACHABLE, pack_ids, redis_key, unpack_ids
+from cache_store.remote_format import (
+    RemoteCopy,
+    RemoteHeader,
+    RemoteSnapshot,
+    chunk_key,
+    copy_from,
+    encode_chunk,
+    header_from,
+    session_bytes,
+    split,
+)
+from sessions.encoding import UNREACHABLE, redis_key
 from sessions.redis_client import sync_client
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# 2: checksums carry their kind (xxh3:…); 3: int8 caches with their scales; 4: key scales per group; 5: a cache may
-# hold only its own positions, naming the shared segment it starts with; 6: chains of chunks
-FORMAT_VERSION = 6
 PROBE_BYTES = 4 * 2**20
 BACK_OFF_S = 5.0  # after a failure, turns skip the remote tier this long instead of waiting on Redis
 USAGE_EVERY_S = 5.0
@@ -58,61 +54,6 @@ PENDING_BYTES = 256 * 2**20  # snapshots queued for writing, at most (while Redi
 PENDING_AGE_S = 30.0  # a snapshot queued longer is dropped unwritten (its turn stopped waiting long before)
 MAX_QUEUED_DELETES = 100_000
 DROP_REASONS = ("full", "expired", "deletes")  # why a queued write was not made: no room, too old, delete queue full
-_FRAME = struct.Struct("<I")  # the length of a chunk's JSON frame, before it
-
-
-def chunk_key(name: str) -> str:
-    """A chunk's Redis key: a hash tag of its own, so that chunks spread over a Redis Cluster."""
-    return f"chatd:kvchunk:{{{name}}}"
-
-
-@dataclass
-class StoredKV:
-    """Keys and values as Redis stored them (int8 with their scales, or exact), with the checksum written with
-    them: a chunk (`name`) or a session's tail."""
-
-    tensors: KVTensors
-    scales: KVTensors | None
-    checksum: str
-    name: str | None = None
-
-    @property
-    def stored(self) -> KVTensors:
-        """Every tensor it stores, scales included: what its checksum covers."""
-        return [*self.tensors, *(self.scales or [])]
-
-    @property
-    def tokens(self) -> int:
-        return self.tensors[0][0].shape[2] if self.tensors else 0
-
-    def after(self, skip: int) -> StoredKV:
-        """Its positions after the first `skip` (a whole number of key-scale groups), as views."""
-        if skip == 0:
-            return self
-        groups = skip // GROUP_TOKENS
-        return StoredKV([(k[..., skip:, :], v[..., skip:, :]) for k, v in self.tensors],
-                        None if self.scales is None else [(ks[..., groups:, :], vs[..., skip:, :])
-                                                          for ks, vs in self.scales], self.checksum, self.name)
-
-
-@dataclass
-class RemoteSnapshot:
-    """A session's cache on its way to Redis: the names of its whole chunks, and its keys and values (in host
-    memory, int8 with their scales or exact) from the first chunk Redis is not known to hold on."""
-
-    token_ids: list[int]
-    fingerprint: Fingerprint
-    session_version: int
-    kind: str  # how its chunks' bytes are stored (part of their names: `chunks.chunk_identity`)
-    chunks: list[str]
-    start: int  # the first chunk whose bytes it carries (those before it Redis held when it was taken)
-    tensors: KVTensors  # the positions from `start` chunks on
-    scales: KVTensors | None
-
-    @property
-    def nbytes(self) -> int:
-        """The host memory its keys, values and scales hold while it waits to be written."""
-        return sum(k.nbytes + v.nbytes for k, v in [*self.tensors, *(self.scales or [])])
 
 
 @dataclass(frozen=True)
@@ -123,43 +64,6 @@ class _Pending:
     ticket: int
     queued_at: float
     nbytes: int
-
-
-@dataclass(frozen=True)
-class RemoteHeader:
-    """What Redis says about a session's cache before its bytes are fetched."""
-
-    session_id: str
-    fingerprint: Fingerprint
-    session_version: int
-    kind: str
-    chunks: list[str]
-    chunk_tokens: int
-    chunk_nbytes: int  # the stored bytes of one chunk
-    shapes: list[list[int]]  # of the tail's tensors
-    dtype: torch.dtype
-    scale_shapes: list[list[int]]  # of a quantised tail's float32 scales (after its int8 tensors), or none
-    checksum: str  # of the tail
-    nbytes: int  # of the session's own key: its token ids and tail
-
-    def fetch_nbytes(self, first: int) -> int:
-        """The bytes a fetch of the chunks from `first` on and the session's own key moves."""
-        return (len(self.chunks) - first) * self.chunk_nbytes + self.nbytes
-
-
-@dataclass
-class RemoteCopy:
-    """What a fetch brought: the session's token ids, its chunks from the first asked for (None: gone from Redis)
-    and its tail. Nothing in it is checked yet."""
-
-    token_ids: list[int]
-    first: int
-    chunks: list[StoredKV | None]
-    tail: StoredKV
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.removeprefix("torch."))
 
 
 class RemoteTier:
@@ -304,15 +208,7 @@ class RemoteTier:
         if raw is None:
             return None
         try:
-            meta = json.loads(raw)
-            if meta["format"] != FORMAT_VERSION:
-                return None
-            stamp = meta["fingerprint"]
-            layout = CacheLayout(**{**stamp["layout"], "dtype": _dtype(stamp["layout"]["dtype"])})
-            return RemoteHeader(session_id, Fingerprint(**{**stamp, "layout": layout}), meta["session_version"],
-                                meta["kind"], list(meta["chunks"]), meta["chunk_tokens"], meta["chunk_nbytes"],
-                                meta["shapes"], _dtype(meta["dtype"]), meta["scale_shapes"], meta["checksum"],
-                                meta["nbytes"])
+            return header_from(session_id, raw)
         except (KeyError, TypeError, ValueError, AttributeError):
             log.warning("session %s: unreadable remote cache header; deleting it", session_id)
             self.delete(session_id)
@@ -336,11 +232,7 @@ class RemoteTier:
             log.warning("session %s: remote cache header without bytes; deleting it", header.session_id)
             self.delete(header.session_id)
             return None
-        num_tokens = header.fingerprint.num_tokens
-        tail = _stored(_byte_tensor(blob[4 * num_tokens:]), header.shapes, header.dtype, header.scale_shapes,
-                       header.checksum)
-        return RemoteCopy(unpack_ids(blob[:4 * num_tokens]), first,
-                          [_decode_chunk(chunk) if chunk is not None else None for chunk in chunks], tail)
+        return copy_from(header, first, blob, chunks)
 
     def delete(self, session_id: str) -> None:
         """Queue the deletion of the session's own keys (a snapshot of it still queued is not written). Best effort:
@@ -495,7 +387,7 @@ class RemoteTier:
         with self._lock:
             ahead = snapshot.start >= self._session_chunks.get(session_id, len(snapshot.chunks) + 1)
         held = None if ahead else self._holding(snapshot.chunks)
-        pieces = _split(snapshot, self.chunk_tokens)
+        pieces = split(snapshot, self.chunk_tokens)
         tail = pieces.pop()
         write = self._redis.pipeline(transaction=False)
         renewing = snapshot.chunks[:snapshot.start] if ahead else []
@@ -504,7 +396,7 @@ class RemoteTier:
         sent, lost, chunk_nbytes, counts = 0, [], 0, Counter()
         for index, name in enumerate(snapshot.chunks):
             piece = pieces[index - snapshot.start] if index >= snapshot.start else None
-            blob = _encode_chunk(name, piece) if piece is not None else None
+            blob = encode_chunk(name, piece) if piece is not None else None
             chunk_nbytes = len(blob) if blob is not None else chunk_nbytes
             if held is not None and held[index]:
                 counts["chunks_renewed"] += 1
@@ -516,18 +408,9 @@ class RemoteTier:
                 counts["chunks_written"] += 1
             elif held is not None:
                 lost.append(name)  # gone from Redis, and this snapshot does not carry it: the next one will
-        tail_bytes = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in _flat(tail.stored))
-        blob = pack_ids(snapshot.token_ids) + tail_bytes
-        stamp = asdict(snapshot.fingerprint)
-        stamp["layout"]["dtype"] = str(snapshot.fingerprint.layout.dtype)
-        meta = {"format": FORMAT_VERSION, "fingerprint": stamp, "session_version": snapshot.session_version,
-                "kind": snapshot.kind, "chunks": snapshot.chunks, "chunk_tokens": self.chunk_tokens,
-                "chunk_nbytes": chunk_nbytes or _chunk_nbytes(tail, self.chunk_tokens),
-                "shapes": [list(t.shape) for t in _flat(tail.tensors)], "dtype": str(tail.tensors[0][0].dtype),
-                "scale_shapes": [list(t.shape) for t in _flat(tail.scales or [])], "checksum": tail.checksum,
-                "nbytes": len(blob)}
+        blob, meta = session_bytes(snapshot, tail, self.chunk_tokens, chunk_nbytes)
         write.set(redis_key(session_id, "kv"), blob, ex=self.ttl_s)  # bytes first, then the header
-        write.set(redis_key(session_id, "kvmeta"), json.dumps(meta), ex=self.ttl_s)
+        write.set(redis_key(session_id, "kvmeta"), meta, ex=self.ttl_s)
         renewed = write.execute()[:len(renewing)]
         counts["chunks_renewed"] += sum(map(bool, renewed))
         lost += [name for name, found in zip(renewing, renewed, strict=True) if not found]
@@ -560,89 +443,3 @@ class RemoteTier:
             self._session_chunks.move_to_end(session_id)
             while len(self._session_chunks) > CHUNKS_REMEMBERED:
                 self._session_chunks.popitem(last=False)
-
-
-def _split(snapshot: RemoteSnapshot, chunk_tokens: int) -> list[StoredKV]:
-    """The snapshot's chunks from its first carried one, then its tail, each contiguous with its checksum."""
-    groups = chunk_tokens // GROUP_TOKENS
-    carried = len(snapshot.chunks) - snapshot.start
-    pieces = []
-    for index in range(carried + 1):
-        start, end = index * chunk_tokens, (index + 1) * chunk_tokens if index < carried else None
-        tensors = [(k[..., start:end, :].contiguous(), v[..., start:end, :].contiguous())
-                   for k, v in snapshot.tensors]
-        scales = None if snapshot.scales is None else [
-            (ks[..., index * groups:(index + 1) * groups if end else None, :].contiguous(),
-             vs[..., start:end, :].contiguous()) for ks, vs in snapshot.scales]
-        piece = StoredKV(tensors, scales, "")
-        piece.checksum = checksum(piece.stored)
-        pieces.append(piece)
-    return pieces
-
-
-def _chunk_nbytes(tail: StoredKV, chunk_tokens: int) -> int:
-    """What one chunk would store, from the tail's bytes per position (for a cache with no chunk written yet)."""
-    per_token = sum(k.element_size() * k.shape[1] * k.shape[3] * 2 for k, _ in tail.tensors)
-    scale_bytes = 0 if tail.scales is None else sum(
-        4 * ks.shape[1] * ks.shape[3] * (chunk_tokens // GROUP_TOKENS) + 4 * vs.shape[1] * chunk_tokens
-        for ks, vs in tail.scales)
-    return per_token * chunk_tokens + scale_bytes
-
-
-def _encode_chunk(name: str, piece: StoredKV) -> bytes:
-    frame = json.dumps({"name": name, "shapes": [list(t.shape) for t in _flat(piece.tensors)],
-                        "dtype": str(piece.tensors[0][0].dtype),
-                        "scale_shapes": [list(t.shape) for t in _flat(piece.scales or [])],
-                        "checksum": piece.checksum}).encode()
-    return _FRAME.pack(len(frame)) + frame + b"".join(
-        t.view(torch.uint8).numpy().tobytes() for t in _flat(piece.stored))
-
-
-def _decode_chunk(blob: bytes) -> StoredKV:
-    """A chunk as Redis holds it; an unreadable frame yields a chunk with no layers, which the checks refuse."""
-    try:
-        (length,) = _FRAME.unpack_from(blob)
-        frame = json.loads(blob[_FRAME.size:_FRAME.size + length])
-        piece = _stored(_byte_tensor(blob[_FRAME.size + length:]), frame["shapes"], _dtype(frame["dtype"]),
-                        frame["scale_shapes"], frame["checksum"])
-        piece.name = frame["name"]
-        return piece
-    except (struct.error, KeyError, TypeError, ValueError, AttributeError):
-        return StoredKV([], None, "unreadable")
-
-
-def _stored(data: torch.Tensor, shapes: list[list[int]], dtype: torch.dtype, scale_shapes: list[list[int]],
-            digest: str) -> StoredKV:
-    tensors, offset = _tensors(data, 0, shapes, dtype)
-    scales, _ = _tensors(data, offset, scale_shapes, torch.float32)
-    return StoredKV(_pairs(tensors), _pairs(scales) if scale_shapes else None, digest)
-
-
-def _byte_tensor(raw: bytes) -> torch.Tensor:
-    """Bytes from Redis as a writable uint8 tensor of their own (one zero byte for none: an empty tail)."""
-    return torch.frombuffer(bytearray(raw) or bytearray(1), dtype=torch.uint8)
-
-
-def _flat(pairs: KVTensors) -> list[torch.Tensor]:
-    return [t for pair in pairs for t in pair]
-
-
-def _tensors(data: torch.Tensor, offset: int, shapes: list[list[int]], dtype: torch.dtype
-             ) -> tuple[list[torch.Tensor], int]:
-    """Tensors of `shapes` read from `data` at `offset`, and the offset after them; a short blob still
-    yields tensors, cut in a shape the checks refuse."""
-    element, tensors = dtype.itemsize, []
-    for shape in shapes:
-        size = element * int(torch.Size(shape).numel())
-        chunk = data[offset:offset + size]
-        if chunk.numel() < size:  # truncated: keep what is there, in a shape the checks will refuse
-            per_token = element * shape[1] * shape[3]
-            shape = [1, shape[1], chunk.numel() // per_token, shape[3]]
-            chunk = chunk[:element * int(torch.Size(shape).numel())]
-        tensors.append(chunk.view(dtype).reshape(shape))
-        offset += size
-    return tensors, offset
-
-
-def _pairs(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return list(zip(tensors[0::2], tensors[1::2], strict=True))

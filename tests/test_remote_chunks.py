@@ -8,7 +8,8 @@ import torch
 from cache_store import CacheEntry, CacheStore, Offloader
 from cache_store.arena import ArenaCache, KVArena
 from cache_store.chunks import chain_hashes, chunk_identity
-from cache_store.remote_tier import RemoteTier, chunk_key
+from cache_store.remote_format import chunk_key
+from cache_store.remote_tier import RemoteTier
 from tests.support import lookup_through_redis
 from tests.test_cache_store import BYTES_PER_TOKEN, HEAD_DIM, HEADS, LAYERS, LAYOUT, Clock, make_entry
 

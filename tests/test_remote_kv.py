@@ -17,7 +17,8 @@ from cache_store import CacheEntry, CacheLayout, Offloader
 from cache_store.chunks import chain_hashes, chunk_identity
 from cache_store.cost_model import CostModel, Throughput
 from cache_store.integrity import fingerprint
-from cache_store.remote_tier import RemoteSnapshot, RemoteTier, chunk_key
+from cache_store.remote_format import RemoteSnapshot, chunk_key
+from cache_store.remote_tier import RemoteTier
 from chatd.api.server import ChatServer
 from chatd.config import Settings
 from chatd.tools.client import ChatClient

@@ -127,13 +127,14 @@ class CpuWatch:
 
 
 class ThreadGovernor:
-    """Runs the engine (started with `max_threads`) with fewer while other processes take its CPUs; called between
-    steps."""
+    """Runs the engine (started with `max_threads`) with fewer while other processes take its CPUs (unless not
+    `adaptive`: --no-adaptive-threads); called between steps."""
 
     def __init__(self, max_threads: int, watch: CpuWatch | None = None,
                  set_threads: Callable[[int], None] = torch.set_num_threads,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, adaptive: bool = True):
         self.max_threads = self.threads = max_threads
+        self.adaptive = adaptive
         self.watch = watch if watch is not None else CpuWatch(allowed_cpus())
         self.changes = 0  # times the thread count changed
         self.others = 0.0  # CPUs other processes took at the last look
@@ -145,7 +146,7 @@ class ThreadGovernor:
         """At most every `SAMPLE_EVERY_S`: look at the CPUs, and change the thread count once `AGREEING_SAMPLES`
         looks in a row ask for the same other count."""
         now = self._clock()
-        if self.max_threads <= 1 or now - self._looked_at < SAMPLE_EVERY_S:
+        if not self.adaptive or self.max_threads <= 1 or now - self._looked_at < SAMPLE_EVERY_S:
             return
         self._looked_at = now
         others = self.watch.others()
@@ -163,3 +164,8 @@ class ThreadGovernor:
         self._set_threads(wanted)
         self.threads = wanted
         self.changes += 1
+
+    def stats(self) -> dict[str, int | float]:
+        """The threads now and at most, how often the count changed, and the CPUs others took at the last look."""
+        return {"engine_threads": self.threads, "engine_threads_max": self.max_threads,
+                "engine_thread_changes": self.changes, "cpu_taken_by_others": round(self.others, 2)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -26,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from cache_store.stage_faults import FaultPoints
 
+log = logging.getLogger(__name__)
 GRAMMAR_CACHE_SIZE = 256
 MAX_GRAMMAR_CHARS = 256 * 1024  # a larger schema is refused before any work (an abuse, not a support bot)
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -194,6 +196,25 @@ def fill_masks(compiler: GrammarCompiler, grammars: list[ReplyGrammar]) -> torch
         if grammar.matcher.is_error():
             grammar.error = grammar.matcher.get_error()
     compiler.stats.mask_ms.append((time.perf_counter() - started) * 1000.0)
+    return masks
+
+
+def masks_by_row(compiler: GrammarCompiler, grammars: list[ReplyGrammar], filled: Future[torch.Tensor]
+                 ) -> list[torch.Tensor | Exception]:
+    """Each grammar's mask, from a batch's fill (`masks_ahead`). When the grammar library failed that fill, each
+    grammar is filled alone, so that one whose own fill fails gets its error instead of a mask, and the others
+    their masks."""
+    try:
+        return list(filled.result())
+    except Exception as error:
+        log.warning("filling the masks of %d constrained turns failed (%s: %s); filling each alone", len(grammars),
+                    type(error).__name__, error)
+    masks: list[torch.Tensor | Exception] = []
+    for grammar in grammars:
+        try:
+            masks.append(fill_masks(compiler, [grammar])[0])
+        except Exception as error:
+            masks.append(error)
     return masks
 
 

@@ -20,7 +20,6 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import Future
 
 import torch
 
@@ -36,7 +35,8 @@ from cache_store.stage_faults import FaultPoints, Stage
 from chatd.config import Settings
 from chatd.engine.commands import CacheCommand, CacheCommands
 from chatd.engine.cpu_share import ThreadGovernor, usable_cpus
-from chatd.engine.grammar import GrammarCompiler, fill_masks, masked_logits
+from chatd.engine.fetching import FetchingTurns
+from chatd.engine.grammar import GrammarCompiler, fill_masks, masked_logits, masks_by_row
 from chatd.engine.model_runner import ModelRunner
 from chatd.engine.running_turn import RunningTurn
 from chatd.engine.supervision import EngineUnavailable, is_fatal
@@ -86,7 +86,7 @@ class Engine(CacheCommands):
         self._head: RunningTurn | None = None  # the oldest, rendered, waiting for device memory
         self._live: dict[int, Turn] = {}  # every turn taken from the queue and not yet ended, by id
         self._prefilling: deque[RunningTurn] = deque()  # admitted, prompt being fed chunk by chunk
-        self._fetching: list[RunningTurn] = []  # admitted, waiting for their cache from Redis (oldest first)
+        self._fetching = FetchingTurns(lambda: self._commands.put(_WAKE))  # admitted, their cache on its way
         self._decoding: list[RunningTurn] = []  # the decode batch
         self.prefill_chunks = 0
         self.outside_arena_turns = 0  # turns longer than the whole arena, run in a temporary cache outside it
@@ -168,8 +168,7 @@ class Engine(CacheCommands):
                 self._decode_step()
             self._counted = {id(running.turn) for running in self._started()}
             self._active = len(self._counted)
-            if self.governor is not None:
-                self.governor.tick()
+            self.governor.tick()
             if time.monotonic() - expired_at >= EXPIRE_EVERY_S:
                 self._housekeep(CacheStore.expire)
                 expired_at = time.monotonic()
@@ -180,7 +179,8 @@ class Engine(CacheCommands):
             self._closed = reason
         turns = list(self._live.values())  # wherever each was when the engine stopped
         self._queued.clear()
-        self._head, self._prefilling, self._decoding, self._fetching = None, deque(), [], []
+        self._head, self._prefilling, self._decoding = None, deque(), []
+        self._fetching.clear()
         commands = [*self._deferred]
         while True:
             try:
@@ -218,19 +218,11 @@ class Engine(CacheCommands):
             self.cache_stats = {**self.cache.stats(), **self.arena.stats(),
                                 "outside_arena_turns": self.outside_arena_turns,
                                 "fetching_turns": len(self._fetching),
-                                "decode_steps_beside_fetches": self.steps_beside_fetches, **self._thread_stats()}
+                                "decode_steps_beside_fetches": self.steps_beside_fetches, **self.governor.stats()}
         except Exception as error:  # figures for /metrics: never worth a turn, let alone the engine
             if is_fatal(error):
                 raise
             log.exception("reading the cache figures failed; /metrics keeps the last ones")
-
-    def _thread_stats(self) -> dict[str, int | float]:
-        """The threads the engine runs with now, at most, and how often that changed; the CPUs others took."""
-        governor = self.governor
-        if governor is None:
-            return {"engine_threads": torch.get_num_threads(), "engine_threads_max": torch.get_num_threads()}
-        return {"engine_threads": governor.threads, "engine_threads_max": governor.max_threads,
-                "engine_thread_changes": governor.changes, "cpu_taken_by_others": round(governor.others, 2)}
 
     def _unavailable(self) -> str:
         return f"the engine has stopped ({self._closed}); retry on another worker or after its restart"
@@ -238,9 +230,7 @@ class Engine(CacheCommands):
     def _take_commands(self, block: bool) -> bool:
         """Queue new turns (FIFO) and run cache housekeeping; False once asked to stop. Waits for a
         command only when no turn is running (and, with turns fetching, at most until the first gives up)."""
-        timeout = EXPIRE_EVERY_S
-        if self._fetching:
-            timeout = max(0.0, min(timeout, min(r.fetch.deadline for r in self._fetching) - time.monotonic()))
+        timeout = self._fetching.wait_s(EXPIRE_EVERY_S)
         try:
             command = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
         except queue.Empty:
@@ -323,20 +313,14 @@ class Engine(CacheCommands):
         request = self._finder.remote_request(running)
         if request is None:
             return False
-        running.fetch = self.cache.start_fetch(request, len(running.prompt_ids), lambda: self._commands.put(_WAKE))
         self._prefilling.popleft()
-        self._fetching.append(running)
+        self._fetching.start(running, self.cache, request)
         return True
 
     def _fetched(self) -> None:
         """Turns whose fetch has finished, or that waited for it as long as recomputing would take, go back to the
         front of the prefilling turns (oldest first), to look up their cache; cancelled ones end."""
-        now = time.monotonic()
-        done = [running for running in self._fetching if running.fetch.ready(now) or running.turn.cancelled.is_set()]
-        if not done:
-            return
-        self._fetching = [running for running in self._fetching if running not in done]
-        for running in reversed(done):
+        for running in reversed(self._fetching.take_done()):
             if running.turn.cancelled.is_set():
                 running.fetch.job.cancel()
                 self.cache.release(running.turn.session_id)
@@ -513,33 +497,14 @@ class Engine(CacheCommands):
                     rows.append((running, self._forward_decode([running])[0]))
                 except Exception as alone_error:
                     self._fail(running, alone_error, "decode")
-        row_masks, failed = self._row_masks(constrained, masks) if masks is not None else ({}, {})
+        # (a row whose grammar failed to fill its mask fails alone: the grammar stage)
+        row_masks = dict(zip(map(id, constrained), masks_by_row(self.grammars, [r.grammar for r in constrained], masks),
+                             strict=True)) if masks is not None else {}
         for running, logits in rows:
-            if id(running) in failed:
-                self._fail(running, failed[id(running)], "grammar")
+            if isinstance(mask := row_masks.get(id(running)), Exception):
+                self._fail(running, mask, "grammar")
             else:
-                self._sample(running, logits, row_masks.get(id(running)))
-
-    def _row_masks(self, constrained: list[RunningTurn], masks: Future[torch.Tensor]
-                   ) -> tuple[dict[int, torch.Tensor], dict[int, Exception]]:
-        """Each constrained row's mask, by the row's id. When the grammar library fails the batch's fill, each row
-        is filled alone, so that only a row whose own fill fails fails (the second dict: its error)."""
-        try:
-            return dict(zip(map(id, constrained), masks.result(), strict=True)), {}
-        except Exception as error:
-            if is_fatal(error):
-                raise
-            log.warning("filling the masks of %d constrained turns failed (%s: %s); filling each alone",
-                        len(constrained), type(error).__name__, error)
-        row_masks, failed = {}, {}
-        for running in constrained:
-            try:
-                row_masks[id(running)] = fill_masks(self.grammars, [running.grammar])[0]
-            except Exception as error:
-                if is_fatal(error):
-                    raise
-                failed[id(running)] = error
-        return row_masks, failed
+                self._sample(running, logits, mask)
 
     def _forward_decode(self, batch: list[RunningTurn]) -> torch.Tensor:
         """One decode pass over `batch`: the logits [B, V] (a pass that fails leaves every cache as it was)."""
@@ -565,7 +530,7 @@ class Engine(CacheCommands):
     def _prepare(self, loaded: LoadedModel) -> None:
         threads = self.settings.threads or usable_cpus()
         torch.set_num_threads(threads)
-        self.governor = ThreadGovernor(threads) if self.settings.adaptive_threads else None
+        self.governor = ThreadGovernor(threads, adaptive=self.settings.adaptive_threads)
         self.loaded = loaded
         self.arena, self.runner, self.cache = wire(loaded, self.settings, self.faults, self._on_cache_copy)
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model.config.get_text_config().vocab_size,
