@@ -56,6 +56,23 @@ MAX_QUEUED_DELETES = 100_000
 DROP_REASONS = ("full", "expired", "deletes")  # why a queued write was not made: no room, too old, delete queue full
 
 
+# The session's own bytes, then its header, unless Redis holds a copy of a later version (another worker's, written
+# first): a late write of an older turn never takes its place. KEYS kv, kvmeta; ARGV bytes, header, version, TTL.
+_WRITE_SESSION = """
+local current = redis.call('GET', KEYS[2])
+if current then
+  local ok, meta = pcall(cjson.decode, current)
+  if ok and type(meta) == 'table' and tonumber(meta['session_version']) and
+      tonumber(meta['session_version']) > tonumber(ARGV[3]) then
+    return 0
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[4])
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
+return 1
+"""
+
+
 @dataclass(frozen=True)
 class _Pending:
     """A session's newest snapshot, queued for writing (`ticket`: the queued op that writes it)."""
@@ -81,7 +98,8 @@ class RemoteTier:
         self.errors = 0  # reads that failed
         self.write_errors = 0  # snapshots that could not be written
         self.counters = {"chunks_written": 0, "chunk_bytes_written": 0, "chunks_renewed": 0,
-                         "chunk_bytes_not_sent": 0, "chunks_lost": 0}  # (written by the writer thread)
+                         "chunk_bytes_not_sent": 0, "chunks_lost": 0,  # (written by the writer threads)
+                         "snapshots_superseded": 0}  # not written: Redis held a later version's copy
         self.dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)  # snapshots and deletes not sent, by why
         self._write_error_logged_at = float("-inf")
         self._down_until = 0.0
@@ -409,9 +427,11 @@ class RemoteTier:
             elif held is not None:
                 lost.append(name)  # gone from Redis, and this snapshot does not carry it: the next one will
         blob, meta = session_bytes(snapshot, tail, self.chunk_tokens, chunk_nbytes)
-        write.set(redis_key(session_id, "kv"), blob, ex=self.ttl_s)  # bytes first, then the header
-        write.set(redis_key(session_id, "kvmeta"), meta, ex=self.ttl_s)
-        renewed = write.execute()[:len(renewing)]
+        write.eval(_WRITE_SESSION, 2, redis_key(session_id, "kv"), redis_key(session_id, "kvmeta"), blob, meta,
+                   snapshot.session_version, self.ttl_s)
+        *answers, newest = write.execute()
+        renewed = answers[:len(renewing)]
+        counts["snapshots_superseded"] += not newest
         counts["chunks_renewed"] += sum(map(bool, renewed))
         lost += [name for name, found in zip(renewing, renewed, strict=True) if not found]
         counts["chunk_bytes_written"] += sent

@@ -228,3 +228,15 @@ def test_a_chunk_missing_right_after_the_held_policy_leaves_the_turn_the_policy(
     found = lookup_through_redis(reader, "s1", [*history(1, 80), 7], prefix_len=len(POLICY), session_version=1)
     assert (found.source, found.cached_tokens, found.cleared) == ("prefix", 32, ())
     assert reader.counters["remote_chunks_missing"] == 1
+
+
+def test_a_late_write_of_an_older_turn_never_replaces_a_newer_copy(workers):
+    """Two workers write the same session: the one whose write-back of an older turn reaches Redis last leaves the
+    newer copy in place (its chunks may land; the session's own keys do not)."""
+    newer, newer_remote = workers()
+    older, older_remote = workers()
+    write_turn(newer, newer_remote, "s", history(0, 90), 3)
+    write_turn(older, older_remote, "s", history(0, 40), 1)
+    assert older_remote.counters["snapshots_superseded"] == 1
+    found = lookup_through_redis(workers()[0], "s", [*history(0, 90), 7], session_version=3)
+    assert (found.source, found.cached_tokens) == ("remote", 90)
