@@ -427,8 +427,8 @@ class RemoteTier:
             elif held is not None:
                 lost.append(name)  # gone from Redis, and this snapshot does not carry it: the next one will
         blob, meta = session_bytes(snapshot, tail, self.chunk_tokens, chunk_nbytes)
-        write.eval(_WRITE_SESSION, 2, redis_key(session_id, "kv"), redis_key(session_id, "kvmeta"), blob, meta,
-                   snapshot.session_version, self.ttl_s)
+        write.execute_command("EVAL", _WRITE_SESSION, 2, redis_key(session_id, "kv"), redis_key(session_id, "kvmeta"),
+                              blob, meta, snapshot.session_version, self.ttl_s)  # (a cluster's pipeline too)
         *answers, newest = write.execute()
         renewed = answers[:len(renewing)]
         counts["snapshots_superseded"] += not newest
