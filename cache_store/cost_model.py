@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 MIN_PATIENCE_S = 0.25  # however short the history, a turn waits this long for Redis before recomputing
+# A fetch runs beside the batch and costs only its own turn's wait; a recompute takes the engine from every stream
+# for its prefill: a fetch is chosen while it is estimated at under this many prefills (the turn's patience too).
+FETCH_ADVANTAGE = 2.0
 
 
 class Throughput:
@@ -49,10 +52,12 @@ class RemoteDecision:
 
 
 class CostModel:
-    """Chooses between fetching a remote cache and recomputing it, from measured rates."""
+    """Chooses between fetching a remote cache and recomputing it, from measured rates; `always_fetch`
+    (`--remote-kv-fetch always`) fetches whatever the estimates, and waits as long as the Redis calls may take."""
 
-    def __init__(self, throughput: Throughput):
+    def __init__(self, throughput: Throughput, always_fetch: bool = False):
         self.throughput = throughput
+        self.always_fetch = always_fetch
         self.prefill_tokens_per_s: float | None = None
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
@@ -70,13 +75,15 @@ class CostModel:
         fetch_s, prefill_s = self.throughput.transfer_s(nbytes), self.prefill_s(tokens)
         fetch_ms = 1000 * fetch_s if fetch_s is not None else None
         prefill_ms = 1000 * prefill_s if prefill_s is not None else None
-        if fetch_ms is None or prefill_ms is None:
-            return RemoteDecision("fetch", fetch_ms, prefill_ms)  # nothing measured yet: try it, and measure
-        return RemoteDecision("fetch" if fetch_ms < prefill_ms else "recompute", fetch_ms, prefill_ms)
+        if self.always_fetch or fetch_ms is None or prefill_ms is None:
+            return RemoteDecision("fetch", fetch_ms, prefill_ms)  # (nothing measured yet: try it, and measure)
+        return RemoteDecision("fetch" if fetch_ms < FETCH_ADVANTAGE * prefill_ms else "recompute", fetch_ms, prefill_ms)
 
     def patience_s(self, tokens: int, timeout_s: float) -> float:
         """How long a turn of `tokens` waits for Redis (its header, then its chunks) before it recomputes instead:
-        twice the estimated prefill (the batch decodes on meanwhile: only this turn waits), at least
-        `MIN_PATIENCE_S`, and never past what the Redis calls may take (`timeout_s` each)."""
+        `FETCH_ADVANTAGE` times the estimated prefill (the batch decodes on meanwhile: only this turn waits), at
+        least `MIN_PATIENCE_S`, and never past what the Redis calls may take (`timeout_s` each)."""
         prefill_s = self.prefill_s(tokens)
-        return min(max(MIN_PATIENCE_S, 2 * prefill_s if prefill_s is not None else 2 * timeout_s), 2 * timeout_s)
+        if self.always_fetch or prefill_s is None:
+            return 2 * timeout_s
+        return min(max(MIN_PATIENCE_S, FETCH_ADVANTAGE * prefill_s), 2 * timeout_s)

@@ -54,11 +54,11 @@ class CacheStore:
                  remote: RemoteCaches | None = None, clock: Callable[[], float] = time.monotonic,
                  on_copy: CopyObserver | None = None, faults: FaultPoints | None = None,
                  host_kv_dtype: KVDtype = "same", remote_kv_dtype: KVDtype = "same",
-                 layer_windows: Sequence[int | None] = (), min_shared_tokens: int = UNIT):
+                 layer_windows: Sequence[int | None] = (), min_shared_tokens: int = UNIT, always_fetch: bool = False):
         self.enabled = enabled
         self.host_kv_dtype, self.remote_kv_dtype = host_kv_dtype, remote_kv_dtype
         self.remote = remote
-        self.cost = CostModel(remote.throughput if remote else Throughput())
+        self.cost = CostModel(remote.throughput if remote else Throughput(), always_fetch)
         self.layout = layout
         self.layer_windows = tuple(layer_windows) or (None,) * layout.layers  # per layer: sliding window or None
         self.model_key = model_key

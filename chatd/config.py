@@ -99,6 +99,11 @@ class Settings(BaseSettings):
     remote_kv_dtype: KVDtype = Field("same", description="how caches are kept in Redis: same (exact) or int8 "
                                                          "(a quarter of the bytes in float32; with same, int8 "
                                                          "copies written by other workers are not used)")
+    remote_kv_fetch: Literal["auto", "always"] = Field("auto", description=(
+        "whether a turn fetches its cache from Redis: auto, while that is estimated to cost under two prefills of "
+        "what it holds (from the measured round trip, Redis throughput and prefill rate; a fetch leaves the batch "
+        "decoding, a prefill does not), or always (spare the compute; a Redis that fails or times out is still "
+        "recomputed)"))
     remote_kv_queue_mb: float = Field(256, gt=0, description=(
         "host memory for snapshots waiting to be written to Redis (while it is slow or down); beyond it the oldest "
         "are dropped, and a snapshot queued over 30 s is too (counted on /metrics)"))

@@ -43,7 +43,7 @@ def wire(loaded: LoadedModel, settings: Settings, faults: FaultPoints,
         host_budget_bytes=int(settings.host_cache_mb * MB), ttl_s=settings.session_ttl_s, remote=remote,
         on_copy=on_cache_copy, faults=faults, host_kv_dtype=settings.host_kv_dtype,
         remote_kv_dtype=settings.remote_kv_dtype, layer_windows=geometry.windows,
-        min_shared_tokens=settings.shared_prompt_min_tokens)
+        min_shared_tokens=settings.shared_prompt_min_tokens, always_fetch=settings.remote_kv_fetch == "always")
     if remote is not None:
         remote.probe()
         _measure_prefill(loaded, runner, loaded.max_context)
