@@ -41,7 +41,7 @@ async def test_a_checkpoint_whose_weights_changed_under_the_same_name_starts_wit
                                                                                                 redis_db):
     folder = tmp_path / "support-model"
     save_weights(tiny, folder, seed=1)
-    settings = Settings(port=0, model=str(folder), device="cpu", redis_url=redis_db.url, remote_kv=True,
+    settings = Settings(port=0, model=str(folder), device="cpu", redis_url=redis_db.url, remote_kv=True, remote_kv_fetch="always",
                         cache_dir=tmp_path / "cache")
     async with ChatServer(settings) as before:
         await before.wait_ready()

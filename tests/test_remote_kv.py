@@ -41,7 +41,7 @@ async def wait_for_remote(url: str, session_id: str, version: int) -> None:
 
 async def conversation(tiny, redis_db, damage=None):
     """Two turns on worker A, optional damage to the remote copy, the third turn on worker B."""
-    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True)
+    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, remote_kv_fetch="always")
     async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
         session_id = (await on_a.open_session(system="Be brief.")).session_id
         reference_id = (await reference.open_session(system="Be brief.")).session_id
@@ -128,7 +128,7 @@ def test_the_cost_model_picks_the_faster_path():
 
 
 async def test_turns_go_on_without_stalling_while_the_remote_tier_is_down(tiny, redis_server):
-    settings = Settings(port=0, redis_url=redis_server.url, remote_kv=True)
+    settings = Settings(port=0, redis_url=redis_server.url, remote_kv=True, remote_kv_fetch="always")
     async with ChatServer(settings, load=lambda: tiny) as server:
         await server.wait_ready()
         async with ChatClient(await connect(server.url)) as client:
@@ -202,7 +202,7 @@ CHUNKED = {"remote_kv_chunk_tokens": 16}  # short chunks, so that the tiny model
 async def policy_conversation(tiny, redis_db, damage=None):
     """Two turns of a session on worker A, another session with the same policy on worker B (which then holds
     the policy's segment), optional damage, and the session's third turn on worker B."""
-    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, shared_prompt_min_tokens=16, **CHUNKED)
+    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, remote_kv_fetch="always", shared_prompt_min_tokens=16, **CHUNKED)
     async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
         session_id = (await on_a.open_session(system=POLICY)).session_id
         reference_id = (await reference.open_session(system=POLICY)).session_id
@@ -271,7 +271,7 @@ async def test_sessions_sharing_a_policy_store_its_chunks_once_and_another_worke
     once; worker B, which has never seen the policy, fetches them once (then holds the policy as a segment) and
     continues all three exactly. A corrupted policy chunk in Redis is caught at its first fetch and deleted: every
     conversation still answers right, and the next write heals Redis."""
-    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, shared_prompt_min_tokens=16, **CHUNKED)
+    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, remote_kv_fetch="always", shared_prompt_min_tokens=16, **CHUNKED)
     async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
         pairs = []
         for question in QUESTIONS:
@@ -318,7 +318,7 @@ async def test_sessions_sharing_a_policy_store_its_chunks_once_and_another_worke
 
 async def test_two_keys_with_the_same_policy_never_share_its_chunks_in_redis(tiny, redis_db):
     """Chunks are named for their owner: the same policy under two API keys is two chains."""
-    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, shared_prompt_min_tokens=16,
+    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, remote_kv_fetch="always", shared_prompt_min_tokens=16,
                         api_key=["key-a", "key-b"], **CHUNKED)
     async with ChatServer(settings, load=lambda: tiny) as server:
         await server.wait_ready()
@@ -337,7 +337,7 @@ async def test_two_keys_with_the_same_policy_never_share_its_chunks_in_redis(tin
 async def test_a_conversation_alternating_workers_fetches_only_the_chunks_each_lacks(tiny, redis_db):
     """Turn by turn on worker A, then B, then A...: each turn continues the copy its worker holds from two turns
     before with only the chunks after it, and answers as a server with no cache at all."""
-    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, **CHUNKED)
+    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, remote_kv_fetch="always", **CHUNKED)
     async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
         for server in servers[:2]:
             server.engine.cache.cost.prefill_tokens_per_s = 1.0  # always fetch (see `conversation`)

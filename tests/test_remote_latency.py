@@ -18,14 +18,12 @@ QUESTIONS = ["My parcel is late.", "It was sent on Monday.", "Where is it now?",
 async def conversations(tiny, url: str, count: int = 8) -> tuple[list[list[tuple[str, ...]]], list, list]:
     """`count` conversations at once, each turn on the other worker of a pair sharing `url`: every conversation's
     replies (as streamed), every turn's `chat.done`, and the two engines."""
-    settings = Settings(port=0, redis_url=url, remote_kv=True)
+    # Every turn fetches (what is tested is the wait, not the cost model: the tiny model's prefill is as fast as a
+    # round trip), and waits as long as the Redis calls may take.
+    settings = Settings(port=0, redis_url=url, remote_kv=True, remote_kv_fetch="always")
     async with ChatServer(settings, load=lambda: tiny) as a, ChatServer(settings, load=lambda: tiny) as b:
         for server in (a, b):
             await server.wait_ready()
-            # Every turn fetches (what is tested is the wait, not the cost model: the tiny model's prefill is faster
-            # than any round trip), so the rate stays what is set here.
-            cost = server.engine.cache.cost
-            cost.prefill_tokens_per_s, cost.record_prefill = 1.0, lambda tokens, seconds: None
         async with ChatClient(await connect(a.url)) as on_a, ChatClient(await connect(b.url)) as on_b:
             dones = []
 

@@ -78,14 +78,13 @@ async def test_tool_results_continue_the_session_from_its_cache_and_answer_like_
 
 async def test_another_worker_continues_a_tool_round_from_the_cache_in_redis(tiny, redis_db):
     hermes = _hermes_model(tiny)
-    settings = Settings(port=0, model="tiny", redis_url=redis_db.url, remote_kv=True)
+    settings = Settings(port=0, model="tiny", redis_url=redis_db.url, remote_kv=True, remote_kv_fetch="always")
     async with two_workers_and_a_reference(hermes, settings) as (on_a, on_b, reference, servers):
         session_id = (await on_a.open_session(system="Support desk.", tools=TOOLS,
                                               tool_choice={"name": "refund"})).session_id
         first = await (await on_a.chat(session_id, "Refund order 7, please.", max_new_tokens=60)).result()
         assert first.tool_calls
         await wait_for_remote(redis_db.url, session_id, 1)
-        servers[1].engine.cache.cost.prefill_tokens_per_s = 1.0  # worker B fetches rather than recomputes
         results = {call.id: RESULT for call in first.tool_calls}
         answered = await on_b.send_tool_results(session_id, results, max_new_tokens=60)
         done = await answered.result()
