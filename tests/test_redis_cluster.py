@@ -39,10 +39,9 @@ async def test_a_conversation_alternating_workers_on_a_cluster_answers_like_a_ca
     """Two workers given one node's URL find the cluster; a websocket conversation alternates between them turn by
     turn, each later turn continuing from the chunks in Redis; the keys spread over every primary."""
     assert topology(cluster.url) == RedisTopology(cluster=True, replicas=1)
-    settings = Settings(port=0, redis_url=cluster.url, remote_kv=True, remote_kv_fetch="always", remote_kv_chunk_tokens=16)
+    settings = Settings(port=0, redis_url=cluster.url, remote_kv=True,
+                        remote_kv_fetch="always", remote_kv_chunk_tokens=16)
     async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
-        for server in servers[:2]:
-            server.engine.cache.cost.prefill_tokens_per_s = 1.0  # always fetch: what is tested is the cluster
         session_id = (await on_a.open_session(system="Be brief.")).session_id
         reference_id = (await reference.open_session(system="Be brief.")).session_id
         for number, question in enumerate(QUESTIONS):
@@ -109,13 +108,12 @@ async def test_openai_clients_continue_on_either_worker_of_a_cluster(tiny, clust
     def client(server) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0)
 
-    shared = Settings(port=0, model="tiny-test", redis_url=cluster.url, remote_kv=True, remote_kv_fetch="always", remote_kv_chunk_tokens=16)
+    shared = Settings(port=0, model="tiny-test", redis_url=cluster.url, remote_kv=True,
+                      remote_kv_fetch="always", remote_kv_chunk_tokens=16)
     async with ChatServer(shared, load=lambda: tiny) as a, ChatServer(shared.model_copy(), load=lambda: tiny) as b, \
             ChatServer(Settings(port=0, model="tiny-test", session_cache=False), load=lambda: tiny) as alone:
         for server in (a, b, alone):
             await server.wait_ready()
-        for server in (a, b):
-            server.engine.cache.cost.prefill_tokens_per_s = 1.0  # always fetch (see the websocket test)
         workers, reference = [client(a), client(b)], client(alone)
         messages = [{"role": "system", "content": "Be brief."}]
         for number, question in enumerate(QUESTIONS[:4]):
@@ -148,7 +146,8 @@ async def test_the_primary_with_the_most_keys_killed_mid_conversation_loses_no_c
     nodes = RedisClusterNodes(tmp_path / "drill")
     nodes.start()
     try:
-        settings = Settings(port=0, redis_url=nodes.url, remote_kv=True, remote_kv_fetch="always", remote_kv_chunk_tokens=16)
+        settings = Settings(port=0, redis_url=nodes.url, remote_kv=True,
+                            remote_kv_fetch="always", remote_kv_chunk_tokens=16)
         async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
             conversations = await _one_conversation_per_primary(on_a, reference, nodes)
             killed = None

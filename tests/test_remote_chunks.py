@@ -23,8 +23,8 @@ def worker(url: str, tokens: int = 2000, **kwargs) -> tuple[CacheStore, RemoteTi
     remote = RemoteTier(url, ttl_s=600, chunk_tokens=CHUNK)
     store = CacheStore(new_cache=lambda n: ArenaCache(arena), offloader=Offloader(torch.device("cpu")), layout=LAYOUT,
                        model_key="test-model", device_budget_bytes=tokens * BYTES_PER_TOKEN,
-                       host_budget_bytes=tokens * BYTES_PER_TOKEN, clock=Clock(), remote=remote, **kwargs)
-    store.cost.prefill_tokens_per_s = 1.0  # always fetch: what is tested is the chain, not the cost model
+                       host_budget_bytes=tokens * BYTES_PER_TOKEN, clock=Clock(), remote=remote,
+                       always_fetch=True, **kwargs)  # (what is tested is the chain, not the cost model)
     return store, remote
 
 

@@ -53,9 +53,6 @@ async def conversation(tiny, redis_db, damage=None):
             await (await reference.chat(reference_id, question, max_new_tokens=6)).result()
         await wait_for_remote(redis_db.url, session_id, 2)
         await wait_for_remote(redis_db.url, other_id, 2)
-        # What is tested is the remote copy and its checks, so worker B must fetch: the tiny model's prefill
-        # is so fast that, on a busy machine, the cost model may rightly prefer recomputing.
-        servers[1].engine.cache.cost.prefill_tokens_per_s = 1.0
         if damage:
             client = redis.Redis.from_url(redis_db.url)
             await damage(client, session_id, other_id)
@@ -202,7 +199,8 @@ CHUNKED = {"remote_kv_chunk_tokens": 16}  # short chunks, so that the tiny model
 async def policy_conversation(tiny, redis_db, damage=None):
     """Two turns of a session on worker A, another session with the same policy on worker B (which then holds
     the policy's segment), optional damage, and the session's third turn on worker B."""
-    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, remote_kv_fetch="always", shared_prompt_min_tokens=16, **CHUNKED)
+    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True,
+                        remote_kv_fetch="always", shared_prompt_min_tokens=16, **CHUNKED)
     async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
         session_id = (await on_a.open_session(system=POLICY)).session_id
         reference_id = (await reference.open_session(system=POLICY)).session_id
@@ -213,7 +211,6 @@ async def policy_conversation(tiny, redis_db, damage=None):
             await (await reference.chat(reference_id, question, max_new_tokens=6)).result()
         await wait_for_remote(redis_db.url, session_id, 2)
         worker_b = servers[1].engine
-        worker_b.cache.cost.prefill_tokens_per_s = 1.0  # make worker B fetch (see `conversation`)
         if damage:
             await damage(redis_db.url, session_id, worker_b)
         turn = await on_b.chat(session_id, QUESTIONS[2], max_new_tokens=6)
@@ -271,7 +268,8 @@ async def test_sessions_sharing_a_policy_store_its_chunks_once_and_another_worke
     once; worker B, which has never seen the policy, fetches them once (then holds the policy as a segment) and
     continues all three exactly. A corrupted policy chunk in Redis is caught at its first fetch and deleted: every
     conversation still answers right, and the next write heals Redis."""
-    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, remote_kv_fetch="always", shared_prompt_min_tokens=16, **CHUNKED)
+    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True,
+                        remote_kv_fetch="always", shared_prompt_min_tokens=16, **CHUNKED)
     async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
         pairs = []
         for question in QUESTIONS:
@@ -290,7 +288,6 @@ async def test_sessions_sharing_a_policy_store_its_chunks_once_and_another_worke
         shared = chunk_key(policy_chunks[0])
         damage = await flip_a_byte_of_a_shared_chunk(client, shared) if damaged else None
         worker_b = servers[1].engine
-        worker_b.cache.cost.prefill_tokens_per_s = 1.0  # make worker B fetch (see `conversation`)
         sources = []
         for session_id, reference_id in pairs:
             turn = await on_b.chat(session_id, "And then?", max_new_tokens=6)
@@ -318,7 +315,8 @@ async def test_sessions_sharing_a_policy_store_its_chunks_once_and_another_worke
 
 async def test_two_keys_with_the_same_policy_never_share_its_chunks_in_redis(tiny, redis_db):
     """Chunks are named for their owner: the same policy under two API keys is two chains."""
-    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, remote_kv_fetch="always", shared_prompt_min_tokens=16,
+    settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True,
+                        remote_kv_fetch="always", shared_prompt_min_tokens=16,
                         api_key=["key-a", "key-b"], **CHUNKED)
     async with ChatServer(settings, load=lambda: tiny) as server:
         await server.wait_ready()
@@ -339,8 +337,6 @@ async def test_a_conversation_alternating_workers_fetches_only_the_chunks_each_l
     before with only the chunks after it, and answers as a server with no cache at all."""
     settings = Settings(port=0, redis_url=redis_db.url, remote_kv=True, remote_kv_fetch="always", **CHUNKED)
     async with two_workers_and_a_reference(tiny, settings) as (on_a, on_b, reference, servers):
-        for server in servers[:2]:
-            server.engine.cache.cost.prefill_tokens_per_s = 1.0  # always fetch (see `conversation`)
         session_id = (await on_a.open_session(system="Be brief.")).session_id
         reference_id = (await reference.open_session(system="Be brief.")).session_id
         questions = [*QUESTIONS, "Can you check again?", "Thanks.", "One more thing."]
