@@ -129,7 +129,7 @@ def batched_against_single(engine: Engine, tokens: int, batch: int) -> list[tupl
             entries.append(entry)
         nexts = torch.randint(100, 1000, (batch,)).tolist()
         lengths = [entry.num_tokens for entry in entries]
-        batched = engine.runner.decode(entries, nexts).float()
+        batched = torch.stack(engine.runner.decode(entries, [[token] for token in nexts]))[:, -1].float()
         for entry, length in zip(entries, lengths, strict=True):
             entry.crop(length)
         single = torch.stack([engine.runner.forward(entry, [token]).float()
@@ -152,11 +152,11 @@ def decode_rates(engine: Engine, tokens: int, batches: list[int], steps: int = 8
                 entry.cache.reserve(tokens + steps + 1)
                 entries.append(entry)
             nexts = torch.randint(100, 1000, (batch,)).tolist()
-            engine.runner.decode(entries, nexts)  # warm-up
+            engine.runner.decode(entries, [[token] for token in nexts])  # warm-up
             synchronize(device)
             started = time.perf_counter()
             for _ in range(steps):
-                engine.runner.decode(entries, nexts)
+                engine.runner.decode(entries, [[token] for token in nexts])
             synchronize(device)
             step_s = (time.perf_counter() - started) / steps
             rows.append((f"decode, batch {batch}, {tokens}-token caches",

@@ -185,7 +185,7 @@ def _time_steps(engine, store, session_ids: list[str], steps: int = 12) -> float
     with torch.inference_mode():
         for step in range(steps + 2):
             started = time.perf_counter()
-            engine.runner.decode(entries, [200 + step] * len(entries))
+            engine.runner.decode(entries, [[200 + step]] * len(entries))
             if step >= 2:  # two warm-up steps
                 samples.append(time.perf_counter() - started)
     for entry, length in zip(entries, lengths, strict=True):

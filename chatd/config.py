@@ -61,6 +61,11 @@ class Settings(BaseSettings):
                                                      "processes take this process's cores (its threads spin-wait "
                                                      "for each other: a busy neighbour would stall every step)")
     max_batch: int = Field(16, ge=1, description="turns decoded together in one batched step (like max_num_seqs)")
+    speculation: Literal["on", "off"] = Field("on", description=(
+        "speculative decoding with no draft model: each decoding turn proposes a draft from its own conversation "
+        "and its owner's recent replies, verified in the batched step (replies equal plain decoding's; a turn whose "
+        "drafts are not accepted stops drafting)"))
+    speculation_tokens: int = Field(6, ge=1, le=32, description="the longest draft a turn proposes in one step")
     prefill_chunk: int = Field(256, ge=1, description="prompt tokens fed per engine step (across the turns "
                                                       "being prefilled), between decode steps of the others")
     max_waiting: int = Field(64, ge=1, description="turns waiting for the engine beyond which a new request is "

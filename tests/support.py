@@ -90,8 +90,8 @@ def running_engine(loaded: LoadedModel, **settings):
 
 
 def run_turn(engine: Engine, session: Session, content: str, on_text=None, record: bool = True,
-             **params) -> tuple[TurnResult | TurnFailed, list[str]]:
-    """Run one turn to its end; record it in `session` when it completed. `on_text(turn, text)`
+             owner: str | None = None, **params) -> tuple[TurnResult | TurnFailed, list[str]]:
+    """Run one turn (of `owner`'s key) to its end; record it in `session` when it completed. `on_text(turn, text)`
     runs in the engine thread for every streamed piece."""
     events: list[TurnEvent] = []
     finished = threading.Event()
@@ -107,7 +107,7 @@ def run_turn(engine: Engine, session: Session, content: str, on_text=None, recor
 
     turn = Turn(turn_id=f"t{len(session.messages)}", session_id=session.session_id,
                 messages=session.prompt_messages(content), params=SamplingParams(**params), emit=emit,
-                session_version=session.version)
+                session_version=session.version, owner=owner)
     engine.submit(turn)
     assert finished.wait(120), "the engine did not finish the turn"
     final = events[-1]

@@ -11,7 +11,7 @@ import torch
 from cache_store import CacheEntry, DeviceTier, chain
 from cache_store.arena import UNIT, ArenaCache, KVArena
 from cache_store.policy import LRUPolicy
-from chatd.engine.chain_attention import matmul_attention, merge_partials, partial_attention
+from chatd.engine.chain_attention import ChainPlan, matmul_attention, merge_partials, partial_attention
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4
 
@@ -164,3 +164,44 @@ def test_a_query_that_sees_nothing_in_a_piece_contributes_nothing_from_it(kernel
     keys = torch.randn(1, 3, 4, dtype=torch.float64)
     output, lse = kernel(query, keys, keys, 1.0, torch.zeros(1, 1, 3, dtype=torch.bool))
     assert torch.isneginf(lse).all() and torch.equal(output, torch.zeros_like(output))
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("softcap", [None, 30.0])  # (None: the own pieces gathered into one call; else one a row)
+def test_rows_of_any_length_attend_their_chain_exactly(window, softcap):
+    """Three caches on one shared segment feed 1, 3 and 2 tokens in one pass (a token, and drafts to verify):
+    each query sees the segment and its own positions up to its own, within its window, as one softmax would."""
+    kv_arena = arena()
+    first = filled(kv_arena, UNIT + 9, seed=1)
+    policy = chain.split(first, UNIT)
+    caches = [first]
+    for keep in (UNIT + 4, UNIT + 7):
+        caches.append(ArenaCache(kv_arena))
+        chain.start_from(caches[-1], first, keep)
+    counts = [1, 3, 2]
+    generator = torch.Generator().manual_seed(2)
+    for cache, count in zip(caches, counts, strict=True):  # the pass's new keys and values, written in place
+        cache.reserve(cache.get_seq_length() + count)
+        start = cache.region.start + cache.used_tokens()
+        for buffer in (*kv_arena.keys, *kv_arena.values):
+            buffer[:, start:start + count] = torch.randn(HEADS, count, HEAD_DIM, generator=generator,
+                                                         dtype=torch.float64)
+    query = torch.randn(1, 2 * HEADS, sum(counts), HEAD_DIM, generator=generator, dtype=torch.float64)
+    plan = ChainPlan(kv_arena, caches, counts, torch.device("cpu"))
+    for layer in range(LAYERS):
+        got = plan.attend(layer, window, query, 0.4, softcap, None)  # [1, Q, Hq, D]
+        first_query = 0
+        for cache, count in zip(caches, counts, strict=True):
+            own = slice(cache.region.start, cache.region.start + cache.used_tokens() + count)
+            segment = slice(policy.region.start, policy.region.start + UNIT)
+            keys = torch.cat([kv_arena.keys[layer][:, segment], kv_arena.keys[layer][:, own]], 1)
+            values = torch.cat([kv_arena.values[layer][:, segment], kv_arena.values[layer][:, own]], 1)
+            at = torch.arange(cache.get_seq_length(), cache.get_seq_length() + count)[:, None]
+            seen = torch.arange(keys.shape[1])[None, :] <= at
+            if window is not None:
+                seen &= torch.arange(keys.shape[1])[None, :] > at - window
+            expected = attention_over_all(query[:, :, first_query:first_query + count], keys, values, 0.4,
+                                          seen[None], softcap)
+            assert torch.allclose(got[:, first_query:first_query + count].transpose(1, 2), expected,
+                                  atol=1e-10, rtol=1e-10)
+            first_query += count

@@ -98,6 +98,24 @@ def test_conversations_that_share_a_policy_decode_together_and_alone(family):
         assert stats["prefixes"] == 1 and stats["shared_sessions"] == 4 and stats["segment_bytes"] > 0
 
 
+def test_drafts_from_the_desks_replies_are_verified_exactly_together_and_alone(family):
+    """Four customers ask, then four more ask the same: the first ones' replies are proposed as drafts and
+    verified in the batched step (several tokens per row, in the rows' own regions and, with a shared policy, in
+    chained rows), then in one conversation alone: every reply is transformers' all the same."""
+    with running_engine(family.loaded, max_batch=4, shared_prompt_min_tokens=16) as engine:
+        lengths = [10, 14, 8, 12]
+        for system in ("Be brief.", POLICY):
+            contents = QUESTIONS[:4]
+            run_together(engine, [Session(f"{system[:4]}a{i}", system=system) for i in range(4)], contents, lengths)
+            later = [Session(f"{system[:4]}b{i}", system=system) for i in range(4)]
+            for session, result, length in zip(later, run_together(engine, later, contents, lengths), lengths,
+                                               strict=True):
+                assert result.token_ids == family.expected(result, length), session.session_id
+            alone, _ = run_turn(engine, Session(f"{system[:4]}c", system=system), contents[1], max_new_tokens=14)
+            assert alone.token_ids == family.expected(alone, 14)
+        assert engine.speculator.counters.accepted_tokens > 0
+
+
 @pytest.mark.parametrize("kv_dtype", ["same", "int8"])
 def test_a_cache_restored_from_the_host_tier(family, kv_dtype):
     """Evicted after every turn and restored for the next. Exact copies answer as a recompute does; int8

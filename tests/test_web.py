@@ -177,6 +177,9 @@ async def test_dashboard_draws_live_charts_after_traffic(server, browser):
     most = server.engine.cache_stats["engine_threads_max"]
     await expect(page.locator("#summary")).to_contain_text(
         re.compile(rf"Engine threads: now / max \(CPUs others take\)\d+ / {most} \(\d+\.\d\)"))
+    await expect(page.locator("#summary")).to_contain_text(re.compile(
+        r"Speculation: draft tokens / accepted \(acceptance\)\d+ / \d+ \((\d+%|–)\)"))
+    assert server.engine.cache_stats["spec_max_tokens"] > 0, "speculation is on by default"
     first_update = await page.locator("#updated").inner_text()
     await asyncio.sleep(3.5)
     assert await page.locator("#updated").inner_text() != first_update  # it refreshes by itself

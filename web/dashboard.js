@@ -76,6 +76,7 @@ function engineRows(engine, remote) {
     ["Engine threads: now / max (CPUs others take)",
       engine.threads === undefined || engine.threads === null ? "–"
         : `${engine.threads} / ${engine.threads_max} (${(engine.cpu_taken_by_others ?? 0).toFixed(1)})`],
+    speculationRow(engine.speculation || {}),
   ];
   if (!remote.budget_bytes) return rows;  // no --remote-kv
   const fetches = remote.fetches || {}, queue = remote.queue || {}, dropped = queue.dropped || {};
@@ -84,6 +85,14 @@ function engineRows(engine, remote) {
     ["Redis: round trip, turns fetching", `${ms(remote.round_trip_ms)} ms, ${engine.fetching ?? 0}`],
     ["Redis write queue: snapshots / dropped", `${queue.writes ?? 0} (${mb(queue.bytes ?? 0)}) / ${sum(dropped)}`],
   ]);
+}
+
+function speculationRow(speculation) {
+  const name = "Speculation: draft tokens / accepted (acceptance)";
+  if (!speculation.max_tokens) return [name, "off"];
+  const acceptance = speculation.acceptance === null || speculation.acceptance === undefined ? "–"
+    : `${(100 * speculation.acceptance).toFixed(0)}%`;
+  return [name, `${speculation.draft_tokens ?? 0} / ${speculation.accepted_tokens ?? 0} (${acceptance})`];
 }
 
 function redisRows(redis) {

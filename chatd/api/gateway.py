@@ -35,6 +35,7 @@ from chatd.api.protocol import (
     SessionClosed,
     SessionOpen,
     SessionReady,
+    SpeculationReport,
     Timings,
     ToolCallOut,
     Typing,
@@ -386,4 +387,5 @@ def _reply(turn_id: str, event: TurnResult | TurnFailed, started: StartedTurn) -
         cache=CacheReport(source=event.cache_source, miss_reason=event.miss_reason, cleared=event.cleared,
                           remote=event.remote, quantized=event.quantized),
         dropped_turns=event.dropped_turns,
+        speculation=SpeculationReport(draft_tokens=event.draft_tokens, accepted_tokens=event.accepted_tokens),
     )

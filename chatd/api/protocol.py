@@ -258,6 +258,14 @@ class Timings(BaseModel):
     tokens_per_s: float
 
 
+class SpeculationReport(BaseModel):
+    """The turn's speculative decoding: draft tokens verified, and those the model sampled too (each saved a decode
+    step; the reply is what plain decoding gives)."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
 class RemoteReport(BaseModel):
     """Why a cache found in the remote tier was fetched or not: the two estimates compared; `timeout`: Redis did not
     answer within the time recomputing was estimated to take, and the turn recomputed instead of waiting longer."""
@@ -291,6 +299,7 @@ class ChatDone(BaseModel):
     timings: Timings
     cache: CacheReport
     dropped_turns: int = 0  # oldest turns left out of the prompt so that it fits the model's context
+    speculation: SpeculationReport = Field(default_factory=SpeculationReport)
 
 
 class SessionClosed(BaseModel):

@@ -7,11 +7,12 @@ the model's attention through the one that wraps what transformers chose for it:
 - `chatd_arena_eager` wraps the family's own eager attention, for models that sdpa cannot serve:
   attention-logit soft-capping (Gemma 2) and attention sinks (gpt-oss). transformers picks eager for them.
 
-Every call but a batched decode step goes straight to the wrapped function with the mask transformers
-built for the layer (sliding or full, as the model's config says), so a single sequence attends exactly as
-in transformers. A batched step instead gives each row a view of its own region: a full layer sees the
-whole region, a sliding-window layer its last `window` positions (the current token included), which is
-transformers' rule (`kv_idx > q_idx - sliding_window`) for a query at the end of the region.
+Every call but a batched step goes straight to the wrapped function with the mask transformers built for
+the layer (sliding or full, as the model's config says), so a single sequence attends exactly as in
+transformers. A batched step packs its rows' tokens into one sequence (a row feeds one token, or a draft to
+verify) and gives each row a view of its own region: a full layer sees the whole region, a sliding-window
+layer the positions its first query's window reaches, and a row of several queries a mask of what each of
+them sees, which is transformers' rule (`kv_idx <= q_idx`, `kv_idx > q_idx - sliding_window`).
 
 A cache that starts with shared segments (`cache_store/chain.py`), alone or in a batch, attends through
 `chatd.engine.chain_attention` instead: each piece apart, merged by log-sum-exp, a shared segment once for
@@ -38,24 +39,43 @@ ARENA_ATTENTION = {"sdpa": "chatd_arena", "eager": "chatd_arena_eager"}
 
 
 class ArenaRows:
-    """The rows of a batched decode step. For each row whose cache has no shared segments, the arena positions
-    it attends to in each layer (its region's start and length, the new token included, cut to the layer's
-    sliding window); the rows whose caches start with shared segments (`chained`, in order) attend through
-    `chain`."""
+    """The rows of a batched step, their queries packed one after another (`queries[i]` of row i: one token, or
+    a draft to verify). For each row whose cache has no shared segments, the arena positions it attends to in
+    each layer (its region's start and length, the new tokens included, cut to what its first query's sliding
+    window reaches) and, for a row of several queries, which of them each query sees (its own position and
+    those before it, within its window); the rows whose caches start with shared segments (`chained`, in
+    order) attend through `chain`."""
 
-    def __init__(self, rows: Sequence[tuple[int, int] | None], windows: Sequence[int | None],
-                 chain: ChainPlan | None = None):
+    def __init__(self, rows: Sequence[tuple[int, int] | None], queries: Sequence[int],
+                 windows: Sequence[int | None], chain: ChainPlan | None = None):
         self.windows = windows
+        firsts = [sum(queries[:index]) for index in range(len(queries))]
+        self.pieces = [slice(first, first + count) for first, count in zip(firsts, queries, strict=True)]
         self.plain = [index for index, row in enumerate(rows) if row is not None]
         self.chained = [index for index, row in enumerate(rows) if row is None]
         self.chain = chain
-        self._spans = {window: [slice(start + (max(0, length - window) if window else 0), start + length)
-                                for start, length in (rows[index] for index in self.plain)]
+        self.chained_queries = torch.tensor([q for index in self.chained for q in range(
+            self.pieces[index].start, self.pieces[index].stop)]) if self.chained else None
+        self._spans = {window: [_span(*rows[index], queries[index], window) for index in self.plain]
                        for window in set(windows)}
 
-    def spans(self, layer: int) -> list[slice]:
-        """Per plain row, the positions it attends to in `layer`."""
+    def spans(self, layer: int) -> list[tuple[slice, torch.Tensor | None]]:
+        """Per plain row, the positions it attends to in `layer`, and which each of its queries sees."""
         return self._spans[self.windows[layer]]
+
+
+def _span(start: int, length: int, queries: int, window: int | None) -> tuple[slice, torch.Tensor | None]:
+    """The arena positions a row of `queries` queries (the last of its `length` positions) attends to, and for
+    several queries the mask [1, 1, queries, keys] of what each sees (None: every query sees every key)."""
+    low = max(0, length - queries - window + 1) if window else 0
+    if queries == 1:
+        return slice(start + low, start + length), None
+    query_at = torch.arange(length - queries, length)[:, None]
+    key_at = torch.arange(low, length)[None, :]
+    visible = key_at <= query_at
+    if window:
+        visible &= key_at > query_at - window
+    return slice(start + low, start + length), visible[None, None]
 
 
 @functools.cache
@@ -76,7 +96,9 @@ def _chained(module: nn.Module, plan: ChainPlan, query: torch.Tensor, windows: S
                        kwargs.get("s_aux"))
 
 
-def _rows_attention(inner: Callable[[nn.Module], Callable]) -> Callable:
+def _rows_attention(inner: Callable[[nn.Module], Callable], additive: bool) -> Callable:
+    """The attention of the model's layers in the KV arena, wrapping `inner` (whose masks are boolean, or
+    `additive` floats as eager attention takes them)."""
     def attention(module, query, key, value, attention_mask, **kwargs):
         step: ArenaRows | None = kwargs.pop("arena_rows", None)
         chain: tuple[ChainPlan, Sequence[int | None]] | None = kwargs.pop("arena_chain", None)
@@ -87,21 +109,32 @@ def _rows_attention(inner: Callable[[nn.Module], Callable]) -> Callable:
             return forward(module, query, key, value, attention_mask, **kwargs)
         if not step.plain:  # every row starts with shared segments: one plan, no reassembly
             return _chained(module, step.chain, query, step.windows, kwargs), None
-        outputs: list[torch.Tensor | None] = [None] * query.shape[0]
-        for row, span in zip(step.plain, step.spans(module.layer_idx), strict=True):
-            outputs[row] = forward(module, query[row:row + 1], key[:, span].unsqueeze(0), value[:, span].unsqueeze(0),
-                                   None, **kwargs)[0]
+        outputs: list[torch.Tensor | None] = [None] * len(step.pieces)
+        for row, (span, visible) in zip(step.plain, step.spans(module.layer_idx), strict=True):
+            mask = visible
+            if visible is not None and additive:
+                mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                    ~visible.to(query.device), torch.finfo(query.dtype).min)
+            elif visible is not None:
+                mask = visible.to(query.device)
+            outputs[row] = forward(module, query[:, :, step.pieces[row]], key[:, span].unsqueeze(0),
+                                   value[:, span].unsqueeze(0), mask, **kwargs)[0]
         if step.chained:
-            chained = _chained(module, step.chain, query[step.chained], step.windows, kwargs)
-            for number, row in enumerate(step.chained):
-                outputs[row] = chained[number:number + 1]
-        return torch.cat(outputs), None
+            chained = _chained(module, step.chain, query[:, :, step.chained_queries.to(query.device)],
+                               step.windows, kwargs)
+            first = 0
+            for row in step.chained:
+                count = step.pieces[row].stop - step.pieces[row].start
+                outputs[row] = chained[:, first:first + count]
+                first += count
+        return torch.cat(outputs, dim=1), None
     return attention
 
 
-AttentionInterface.register(ARENA_ATTENTION["sdpa"], _rows_attention(lambda module: sdpa_attention_forward))
+AttentionInterface.register(ARENA_ATTENTION["sdpa"], _rows_attention(lambda module: sdpa_attention_forward, False))
 AttentionMaskInterface.register(ARENA_ATTENTION["sdpa"], ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-AttentionInterface.register(ARENA_ATTENTION["eager"], _rows_attention(lambda module: _family_eager(type(module))))
+AttentionInterface.register(ARENA_ATTENTION["eager"], _rows_attention(lambda module: _family_eager(type(module)),
+                                                                      True))
 AttentionMaskInterface.register(ARENA_ATTENTION["eager"], ALL_MASK_ATTENTION_FUNCTIONS["eager"])
 
 

@@ -96,16 +96,18 @@ def _fused_cpu(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
 
 def gathered_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
                        visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query per row [R, Hq, 1, D] over each row's own keys and values [R, Hkv, L, D] (gathered and padded
-    to one length; `visible` [R, L] says which are the row's and in its window), in one call of torch's fused
-    CPU flash kernel: the output [R, Hq, 1, D] and the log-sum-exp [R, Hq, 1]."""
-    rows, heads, _, dim = query.shape
+    """Each row's queries [R, Hq, Lq, D] (padded to one count) over its own keys and values [R, Hkv, L, D]
+    (gathered and padded to one length; `visible` [R, Lq, L] says which each query sees: the row's, before it and
+    in its window), in one call of torch's fused CPU flash kernel: the output [R, Hq, Lq, D] and the log-sum-exp
+    [R, Hq, Lq]."""
+    rows, heads, length, dim = query.shape
     kv_heads = keys.shape[1]
-    mask = torch.zeros(visible.shape, dtype=query.dtype).masked_fill_(~visible, float("-inf"))
+    groups = heads // kv_heads
+    flat = visible[:, None].expand(rows, groups, length, visible.shape[-1]).reshape(rows, 1, groups * length, -1)
+    mask = torch.zeros(flat.shape, dtype=query.dtype).masked_fill_(~flat, float("-inf"))
     output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query.reshape(rows, kv_heads, heads // kv_heads, dim), keys, values, attn_mask=mask[:, None, None],
-        scale=scaling)[:2]
-    return output.reshape(rows, heads, 1, dim), lse.reshape(rows, heads, 1)
+        query.reshape(rows, kv_heads, groups * length, dim), keys, values, attn_mask=mask, scale=scaling)[:2]
+    return output.reshape(rows, heads, length, dim), lse.reshape(rows, heads, length)
 
 
 def merge_partials(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor],
@@ -136,81 +138,119 @@ class _Row:
     own: ArenaCache
     own_length: int  # its own positions once this pass has written its new keys
     positions: tuple[int, ...]  # the positions of its queries (the last `len(positions)` of the sequence)
+    first: int  # where its queries start in the pass's packed queries
 
 
 class ChainPlan:
     """The pieces every row of one forward pass attends to, and which keys each query sees in each layer's
     window; built once per pass (the arena's regions cannot move during it: every region is reserved
-    before the pass starts)."""
+    before the pass starts). A row feeds any number of tokens (`new_tokens`, one per cache, or one count for
+    all); the queries of the rows are packed one after another, as the batched step feeds them."""
 
-    def __init__(self, arena: KVArena, caches: Sequence[ArenaCache], new_tokens: int, device: torch.device):
+    def __init__(self, arena: KVArena, caches: Sequence[ArenaCache], new_tokens: int | Sequence[int],
+                 device: torch.device):
         self.arena = arena
         self.device = device
-        self.rows = [_Row(tuple(segments(cache)), cache, cache.used_tokens() + new_tokens,
-                          tuple(range(cache.get_seq_length(), cache.get_seq_length() + new_tokens)))
-                     for cache in caches]
+        counts = [new_tokens] * len(caches) if isinstance(new_tokens, int) else list(new_tokens)
+        firsts = [sum(counts[:index]) for index in range(len(counts))]
+        self.rows = [_Row(tuple(segments(cache)), cache, cache.used_tokens() + count,
+                          tuple(range(cache.get_seq_length(), cache.get_seq_length() + count)), first)
+                     for cache, count, first in zip(caches, counts, firsts, strict=True)]
+        self.queries = sum(counts)
         shared: dict[int, list[int]] = {}  # segment -> the rows that start with it
         by_id: dict[int, ArenaCache] = {}
         for index, row in enumerate(self.rows):
             for segment in row.segments:
                 shared.setdefault(id(segment), []).append(index)
                 by_id[id(segment)] = segment
-        self.groups = [(by_id[key], rows) for key, rows in shared.items()]
+        self.groups = [(by_id[key], self._query_index(rows)) for key, rows in shared.items()]
         self._masks: dict[object, object] = {}
-        # A batched decode step over short own pieces reads them in one call, gathered from their regions (a
-        # call per row costs more than the copy when they are short); arena positions per row, padded.
+        # A batched step over short own pieces reads them in one call, gathered from their regions (a call per row
+        # costs more than the copy when they are short): arena positions per row, padded to the longest; each row's
+        # queries padded to the most any row has (a padding slot repeats its row's last query, and is dropped).
         longest = max(row.own_length for row in self.rows)
-        self._gather = None
-        if (device.type == "cpu" and len(self.rows) > 1 and all(len(row.positions) == 1 for row in self.rows)
-                and longest * len(self.rows) <= GATHER_LIMIT):
+        most = max(len(row.positions) for row in self.rows)
+        self._gather = self._slots = self._real = None
+        if device.type == "cpu" and len(self.rows) > 1 and longest * len(self.rows) <= GATHER_LIMIT:
             self._gather = torch.tensor([[row.own.region.start + min(j, row.own_length - 1) for j in range(longest)]
                                          for row in self.rows], device=device).view(-1)
+            if most > 1:
+                self._slots = torch.tensor([row.first + min(j, len(row.positions) - 1) for row in self.rows
+                                            for j in range(most)], device=device)
+                self._real = torch.tensor([number * most + j for number, row in enumerate(self.rows)
+                                           for j in range(len(row.positions))], device=device)
+
+    def _query_index(self, members: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """The members of a segment's group, and where their queries are among the packed ones (None: all)."""
+        if len(members) == len(self.rows):
+            return members, None
+        where = [self.rows[m].first + j for m in members for j in range(len(self.rows[m].positions))]
+        return members, torch.tensor(where, device=self.device)
 
     def attend(self, layer: int, window: int | None, query: torch.Tensor, scaling: float,
                softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
-        """Every row's attention in `layer`: `query` [R, Hq, Lq, D] -> [R, Lq, Hq, D]."""
+        """Every row's attention in `layer`: the packed queries `query` [1, Hq, Q, D] -> [1, Q, Hq, D]."""
         keys, values = self.arena.keys[layer], self.arena.values[layer]
         segment_masks, own_spans = self._visibility(window)
-        rows = query.shape[0]
         outputs, lses = [], []
-        for (segment, members), (visible, lo, hi) in zip(self.groups, segment_masks, strict=True):
+        for (segment, (_, index)), (visible, lo, hi) in zip(self.groups, segment_masks, strict=True):
             if hi <= lo:
                 continue  # outside every member's window
             start = segment.region.start
-            index = torch.tensor(members, device=query.device) if len(members) < rows else None
-            output, lse = partial_attention(query if index is None else query[index], keys[:, start + lo:start + hi],
-                                            values[:, start + lo:start + hi], scaling, visible, softcap)
-            if index is not None:  # rows that do not start with it see nothing of it
-                output = output.new_zeros((rows, *output.shape[1:])).index_copy_(0, index, output)
-                lse = lse.new_full((rows, *lse.shape[1:]), float("-inf")).index_copy_(0, index, lse)
+            output, lse = partial_attention(query if index is None else query[:, :, index],
+                                            keys[:, start + lo:start + hi], values[:, start + lo:start + hi],
+                                            scaling, visible, softcap)
+            if index is not None:  # the queries of rows that do not start with it see nothing of it
+                output = output.new_zeros(query.shape).index_copy_(2, index, output)
+                lse = lse.new_full(query.shape[:3], float("-inf")).index_copy_(2, index, lse)
             outputs.append(output)
             lses.append(lse)
         if self._gather is not None and softcap is None and query.dtype in (torch.float32, torch.float64):
-            output, lse = gathered_attention(query, *(buffer[:, self._gather].view(
-                buffer.shape[0], rows, -1, buffer.shape[-1]).transpose(0, 1) for buffer in (keys, values)),
-                scaling, self._gathered_visibility(window))
-            return merge_partials([*outputs, output], [*lses, lse], sinks).transpose(1, 2).to(query.dtype)
-        own = []
-        for number, (row, (visible, lo, hi)) in enumerate(zip(self.rows, own_spans, strict=True)):
-            start = row.own.region.start
-            own.append(partial_attention(query[number:number + 1], keys[:, start + lo:start + hi],
-                                         values[:, start + lo:start + hi], scaling, visible, softcap))
-        outputs.append(torch.cat([output for output, _ in own]))
-        lses.append(torch.cat([lse for _, lse in own]))
+            output, lse = self._gathered(query, keys, values, scaling, window)
+            outputs.append(output)
+            lses.append(lse)
+        else:
+            own = []
+            for row, (visible, lo, hi) in zip(self.rows, own_spans, strict=True):
+                start = row.own.region.start
+                own.append(partial_attention(query[:, :, row.first:row.first + len(row.positions)],
+                                             keys[:, start + lo:start + hi], values[:, start + lo:start + hi],
+                                             scaling, visible, softcap))
+            outputs.append(torch.cat([output for output, _ in own], dim=2))
+            lses.append(torch.cat([lse for _, lse in own], dim=2))
         merged = merge_partials(outputs, lses, sinks)
         return merged.transpose(1, 2).to(query.dtype)
 
+    def _gathered(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                  window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's own piece in one call: the packed queries [1, Hq, Q, D] -> output [1, Hq, Q, D], log-sum-exp
+        [1, Hq, Q]."""
+        rows, heads, dim = len(self.rows), query.shape[1], query.shape[-1]
+        padded = query[0] if self._slots is None else query[0][:, self._slots]  # [Hq, R * most, D]
+        padded = padded.reshape(heads, rows, -1, dim).transpose(0, 1)
+        output, lse = gathered_attention(padded, *(buffer[:, self._gather].view(
+            buffer.shape[0], rows, -1, buffer.shape[-1]).transpose(0, 1) for buffer in (keys, values)),
+            scaling, self._gathered_visibility(window))
+        output, lse = output.transpose(0, 1).reshape(heads, -1, dim), lse.transpose(0, 1).reshape(heads, -1)
+        if self._real is not None:
+            output, lse = output[:, self._real], lse[:, self._real]
+        return output.unsqueeze(0), lse.unsqueeze(0)
+
     def _gathered_visibility(self, window: int | None) -> torch.Tensor:
-        """For gathered own pieces: [R, L], a row's own positions within its query's window (padding hidden)."""
+        """For gathered own pieces: [R, Lq, L], which of its row's own positions each (padded) query sees: the
+        row's, up to its own position, within its window (a padding slot sees what its row's last query sees)."""
         key = ("gathered", window)
         if key not in self._masks:
             longest = len(self._gather) // len(self.rows)
-            j = torch.arange(longest, device=self.device)[None, :]
-            own = torch.tensor([[row.own_length, row.own.offset, row.positions[0]] for row in self.rows],
-                               device=self.device)
-            visible = j < own[:, :1]
+            most = 1 if self._slots is None else len(self._slots) // len(self.rows)
+            j = torch.arange(longest, device=self.device)[None, None, :]
+            own = torch.tensor([[row.own_length, row.own.offset] for row in self.rows], device=self.device)
+            at = torch.tensor([[row.positions[min(slot, len(row.positions) - 1)] for slot in range(most)]
+                               for row in self.rows], device=self.device)[:, :, None]  # [R, Lq, 1]
+            kv = own[:, 1, None, None] + j
+            visible = (j < own[:, 0, None, None]) & (kv <= at)
             if window is not None:
-                visible &= own[:, 1:2] + j > own[:, 2:3] - window
+                visible &= kv > at - window
             self._masks[key] = visible
         return self._masks[key]
 
@@ -219,18 +259,17 @@ class ChainPlan:
         [lo, hi) of the piece that any of its queries may see and which of them each query sees."""
         if window not in self._masks:
             segment_masks = []
-            for segment, members in self.groups:
-                first = segment.offset
-                positions = [self.rows[m].positions for m in members]
-                segment_masks.append(self._piece(positions, first, segment.used_tokens(), window))
-            own = [self._piece([row.positions], row.own.offset, row.own_length, window) for row in self.rows]
+            for segment, (members, _) in self.groups:
+                positions = [p for m in members for p in self.rows[m].positions]
+                segment_masks.append(self._piece(positions, segment.offset, segment.used_tokens(), window))
+            own = [self._piece(row.positions, row.own.offset, row.own_length, window) for row in self.rows]
             self._masks[window] = (segment_masks, own)
         return self._masks[window]
 
-    def _piece(self, positions: list[tuple[int, ...]], first: int, length: int, window: int | None) -> tuple:
-        """(visible [R, Lq, hi - lo] or None when every query sees every key of [lo, hi), lo, hi) for a piece
-        holding positions [first, first + length) and rows of queries at `positions`."""
-        queries = torch.tensor(positions, device=self.device)  # [R, Lq]
+    def _piece(self, positions: Sequence[int], first: int, length: int, window: int | None) -> tuple:
+        """(visible [1, Lq, hi - lo] or None when every query sees every key of [lo, hi), lo, hi) for a piece
+        holding positions [first, first + length) and queries at `positions` (packed)."""
+        queries = torch.tensor(positions, device=self.device)[None]  # [1, Lq]
         keys = torch.arange(first, first + length, device=self.device)
         visible = keys[None, None, :] <= queries[:, :, None]
         if window is not None:

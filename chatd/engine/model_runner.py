@@ -1,5 +1,5 @@
-"""Forward passes over session caches in the KV arena: one sequence, or one decode step for a batch
-of them.
+"""Forward passes over session caches in the KV arena: one sequence, or one step for a batch of them (each
+row one token, or a draft to verify).
 
 A CUDA out-of-memory error rolls every cache involved back to its length before the call, asks for
 room (the engine offloads idle caches) and tries once more; a second failure propagates.
@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from cache_store import CacheEntry
 from cache_store.arena import ArenaCache, KVArena, TemporaryCache
 from chatd.engine.attention import use_arena_attention
-from chatd.engine.batch import decode_step
+from chatd.engine.batch import batched_step
 from chatd.engine.chain_attention import ChainPlan
 from chatd.model.loader import LoadedModel
 
@@ -48,35 +48,39 @@ class ModelRunner:
 
     def forward(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
         """Append `token_ids` to the session's cache; return the logits after the last of them."""
-        return self._retrying([entry], lambda: self._step(entry, token_ids))
+        return self._retrying([entry], lambda: self._step(entry, token_ids))[-1]
 
-    def decode(self, entries: Sequence[CacheEntry], tokens: Sequence[int]) -> torch.Tensor:
-        """Feed `tokens[i]` after `entries[i]`; return the logits [B, V]. The caches in the arena step together
-        in one pass; a lone one, and one in a temporary cache outside the arena, step alone. A pass that fails
-        leaves every cache as it was (some layers may already hold the new token: cropped back)."""
+    def decode(self, entries: Sequence[CacheEntry], inputs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Feed `inputs[i]` (a token, or a token and a draft) after `entries[i]`; return each row's logits after
+        each of its tokens [len(inputs[i]), V]. The caches in the arena step together in one pass; a lone one,
+        and one in a temporary cache outside the arena, step alone. A pass that fails leaves every cache as it
+        was (some layers may already hold the new tokens: cropped back)."""
         lengths = [entry.num_tokens for entry in entries]
         try:
-            return self._decode(entries, tokens)
+            return self._decode(entries, inputs)
         except BaseException:
             for entry, length in zip(entries, lengths, strict=True):
                 entry.crop(length)
             raise
 
-    def _decode(self, entries: Sequence[CacheEntry], tokens: Sequence[int]) -> torch.Tensor:
+    def _decode(self, entries: Sequence[CacheEntry], inputs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         together = [i for i, entry in enumerate(entries) if isinstance(entry.cache, ArenaCache)]
         if len(together) < 2:
             together = []
         logits: list[torch.Tensor | None] = [None] * len(entries)
         if together:
             batch = [entries[i] for i in together]
-            rows = self._retrying(batch, lambda: decode_step(self.loaded.model, batch, [tokens[i] for i in together],
-                                                             self.loaded.device))
+            rows = self._retrying(batch, lambda: batched_step(self.loaded.model, batch, [inputs[i] for i in together],
+                                                              self.loaded.device))
             for index, row in zip(together, rows, strict=True):
                 logits[index] = row
         for index, entry in enumerate(entries):
             if logits[index] is None:
-                logits[index] = self.forward(entry, [tokens[index]])
-        return torch.stack(logits)
+                logits[index] = self._alone(entry, list(inputs[index]))
+        return logits
+
+    def _alone(self, entry: CacheEntry, tokens: list[int]) -> torch.Tensor:
+        return self._retrying([entry], lambda: self._step(entry, tokens, keep=len(tokens)))
 
     def timed_prefill(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
         """A prefill whose speed is reported (the cost model compares it with fetching a cache)."""
@@ -87,7 +91,8 @@ class ModelRunner:
         self._on_prefill(len(token_ids), time.perf_counter() - started)
         return logits
 
-    def _step(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
+    def _step(self, entry: CacheEntry, token_ids: list[int], keep: int = 1) -> torch.Tensor:
+        """Feed `token_ids` after the cache; the logits after each of the last `keep` of them [keep, V]."""
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)
         cache, chain = entry.cache, {}
         if isinstance(cache, ArenaCache) and cache.prefix is not None:
@@ -96,9 +101,9 @@ class ModelRunner:
             cache.reserve(cache.get_seq_length() + len(token_ids))
             chain = {"arena_chain": (ChainPlan(self.arena, [cache], len(token_ids), self.loaded.device),
                                      self.arena.windows)}
-        output = self.loaded.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1, **chain)
+        output = self.loaded.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep, **chain)
         entry.extend(token_ids)
-        return output.logits[0, -1]
+        return output.logits[0, -keep:]
 
     def _retrying(self, entries: Sequence[CacheEntry], run: Callable[[], torch.Tensor]) -> torch.Tensor:
         lengths = [entry.num_tokens for entry in entries]

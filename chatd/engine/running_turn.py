@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from cache_store import CacheEntry, CacheLookup
 from cache_store.remote_moves import RemoteFetch
 from chatd.engine.deep_check import DeepCheck
+from chatd.engine.drafts import RowDrafts
 from chatd.engine.grammar import ReplyGrammar
 from chatd.engine.sampling import TokenSampler
 from chatd.engine.text_stream import TextStream
@@ -43,6 +44,7 @@ class RunningTurn:
     token_times: list[float] = field(default_factory=list)  # when each generated token was sampled
     next_input: int | None = None  # the token to feed at the next decode step
     grammar: ReplyGrammar | None = None  # what the reply must follow, if anything
+    drafts: RowDrafts | None = None  # its speculative drafting, from its first decode step (None: off)
 
     def accept(self, token: int, stop_token_ids: frozenset[int]) -> FinishReason | None:
         """Take one sampled token: stream its text and say whether the turn ends here."""
@@ -82,6 +84,8 @@ class RunningTurn:
             token_times=list(self.token_times), dropped_turns=self.dropped_turns,
             reply_ids=list(generated) if self.stream.decode(generated) == self.stream.text else None,
             grammar_error=self.grammar.error if self.grammar is not None else None,
+            draft_tokens=self.drafts.drafted if self.drafts else 0,
+            accepted_tokens=self.drafts.accepted if self.drafts else 0,
             timings={
                 "queue_ms": (self.started_at - self.turn.received_at) * ms,
                 "ttft_ms": (self.first_token_at - self.turn.received_at) * ms,

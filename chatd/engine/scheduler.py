@@ -35,6 +35,7 @@ from cache_store.stage_faults import FaultPoints, Stage
 from chatd.config import Settings
 from chatd.engine.commands import CacheCommand, CacheCommands
 from chatd.engine.cpu_share import ThreadGovernor, usable_cpus
+from chatd.engine.drafts import Speculator
 from chatd.engine.fetching import FetchingTurns
 from chatd.engine.grammar import GrammarCompiler, fill_masks, masked_logits, masks_by_row
 from chatd.engine.model_runner import ModelRunner
@@ -82,6 +83,7 @@ class Engine(CacheCommands):
         self.runner: ModelRunner | None = None
         self.grammars: GrammarCompiler | None = None  # compiles what constrained replies follow, off this thread
         self.governor: ThreadGovernor | None = None  # fewer threads while other processes take this one's CPUs
+        self.speculator = Speculator(self.settings.speculation_tokens if self.settings.speculation == "on" else 0)
         self._queued: deque[Turn] = deque()  # submitted, not started: admitted oldest first
         self._head: RunningTurn | None = None  # the oldest, rendered, waiting for device memory
         self._live: dict[int, Turn] = {}  # every turn taken from the queue and not yet ended, by id
@@ -218,7 +220,8 @@ class Engine(CacheCommands):
             self.cache_stats = {**self.cache.stats(), **self.arena.stats(),
                                 "outside_arena_turns": self.outside_arena_turns,
                                 "fetching_turns": len(self._fetching),
-                                "decode_steps_beside_fetches": self.steps_beside_fetches, **self.governor.stats()}
+                                "decode_steps_beside_fetches": self.steps_beside_fetches, **self.governor.stats(),
+                                "spec_max_tokens": self.speculator.max_tokens, **self.speculator.counters.published()}
         except Exception as error:  # figures for /metrics: never worth a turn, let alone the engine
             if is_fatal(error):
                 raise
@@ -434,22 +437,53 @@ class Engine(CacheCommands):
     def _sample(self, running: RunningTurn, logits: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Pick the turn's next token (among those its grammar allows, `mask` if computed ahead) and stream it;
         it then decodes on, or ends and writes back."""
-        if mask is None and running.grammar is not None and running.grammar.active:  # (its first token)
+        alive, finish = self._take(running, logits, mask)
+        if not alive:
+            return
+        if finish:
+            self._finish(running, finish)
+        else:
+            self._decoding.append(running)
+
+    def _take(self, running: RunningTurn, logits: torch.Tensor, mask: torch.Tensor | None
+              ) -> tuple[bool, FinishReason | None]:
+        """Sample one token from `logits` (its grammar's mask computed now when not ahead) and stream it: whether
+        the turn is still alive (a failure ends it here), and whether it finishes with this token."""
+        if mask is None and running.grammar is not None and running.grammar.active:  # (not computed ahead)
             try:
                 mask = fill_masks(self.grammars, [running.grammar])[0]
             except Exception as error:
                 self._fail(running, error, "grammar")
-                return
+                return False, None
         try:
             self.faults.check("sampling", running.turn.session_id)
             if (allowed := masked_logits(self.grammars, running.grammar, logits, mask)) is None:
                 running.grammar.error = running.grammar.error or "the grammar allows no next token"
-                finish = "grammar"
-            else:
-                finish = running.accept(running.sampler.next_token(allowed), self.loaded.stop_token_ids)
+                return True, "grammar"
+            return True, running.accept(running.sampler.next_token(allowed), self.loaded.stop_token_ids)
         except Exception as error:
             self._fail(running, error, "sampling")
-            return
+            return False, None
+
+    def _advance(self, running: RunningTurn, logits: torch.Tensor, draft: list[int], mask: torch.Tensor | None
+                 ) -> None:
+        """Sample the turn's tokens from a step's `logits` [1 + len(draft), V]: the first after its last token,
+        then, while each sampled token is the draft's next, the one after it. The first that differs (or ends the
+        turn) is the last kept; the draft's positions after it leave the cache as if never written. Greedy, this
+        is plain decoding's reply token for token; sampled, each kept token is drawn from the model's own
+        distribution at its position, exactly as plain decoding draws it (a draft of one certain token is
+        accepted with the probability the model gives it, and a rejection samples the rest)."""
+        before = running.entry.num_tokens - len(draft) - 1  # the cache's length before the step
+        for position in range(len(draft) + 1):
+            alive, finish = self._take(running, logits[position], mask if position == 0 else None)
+            if not alive:
+                return
+            if finish or position == len(draft) or running.next_input != draft[position]:
+                break
+        if running.entry.num_tokens > before + 1 + position:
+            running.entry.crop(before + 1 + position)
+        if draft:
+            self.speculator.verified(running.drafts, len(draft), position)
         if finish:
             self._finish(running, finish)
         else:
@@ -482,8 +516,13 @@ class Engine(CacheCommands):
         # The constrained rows' masks are computed while the model computes the logits (llguidance frees the GIL).
         constrained = [r for r in batch if r.grammar is not None and r.grammar.active]
         masks = self.grammars.masks_ahead([r.grammar for r in constrained]) if constrained else None
+        needed = self.speculator.cost.break_even(len(batch))
+        drafts = {id(running): self._draft(running, needed) for running in batch}
         try:
-            rows = list(zip(batch, self._forward_decode(batch), strict=True))
+            started = time.perf_counter()
+            logits = self._forward_decode(batch, drafts)
+            self._step_took(len(batch) + sum(map(len, drafts.values())), started)
+            rows = list(zip(batch, logits, strict=True))
         except Exception as error:
             if len(batch) == 1 or is_fatal(error):
                 for running in batch:
@@ -494,7 +533,7 @@ class Engine(CacheCommands):
             rows = []
             for running in batch:
                 try:
-                    rows.append((running, self._forward_decode([running])[0]))
+                    rows.append((running, self._forward_decode([running], drafts)[0]))
                 except Exception as alone_error:
                     self._fail(running, alone_error, "decode")
         # (a row whose grammar failed to fill its mask fails alone: the grammar stage)
@@ -504,14 +543,34 @@ class Engine(CacheCommands):
             if isinstance(mask := row_masks.get(id(running)), Exception):
                 self._fail(running, mask, "grammar")
             else:
-                self._sample(running, logits, mask)
+                self._advance(running, logits, drafts[id(running)], mask)
 
-    def _forward_decode(self, batch: list[RunningTurn]) -> torch.Tensor:
-        """One decode pass over `batch`: the logits [B, V] (a pass that fails leaves every cache as it was)."""
+    def _draft(self, running: RunningTurn, needed: float) -> list[int]:
+        """The turn's draft for this step: what its conversation or its owner's replies say follows its last
+        token (when it is likely enough to be accepted: `needed`), cut to what its grammar (when one constrains it
+        now) accepts."""
+        if running.drafts is None:
+            running.drafts = self.speculator.start(running.prompt_ids)
+        draft = self.speculator.propose(running.drafts, running.turn.owner or "", running.generated,
+                                        running.max_new_tokens - len(running.generated) - 1, needed)
+        if draft and running.grammar is not None and running.grammar.active:
+            draft = draft[:running.grammar.matcher.validate_tokens(draft)]
+        return draft
+
+    def _step_took(self, tokens: int, started: float) -> None:
+        """A decode step of `tokens` packed tokens, begun at `started`, has run: its cost tells whether drafts pay
+        (on CUDA, once its kernels have finished: sampling waits for them next anyway)."""
+        if self.loaded.device.type == "cuda":
+            torch.cuda.synchronize(self.loaded.device)
+        self.speculator.cost.record(tokens, time.perf_counter() - started)
+
+    def _forward_decode(self, batch: list[RunningTurn], drafts: dict[int, list[int]]) -> list[torch.Tensor]:
+        """One decode pass over `batch`: each row's logits [1 + its draft, V] (a pass that fails leaves every cache
+        as it was)."""
         for running in batch:
             self.faults.check("decode", running.turn.session_id)
         with torch.inference_mode():
-            return self.runner.decode([r.entry for r in batch], [r.next_input for r in batch])
+            return self.runner.decode([r.entry for r in batch], [[r.next_input, *drafts[id(r)]] for r in batch])
 
     def _fail(self, failed: RunningTurn | Turn, error: Exception, stage: str) -> None:
         """One turn failed at `stage`: it gets `internal`, and its cache, which the failure may have left
@@ -562,6 +621,8 @@ class Engine(CacheCommands):
             if finish == "cancelled":
                 entry.crop(running.rollback_to)  # the turn is not recorded: roll its tokens back
             result = running.result(finish)
+            if finish in ("stop", "length"):
+                self.speculator.finished(turn.owner or "", running.prompt_ids, running.generated)
             with torch.inference_mode():
                 self.cache.put(turn.session_id, entry, turn.session_version + (finish != "cancelled"))
         except Exception as error:

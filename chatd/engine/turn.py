@@ -43,6 +43,8 @@ class TurnResult:
     dropped_turns: int = 0  # oldest turns the prompt left out to fit the context
     reply_ids: list[int] | None = None  # `token_ids` when `content` decodes from exactly them
     grammar_error: str | None = None  # why the reply's grammar could not go on (finish reason "grammar")
+    draft_tokens: int = 0  # speculative draft tokens verified for this reply
+    accepted_tokens: int = 0  # of those, the ones the model sampled too (each a decode step saved)
 
     @property
     def inter_token_s(self) -> list[float]:

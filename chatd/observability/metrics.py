@@ -234,6 +234,7 @@ class _LiveCollector(Collector):
         yield from _redis_families(live, name, label)
         yield from _engine_families(live, name, label)
         yield from _remote_io_families(live, name, label)
+        yield from _speculation_families(live, name, label)
         yield from (running, waiting, usage, sessions, evictions, corruptions, engine_up, failures, remote_errors,
                     offload_failures, offload_bytes, steps, tier_info, tier_sessions)
 
@@ -293,6 +294,23 @@ def _engine_families(live: LiveState, name: list[str], label: list[str]):
          "within its bounds (expired, or the least recently indexed).", live.prefix_index.get("forgotten", 0)),
     ]
     return threads, *(_single(family, metric, text, name, label, value) for family, metric, text, value in singles)
+
+
+def _speculation_families(live: LiveState, name: list[str], label: list[str]):
+    """Speculative decoding under vLLM's names: drafts verified, their tokens, those accepted, by position."""
+    yield from (_single(CounterMetricFamily, f"chatd:spec_decode_num_{metric}", text, name, label,
+                        live.cache.get(key, 0)) for metric, key, text in (
+        ("drafts", "spec_drafts", "Drafts verified (a decoding turn's guess of its next tokens, from its "
+         "conversation or its owner's recent replies)."),
+        ("draft_tokens", "spec_draft_tokens", "Draft tokens verified."),
+        ("accepted_tokens", "spec_accepted_tokens", "Draft tokens the model sampled too (each a decode step "
+         "saved).")))
+    per_position = CounterMetricFamily("chatd:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+                                       "their position in the draft (0: its first).", labels=[*label, "position"])
+    for key, count in sorted(live.cache.items()):
+        if key.startswith("spec_accepted_at_"):
+            per_position.add_metric([*name, key.removeprefix("spec_accepted_at_")], count)
+    yield per_position
 
 
 def _remote_io_families(live: LiveState, name: list[str], label: list[str]):

@@ -137,7 +137,8 @@ class StatsRecorder:
                   "thread_changes": live.cache.get("engine_thread_changes", 0),
                   "cpu_taken_by_others": live.cache.get("cpu_taken_by_others", 0.0),
                   "fetching": live.cache.get("fetching_turns", 0),
-                  "decode_steps_beside_fetches": live.cache.get("decode_steps_beside_fetches", 0)}
+                  "decode_steps_beside_fetches": live.cache.get("decode_steps_beside_fetches", 0),
+                  "speculation": _speculation(live.cache)}
         arena = {key.removeprefix("arena_"): value for key, value in live.cache.items() if key.startswith("arena_")}
         if arena:
             arena["outside_arena_turns"] = live.cache.get("outside_arena_turns", 0)
@@ -245,3 +246,13 @@ def _cache_outcomes(turns: list[TurnRecord]) -> dict:
 def _delta(now: dict[str, int], before: dict[str, int] | None) -> dict[str, int]:
     """Counter increase since `before` (everything so far when there is no earlier sample)."""
     return {key: value - (before or {}).get(key, 0) for key, value in now.items()}
+
+
+def _speculation(cache: dict) -> dict:
+    """Drafts verified, their tokens, those accepted (and the share: the acceptance rate), by position."""
+    drafted, accepted = cache.get("spec_draft_tokens", 0), cache.get("spec_accepted_tokens", 0)
+    return {"max_tokens": cache.get("spec_max_tokens", 0), "drafts": cache.get("spec_drafts", 0),
+            "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance": round(accepted / drafted, 4) if drafted else None,
+            "accepted_per_position": {key.removeprefix("spec_accepted_at_"): count for key, count in sorted(
+                cache.items()) if key.startswith("spec_accepted_at_")}}

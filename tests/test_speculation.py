@@ -1,0 +1,189 @@
+"""Speculative decoding with no draft model: drafts from the conversation and from the owner's recent replies,
+verified in the batched step. Greedy replies equal plain decoding's token for token, batched and alone, held to a
+grammar or not; a seeded sampled reply is the same on every run; another owner's replies are never proposed; a
+cancel in the middle of a verified draft leaves nothing of it."""
+
+import json
+
+from chatd.engine.drafts import NgramIndex, ReplyBooks, RowDrafts, Speculator
+from chatd.engine.grammar import GrammarSpec
+from chatd.engine.step_cost import StepCost
+from sessions import Session
+from tests.support import run_together, run_turn, running_engine
+
+QUESTIONS = ["Where is my parcel?", "My invoice is wrong.", "I need a new password.", "Cancel my order 12."]
+SYSTEM = "You answer for the Northwind shop. Be brief."
+
+
+def ask(engine, prefix: str, owner: str | None = None, length: int = 24, **params):
+    """Each question once, by a new customer of `owner`'s desk, one after another."""
+    return [run_turn(engine, Session(f"{prefix}{number}", system=SYSTEM), question, owner=owner,
+                     max_new_tokens=length, **params)[0] for number, question in enumerate(QUESTIONS)]
+
+
+def test_the_longest_ngram_seen_before_proposes_what_followed_it():
+    index = NgramIndex([5, 6, 7, 8, 9, 5, 6, 7])
+    assert index.follow(index.ids, 4) == [8, 9, 5, 6], "(5, 6, 7) was followed by 8, 9, 5, 6"
+    assert index.follow([1, 9, 5], 2) == [6, 7], "(9, 5), the longest n-gram that occurred"
+    assert index.follow([1, 2, 3], 4) == []
+
+
+def test_reply_books_are_per_owner_and_bounded():
+    books = ReplyBooks(book_tokens=64, total_tokens=100)
+    books.add("alpha", [1, 2, 3], [10, 11, 12, 13])
+    assert books.follow("alpha", [2, 3], 8) == [10, 11, 12, 13], "a reply found from the tokens before it"
+    assert books.follow("beta", [2, 3], 8) == [], "never another owner's"
+    for number in range(20):
+        books.add("alpha", [1, 2, 3], [100 + number] * 4)
+    assert books.tokens <= 64 and books.follow("alpha", [2, 3], 1) == [119], "the oldest replies left"
+    for owner in ("beta", "gamma"):
+        books.add(owner, [7, 8, 9], list(range(20, 60)))
+    assert books.tokens <= 100 and books.follow("alpha", [2, 3], 1) == [], "the least recently used owner left"
+
+
+def test_a_row_whose_drafts_do_not_pay_stops_drafting():
+    row = RowDrafts(NgramIndex(), 0, limit=6)
+    for _ in range(4):
+        row.record(drafted=row.limit, accepted=0, most=6)
+    assert row.stopped and row.limit == 1
+    paying = RowDrafts(NgramIndex(), 0, limit=2)
+    for _ in range(4):
+        paying.record(drafted=paying.limit, accepted=paying.limit, most=6)
+    assert not paying.stopped and paying.limit == 6, "a draft taken whole lets the next be longer"
+
+
+def test_greedy_replies_with_drafts_equal_plain_decoding_together_and_alone(tiny):
+    with running_engine(tiny, max_batch=4) as on, running_engine(tiny, max_batch=4, speculation="off") as off:
+        lengths = [24, 18, 30, 12]
+        first = [Session(f"first{number}", system=SYSTEM) for number in range(4)]
+        plain = [Session(f"first{number}", system=SYSTEM) for number in range(4)]
+        assert [r.token_ids for r in run_together(on, first, QUESTIONS, lengths)] == \
+            [r.token_ids for r in run_together(off, plain, QUESTIONS, lengths)]
+        # The next customers ask the same: the desk's replies are proposed, verified together, then alone.
+        second = run_together(on, [Session(f"next{n}", system=SYSTEM) for n in range(4)], QUESTIONS, lengths)
+        expected = run_together(off, [Session(f"next{n}", system=SYSTEM) for n in range(4)], QUESTIONS, lengths)
+        assert [r.token_ids for r in second] == [r.token_ids for r in expected]
+        assert sum(result.accepted_tokens for result in second) > 0, "drafts were accepted in the batched step"
+        alone, _ = run_turn(on, Session("alone", system=SYSTEM), QUESTIONS[2], max_new_tokens=30)
+        reference, _ = run_turn(off, Session("alone", system=SYSTEM), QUESTIONS[2], max_new_tokens=30)
+        assert alone.token_ids == reference.token_ids and alone.accepted_tokens > 0
+        counters = on.speculator.counters
+        assert counters.accepted_tokens == sum(counters.accepted_per_position.values()) > 0
+        assert off.speculator.counters.drafts == 0
+
+
+def test_a_later_turn_continues_from_a_cache_that_holds_no_rejected_draft(tiny):
+    with running_engine(tiny, max_batch=2) as on, running_engine(tiny, speculation="off") as off:
+        reply = ask(on, "warm")[0]
+        # The desk's latest reply after this context: right for three tokens, then wrong (rejected mid-draft).
+        wrong = [*reply.token_ids[:3], *(token + 1 for token in reply.token_ids[3:])]
+        prompt = reply.conversation_ids[:reply.prompt_tokens]
+        on.call(lambda _: on.speculator.books.add("", prompt, wrong)).result()
+        session, plain = Session("customer", system=SYSTEM), Session("customer", system=SYSTEM)
+        for question in QUESTIONS[:3]:
+            got, _ = run_turn(on, session, question, max_new_tokens=20)
+            expected, _ = run_turn(off, plain, question, max_new_tokens=20)
+            assert got.token_ids == expected.token_ids and got.conversation_ids == expected.conversation_ids
+        assert on.cache.device.get("customer").token_ids == off.cache.device.get("customer").token_ids
+        counters = on.speculator.counters
+        assert counters.accepted_per_position[2] > 0 and counters.draft_tokens > counters.accepted_tokens, \
+            "a draft was accepted in part, and the rest rejected"
+
+
+def test_drafts_continue_a_cache_restored_from_the_host_tier_exactly(tiny):
+    """Offloaded after every turn (int8 on the host too), restored for the next, which verifies drafts on top."""
+    for kv_dtype in ("same", "int8"):
+        with running_engine(tiny, host_kv_dtype=kv_dtype) as on, \
+                running_engine(tiny, host_kv_dtype=kv_dtype, speculation="off") as off:
+            ask(on, "warm")
+            session, plain = Session("restored", system=SYSTEM), Session("restored", system=SYSTEM)
+            for number, question in enumerate([QUESTIONS[0], QUESTIONS[1], QUESTIONS[0]]):
+                on.offload_idle()
+                off.offload_idle()
+                got, _ = run_turn(on, session, question, max_new_tokens=20)
+                expected, _ = run_turn(off, plain, question, max_new_tokens=20)
+                assert got.token_ids == expected.token_ids, (kv_dtype, number)
+                if number:
+                    assert got.cache_source == expected.cache_source == "host"
+            assert on.speculator.counters.accepted_tokens > 0
+
+
+def test_another_owners_replies_are_never_proposed(tiny):
+    with running_engine(tiny) as engine:
+        ask(engine, "alpha-first", owner="alpha")
+        again = ask(engine, "alpha-next", owner="alpha")
+        other = ask(engine, "beta", owner="beta")
+        assert sum(result.accepted_tokens for result in again) > 0, "the same desk's replies are proposed"
+        assert sum(result.draft_tokens for result in other) == 0, "another desk's never are"
+        assert [r.token_ids for r in other] == [r.token_ids for r in again], "and the replies are the same"
+
+
+def test_a_seeded_sampled_reply_is_the_same_on_every_run(tiny):
+    replies = []
+    for speculation in ("on", "on", "off"):
+        with running_engine(tiny, speculation=speculation) as engine:
+            ask(engine, "warm", temperature=0.8, seed=11)
+            replies.append([r.token_ids for r in ask(engine, "next", temperature=0.8, seed=11)])
+            if speculation == "on":
+                assert engine.speculator.counters.accepted_tokens > 0
+    assert replies[0] == replies[1], "the same seed, the same reply"
+    assert replies[0] == replies[2], "each kept token drawn as plain decoding draws it"
+
+
+def test_a_reply_held_to_a_schema_with_drafts_equals_plain_decoding(tiny):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}},
+              "required": ["answer"], "additionalProperties": False}
+    results = []
+    for speculation in ("on", "off"):
+        with running_engine(tiny, speculation=speculation) as engine:
+            grammar = engine.grammars.compile(GrammarSpec("json_schema", json.dumps(schema))).result()
+            ask(engine, "warm", length=40, grammar=grammar)
+            results.append(ask(engine, "next", length=40, grammar=grammar))
+    drafted, plain = results
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+    assert sum(result.accepted_tokens for result in drafted) > 0, "drafts were verified under the grammar"
+    for result in drafted:
+        if result.finish_reason == "stop":
+            assert set(json.loads(result.content)) == {"answer"}
+
+
+def test_a_cancel_in_the_middle_of_a_verified_draft_keeps_nothing_of_it(tiny):
+    with running_engine(tiny) as engine:
+        ask(engine, "warm", length=30)
+        pieces = []
+
+        def cancel_at_the_third_piece(turn, text):
+            pieces.append(text)
+            if len(pieces) == 3:
+                turn.cancel()
+
+        result, _ = run_turn(engine, Session("cancelled", system=SYSTEM), QUESTIONS[0],
+                             on_text=cancel_at_the_third_piece, max_new_tokens=30)
+        assert result.finish_reason == "cancelled" and 3 <= result.completion_tokens < 30
+        assert result.draft_tokens > 0, "it was cancelled while verifying a draft"
+        kept = engine.cache.device.get("cancelled")
+        assert kept is None or len(kept.token_ids) <= result.prompt_tokens, "nothing of the reply or its draft stays"
+        with running_engine(tiny, speculation="off") as plain:
+            reference, _ = run_turn(plain, Session("reference", system=SYSTEM), QUESTIONS[0], max_new_tokens=30)
+        assert result.token_ids == reference.token_ids[:result.completion_tokens]
+
+
+def test_speculation_off_proposes_nothing():
+    speculator = Speculator(0)
+    assert not speculator.enabled and speculator.start([1, 2, 3]) is None
+    assert speculator.propose(None, "alpha", [], 10) == []
+
+
+def test_a_draft_pays_where_the_step_is_mostly_fixed_cost_and_not_where_it_is_mostly_per_token():
+    cost = StepCost()
+    assert cost.break_even(16) == 0.0, "before any step is measured, drafts are tried (and so measured)"
+    for tokens in [1, 2, 4, 7, 16, 20, 30, 40] * 4:
+        cost.record(tokens, 0.030 + 0.010 * tokens)  # 30 ms fixed, 10 ms a token
+    fixed, per_token = cost.fit()
+    assert abs(fixed - 0.030) < 1e-9 and abs(per_token - 0.010) < 1e-9
+    assert abs(cost.break_even(1) - 0.25) < 1e-9 and abs(cost.break_even(16) - 160 / 190) < 1e-9
+    speculator = Speculator(6)
+    speculator.acceptance = dict.fromkeys(speculator.acceptance, 0.5)
+    row = speculator.start([1, 2, 3, 4, 9, 1, 2, 3])
+    assert speculator.propose(row, "", [], 10, needed=cost.break_even(1)) == [4, 9, 1, 2, 3]
+    assert speculator.propose(row, "", [], 10, needed=cost.break_even(16)) == [], "a likely loss at batch 16"
