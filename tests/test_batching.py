@@ -28,6 +28,23 @@ def test_batched_turns_generate_exactly_what_one_at_a_time_does(tiny):
         assert set(serial.batch_sizes) == {1}
 
 
+def test_a_returning_customers_message_rides_the_others_decode_step_exactly(tiny):
+    """Its new message, on top of its cache, is fed as one more row of the decode step (one pass for both)."""
+    with running_engine(tiny, max_batch=4) as batched, running_engine(tiny, max_batch=1) as serial:
+        sessions = [Session(f"r{i}", system="Be brief.") for i in range(3)]
+        alone = [Session(f"r{i}", system="Be brief.") for i in range(3)]
+        for round_index in range(3):
+            contents = [f"{question} (round {round_index})" for question in QUESTIONS[:3]]
+            lengths = [30, 6, 8]  # the first decodes on while the others' next messages arrive
+            for session, content, length, result in zip(alone, contents, lengths,
+                                                        run_together(batched, sessions, contents, lengths),
+                                                        strict=True):
+                expected, _ = run_turn(serial, session, content, max_new_tokens=length)
+                assert result.token_ids == expected.token_ids and result.cached_tokens == expected.cached_tokens
+        assert batched.riding_prefills > 0, "a prompt's last chunk was fed in a decode step"
+        assert serial.riding_prefills == 0, "with nothing decoding, a prompt is fed on its own"
+
+
 def test_a_cancel_leaves_the_rest_of_the_batch_alone(tiny):
     with running_engine(tiny, max_batch=4) as batched, running_engine(tiny, max_batch=1) as serial:
         sessions = [Session(f"b{i}") for i in range(3)]

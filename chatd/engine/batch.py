@@ -67,9 +67,9 @@ class _ArenaStep(Cache):
 
 
 def batched_step(model: PreTrainedModel, entries: Sequence[CacheEntry], inputs: Sequence[Sequence[int]],
-                 device: torch.device) -> list[torch.Tensor]:
-    """Feed `inputs[i]` after `entries[i]` for every i in one forward pass; return each row's logits after each
-    of its tokens [len(inputs[i]), V]."""
+                 keep: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+    """Feed `inputs[i]` after `entries[i]` for every i in one forward pass; return each row's logits after each of
+    its last `keep[i]` tokens [keep[i], V] (a draft's every position, a prompt's last)."""
     caches = [entry.cache for entry in entries]
     counts = [len(tokens) for tokens in inputs]
     for cache, count in zip(caches, counts, strict=True):
@@ -81,11 +81,14 @@ def batched_step(model: PreTrainedModel, entries: Sequence[CacheEntry], inputs: 
                       for cache, count in zip(caches, counts, strict=True)], counts, arena.windows,
                      ChainPlan(arena, [caches[i] for i in chained], [counts[i] for i in chained], device)
                      if chained else None)
+    ends = [sum(counts[:index + 1]) for index in range(len(counts))]
+    kept = torch.tensor([end - kept + offset for end, kept in zip(ends, keep, strict=True) for offset in range(kept)],
+                        device=device)
     output = model(input_ids=torch.tensor([[t for tokens in inputs for t in tokens]], dtype=torch.long, device=device),
                    position_ids=torch.tensor([[n + offset for n, count in zip(lengths, counts, strict=True)
                                                for offset in range(count)]], device=device),
-                   cache=_ArenaStep(arena, caches, counts, device), use_cache=True, logits_to_keep=0,
+                   cache=_ArenaStep(arena, caches, counts, device), use_cache=True, logits_to_keep=kept,
                    arena_rows=rows)
     for entry, tokens in zip(entries, inputs, strict=True):
         entry.extend(list(tokens))
-    return list(output.logits[0].split(counts))
+    return list(output.logits[0].split(list(keep)))

@@ -50,20 +50,23 @@ class ModelRunner:
         """Append `token_ids` to the session's cache; return the logits after the last of them."""
         return self._retrying([entry], lambda: self._step(entry, token_ids))[-1]
 
-    def decode(self, entries: Sequence[CacheEntry], inputs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Feed `inputs[i]` (a token, or a token and a draft) after `entries[i]`; return each row's logits after
-        each of its tokens [len(inputs[i]), V]. The caches in the arena step together in one pass; a lone one,
-        and one in a temporary cache outside the arena, step alone. A pass that fails leaves every cache as it
-        was (some layers may already hold the new tokens: cropped back)."""
+    def decode(self, entries: Sequence[CacheEntry], inputs: Sequence[Sequence[int]],
+               keep: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """Feed `inputs[i]` (a token, a token and a draft, or the rest of a prompt) after `entries[i]`; return each
+        row's logits after each of its last `keep[i]` tokens (all of them without `keep`) [keep[i], V]. The caches in
+        the arena step together in one pass; a lone one, and one in a temporary cache outside the arena, step alone.
+        A pass that fails leaves every cache as it was (some layers may already hold the new tokens: cropped
+        back)."""
         lengths = [entry.num_tokens for entry in entries]
         try:
-            return self._decode(entries, inputs)
+            return self._decode(entries, inputs, [len(tokens) for tokens in inputs] if keep is None else keep)
         except BaseException:
             for entry, length in zip(entries, lengths, strict=True):
                 entry.crop(length)
             raise
 
-    def _decode(self, entries: Sequence[CacheEntry], inputs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def _decode(self, entries: Sequence[CacheEntry], inputs: Sequence[Sequence[int]], keep: Sequence[int]
+                ) -> list[torch.Tensor]:
         together = [i for i, entry in enumerate(entries) if isinstance(entry.cache, ArenaCache)]
         if len(together) < 2:
             together = []
@@ -71,16 +74,16 @@ class ModelRunner:
         if together:
             batch = [entries[i] for i in together]
             rows = self._retrying(batch, lambda: batched_step(self.loaded.model, batch, [inputs[i] for i in together],
-                                                              self.loaded.device))
+                                                              [keep[i] for i in together], self.loaded.device))
             for index, row in zip(together, rows, strict=True):
                 logits[index] = row
         for index, entry in enumerate(entries):
             if logits[index] is None:
-                logits[index] = self._alone(entry, list(inputs[index]))
+                logits[index] = self._alone(entry, list(inputs[index]), keep[index])
         return logits
 
-    def _alone(self, entry: CacheEntry, tokens: list[int]) -> torch.Tensor:
-        return self._retrying([entry], lambda: self._step(entry, tokens, keep=len(tokens)))
+    def _alone(self, entry: CacheEntry, tokens: list[int], keep: int) -> torch.Tensor:
+        return self._retrying([entry], lambda: self._step(entry, tokens, keep=keep))
 
     def timed_prefill(self, entry: CacheEntry, token_ids: list[int]) -> torch.Tensor:
         """A prefill whose speed is reported (the cost model compares it with fetching a cache)."""

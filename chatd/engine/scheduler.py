@@ -90,7 +90,9 @@ class Engine(CacheCommands):
         self._prefilling: deque[RunningTurn] = deque()  # admitted, prompt being fed chunk by chunk
         self._fetching = FetchingTurns(lambda: self._commands.put(_WAKE))  # admitted, their cache on its way
         self._decoding: list[RunningTurn] = []  # the decode batch
+        self._riders: list[RunningTurn] = []  # prefilling turns whose last chunk rides this iteration's decode step
         self.prefill_chunks = 0
+        self.riding_prefills = 0  # prompts whose last chunk was fed in a decode step, as one more row of it
         self.outside_arena_turns = 0  # turns longer than the whole arena, run in a temporary cache outside it
         self.cache_stats: dict[str, int | float] = {}  # published between steps: `_publish`
         self._published_at = 0.0
@@ -166,7 +168,7 @@ class Engine(CacheCommands):
             self._admit()
             if self._prefilling:
                 self._prefill_step()
-            if self._decoding:
+            if self._decoding or self._riders:
                 self._decode_step()
             self._counted = {id(running.turn) for running in self._started()}
             self._active = len(self._counted)
@@ -221,6 +223,7 @@ class Engine(CacheCommands):
                                 "outside_arena_turns": self.outside_arena_turns,
                                 "fetching_turns": len(self._fetching),
                                 "decode_steps_beside_fetches": self.steps_beside_fetches, **self.governor.stats(),
+                                "riding_prefills": self.riding_prefills,
                                 "spec_max_tokens": self.speculator.max_tokens, **self.speculator.counters.published()}
         except Exception as error:  # figures for /metrics: never worth a turn, let alone the engine
             if is_fatal(error):
@@ -378,6 +381,10 @@ class Engine(CacheCommands):
                     return 0
                 stage = "prefill"
                 self.faults.check("prefill", session_id)
+                if self._rides(running, budget):
+                    self._prefilling.popleft()
+                    self._riders.append(running)
+                    return len(running.pending)
                 first_logits, fed = self._prefill_chunk(running, budget)
         except Exception as error:
             self._prefilling.popleft()
@@ -386,15 +393,26 @@ class Engine(CacheCommands):
         if first_logits is None:
             return fed
         self._prefilling.popleft()
+        self._prefilled(running, first_logits)
+        return fed
+
+    def _rides(self, running: RunningTurn, budget: int) -> bool:
+        """Whether the turn's last chunk is fed in this iteration's decode step, as one more row of it (one pass for
+        the decoding turns and a returning customer's new message): when there is a decode step, the rest of its
+        prompt fits the budget, its cache is in the arena, and no system prompt is to be split off and shared."""
+        return (bool(self._decoding) and len(running.pending) <= budget and not running.share_prefix
+                and isinstance(running.entry.cache, ArenaCache))
+
+    def _prefilled(self, running: RunningTurn, first_logits: torch.Tensor) -> None:
+        """The turn's prompt is all fed: check what it reused, then sample its first token."""
         if running.lookup.cached_tokens and not bool(torch.isfinite(first_logits).all()):
             # A NaN or Inf anywhere in the reused keys and values reaches these logits: the cheapest
             # finite check there is, on every turn. Start over from scratch.
-            self._begin_prefill(running, self.cache.report_corruption(session_id, ("finite",)))
+            self._begin_prefill(running, self.cache.report_corruption(running.turn.session_id, ("finite",)))
             self._prefilling.appendleft(running)
-            return fed
+            return
         running.first_token_at = time.perf_counter()
         self._sample(running, first_logits)
-        return fed
 
     def _make_room(self, running: RunningTurn) -> bool:
         """Give the turn's cache a region for all it may reach. With no region free even after compaction and
@@ -511,6 +529,7 @@ class Engine(CacheCommands):
         """Advance every running turn by one token, in one forward pass. If the batched pass fails, each
         turn is tried alone, so that only the turns that fail by themselves are failed."""
         batch, self._decoding = self._decoding, []
+        riders, self._riders = self._riders, []
         self.batch_sizes[len(batch)] += 1
         self.steps_beside_fetches += bool(self._fetching)
         # The constrained rows' masks are computed while the model computes the logits (llguidance frees the GIL).
@@ -518,29 +537,37 @@ class Engine(CacheCommands):
         masks = self.grammars.masks_ahead([r.grammar for r in constrained]) if constrained else None
         needed = self.speculator.cost.break_even(len(batch))
         drafts = {id(running): self._draft(running, needed) for running in batch}
+        inputs = {id(running): [running.next_input, *drafts[id(running)]] for running in batch}
+        inputs.update({id(running): running.pending for running in riders})
+        everyone, riding = [*batch, *riders], {id(running) for running in riders}
         try:
             started = time.perf_counter()
-            logits = self._forward_decode(batch, drafts)
-            self._step_took(len(batch) + sum(map(len, drafts.values())), started)
-            rows = list(zip(batch, logits, strict=True))
+            logits = self._forward_decode(everyone, inputs, riding)
+            self._step_took(sum(map(len, inputs.values())), started)
+            rows = list(zip(everyone, logits, strict=True))
         except Exception as error:
-            if len(batch) == 1 or is_fatal(error):
-                for running in batch:
-                    self._fail(running, error, "decode")
+            if len(everyone) == 1 or is_fatal(error):
+                for running in everyone:
+                    self._fail(running, error, "prefill" if id(running) in riding else "decode")
                 return
-            log.warning("a batched decode step of %d turns failed (%s: %s); trying each turn alone", len(batch),
+            log.warning("a batched decode step of %d turns failed (%s: %s); trying each turn alone", len(everyone),
                         type(error).__name__, error)
             rows = []
-            for running in batch:
+            for running in everyone:
                 try:
-                    rows.append((running, self._forward_decode([running], drafts)[0]))
+                    rows.append((running, self._forward_decode([running], inputs, riding)[0]))
                 except Exception as alone_error:
-                    self._fail(running, alone_error, "decode")
+                    self._fail(running, alone_error, "prefill" if id(running) in riding else "decode")
         # (a row whose grammar failed to fill its mask fails alone: the grammar stage)
         row_masks = dict(zip(map(id, constrained), masks_by_row(self.grammars, [r.grammar for r in constrained], masks),
                              strict=True)) if masks is not None else {}
         for running, logits in rows:
-            if isinstance(mask := row_masks.get(id(running)), Exception):
+            if id(running) in riding:
+                running.pending = []
+                self.prefill_chunks += 1
+                self.riding_prefills += 1
+                self._prefilled(running, logits[-1])
+            elif isinstance(mask := row_masks.get(id(running)), Exception):
                 self._fail(running, mask, "grammar")
             else:
                 self._advance(running, logits, drafts[id(running)], mask)
@@ -554,7 +581,12 @@ class Engine(CacheCommands):
         draft = self.speculator.propose(running.drafts, running.turn.owner or "", running.generated,
                                         running.max_new_tokens - len(running.generated) - 1, needed)
         if draft and running.grammar is not None and running.grammar.active:
-            draft = draft[:running.grammar.matcher.validate_tokens(draft)]
+            try:
+                draft = draft[:running.grammar.matcher.validate_tokens(draft)]
+            except Exception:  # (no draft then: a grammar that truly fails fails its turn when its mask is filled)
+                log.warning("checking a draft against the grammar of session %s failed; no draft this step",
+                            running.turn.session_id, exc_info=True)
+                return []
         return draft
 
     def _step_took(self, tokens: int, started: float) -> None:
@@ -564,13 +596,17 @@ class Engine(CacheCommands):
             torch.cuda.synchronize(self.loaded.device)
         self.speculator.cost.record(tokens, time.perf_counter() - started)
 
-    def _forward_decode(self, batch: list[RunningTurn], drafts: dict[int, list[int]]) -> list[torch.Tensor]:
-        """One decode pass over `batch`: each row's logits [1 + its draft, V] (a pass that fails leaves every cache
-        as it was)."""
-        for running in batch:
-            self.faults.check("decode", running.turn.session_id)
+    def _forward_decode(self, rows: list[RunningTurn], inputs: dict[int, list[int]], riding: set[int]
+                        ) -> list[torch.Tensor]:
+        """One pass over `rows`, each fed its `inputs` (a decoding turn its next token and draft, a riding one the
+        rest of its prompt): each row's logits after each of its inputs (a pass that fails leaves every cache as it
+        was)."""
+        for running in rows:
+            if id(running) not in riding:  # (a riding turn was checked as it prefilled)
+                self.faults.check("decode", running.turn.session_id)
         with torch.inference_mode():
-            return self.runner.decode([r.entry for r in batch], [[r.next_input, *drafts[id(r)]] for r in batch])
+            return self.runner.decode([r.entry for r in rows], [inputs[id(r)] for r in rows],
+                                      [1 if id(r) in riding else len(inputs[id(r)]) for r in rows])
 
     def _fail(self, failed: RunningTurn | Turn, error: Exception, stage: str) -> None:
         """One turn failed at `stage`: it gets `internal`, and its cache, which the failure may have left

@@ -286,6 +286,8 @@ def _engine_families(live: LiveState, name: list[str], label: list[str]):
          "the engine's last look (half-second windows).", live.cache.get("cpu_taken_by_others", 0.0)),
         (GaugeMetricFamily, "chatd:num_requests_fetching", "Turns waiting in their own state for their cache from "
          "Redis while the batch decodes on.", live.cache.get("fetching_turns", 0)),
+        (CounterMetricFamily, "chatd:prefills_in_decode_steps", "Prompts whose last chunk (a returning customer's "
+         "new message) was fed in a decode step, as one more row of it.", live.cache.get("riding_prefills", 0)),
         (CounterMetricFamily, "chatd:decode_steps_beside_fetches", "Decode steps taken while at least one turn "
          "waited for its cache from Redis.", live.cache.get("decode_steps_beside_fetches", 0)),
         (GaugeMetricFamily, "chatd:prefix_index_sessions", "Sessions in this worker's own prefix index (bounded; "

@@ -138,7 +138,7 @@ class StatsRecorder:
                   "cpu_taken_by_others": live.cache.get("cpu_taken_by_others", 0.0),
                   "fetching": live.cache.get("fetching_turns", 0),
                   "decode_steps_beside_fetches": live.cache.get("decode_steps_beside_fetches", 0),
-                  "speculation": _speculation(live.cache)}
+                  "riding_prefills": live.cache.get("riding_prefills", 0), "speculation": _speculation(live.cache)}
         arena = {key.removeprefix("arena_"): value for key, value in live.cache.items() if key.startswith("arena_")}
         if arena:
             arena["outside_arena_turns"] = live.cache.get("outside_arena_turns", 0)

@@ -1,0 +1,79 @@
+"""The batched decode step itself, one token a row: this checkout (rows packed into one sequence, issue 41) against
+another (--a-checkout DIR, the commit before, in a `git worktree`), each in fresh processes, alternating, so that
+this machine's drift falls on both alike. SmolLM2-135M in float32, 16 rows on 100-token caches, and one row alone.
+
+    .venv/bin/python bench/packed_step.py --a-checkout /tmp/w/before [--pairs 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from common import checkouts, in_checkout, write_result
+
+HERE = Path(__file__).resolve()
+
+
+def worker() -> dict:
+    """Median milliseconds of a decode step at batch 16 and at batch 1, in this process's checkout."""
+    import torch
+
+    from cache_store import CacheEntry
+    from chatd.config import Settings
+    from chatd.engine.scheduler import Engine
+    from chatd.model.loader import load_model
+
+    # Before issue 41 a step took one token per row; since, a list of tokens per row.
+    rows_of_any_length = "speculation" in Settings.model_fields
+    loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
+    engine = Engine(lambda: loaded, Settings(max_batch=16))
+    engine.start()
+    engine.ready.wait()
+    figures = {}
+    with torch.inference_mode():
+        for batch, tokens in ((16, 100), (1, 100)):
+            entries = []
+            for _ in range(batch):
+                entry = CacheEntry(engine.runner.new_cache())
+                engine.runner.forward(entry, torch.randint(100, 1000, (tokens,)).tolist())
+                entry.cache.reserve(tokens + 40)
+                entries.append(entry)
+            nexts = torch.randint(100, 1000, (batch,)).tolist()
+            inputs = [[token] for token in nexts] if rows_of_any_length else nexts
+            samples = []
+            for step in range(23):
+                started = time.perf_counter()
+                engine.runner.decode(entries, inputs)
+                if step >= 3:  # three warm-up steps
+                    samples.append(time.perf_counter() - started)
+            figures[f"batch {batch}"] = round(1000 * statistics.median(samples), 1)
+    engine.stop()
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--a-checkout", type=Path, help="also measure this checkout (the commit before)")
+    parser.add_argument("--pairs", type=int, default=6, help="fresh processes per checkout, alternating")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker()))
+        return
+    runs: dict[str, list[dict]] = {}
+    for _ in range(args.pairs):
+        for label, checkout in checkouts(HERE, args.a_checkout).items():
+            runs.setdefault(label, []).append(in_checkout(HERE, checkout))
+    report = {label: {case: {"step_ms": statistics.median(run[case] for run in label_runs),
+                             "runs": [run[case] for run in label_runs]} for case in label_runs[0]}
+              for label, label_runs in runs.items()}
+    print(json.dumps(report, indent=2))
+    write_result(HERE.parent / "results" / "packed_step.json", report)
+
+
+if __name__ == "__main__":
+    main()
