@@ -47,7 +47,7 @@ class ArenaRows:
     order) attend through `chain`."""
 
     def __init__(self, rows: Sequence[tuple[int, int] | None], queries: Sequence[int],
-                 windows: Sequence[int | None], chain: ChainPlan | None = None):
+                 windows: Sequence[int | None], chain: ChainPlan | None = None, device: torch.device | None = None):
         self.windows = windows
         firsts = [sum(queries[:index]) for index in range(len(queries))]
         self.pieces = [slice(first, first + count) for first, count in zip(firsts, queries, strict=True)]
@@ -55,8 +55,8 @@ class ArenaRows:
         self.chained = [index for index, row in enumerate(rows) if row is None]
         self.chain = chain
         self.chained_queries = torch.tensor([q for index in self.chained for q in range(
-            self.pieces[index].start, self.pieces[index].stop)]) if self.chained else None
-        self._spans = {window: [_span(*rows[index], queries[index], window) for index in self.plain]
+            self.pieces[index].start, self.pieces[index].stop)], device=device) if self.chained else None
+        self._spans = {window: [_span(*rows[index], queries[index], window, device) for index in self.plain]
                        for window in set(windows)}
 
     def spans(self, layer: int) -> list[tuple[slice, torch.Tensor | None]]:
@@ -64,14 +64,15 @@ class ArenaRows:
         return self._spans[self.windows[layer]]
 
 
-def _span(start: int, length: int, queries: int, window: int | None) -> tuple[slice, torch.Tensor | None]:
+def _span(start: int, length: int, queries: int, window: int | None, device: torch.device | None
+          ) -> tuple[slice, torch.Tensor | None]:
     """The arena positions a row of `queries` queries (the last of its `length` positions) attends to, and for
     several queries the mask [1, 1, queries, keys] of what each sees (None: every query sees every key)."""
     low = max(0, length - queries - window + 1) if window else 0
     if queries == 1:
         return slice(start + low, start + length), None
-    query_at = torch.arange(length - queries, length)[:, None]
-    key_at = torch.arange(low, length)[None, :]
+    query_at = torch.arange(length - queries, length, device=device)[:, None]
+    key_at = torch.arange(low, length, device=device)[None, :]
     visible = key_at <= query_at
     if window:
         visible &= key_at > query_at - window
@@ -114,14 +115,11 @@ def _rows_attention(inner: Callable[[nn.Module], Callable], additive: bool) -> C
             mask = visible
             if visible is not None and additive:
                 mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(
-                    ~visible.to(query.device), torch.finfo(query.dtype).min)
-            elif visible is not None:
-                mask = visible.to(query.device)
+                    ~visible, torch.finfo(query.dtype).min)
             outputs[row] = forward(module, query[:, :, step.pieces[row]], key[:, span].unsqueeze(0),
                                    value[:, span].unsqueeze(0), mask, **kwargs)[0]
         if step.chained:
-            chained = _chained(module, step.chain, query[:, :, step.chained_queries.to(query.device)],
-                               step.windows, kwargs)
+            chained = _chained(module, step.chain, query[:, :, step.chained_queries], step.windows, kwargs)
             first = 0
             for row in step.chained:
                 count = step.pieces[row].stop - step.pieces[row].start

@@ -80,7 +80,7 @@ def batched_step(model: PreTrainedModel, entries: Sequence[CacheEntry], inputs: 
     rows = ArenaRows([None if cache.prefix is not None else (cache.region.start, cache.used_tokens() + count)
                       for cache, count in zip(caches, counts, strict=True)], counts, arena.windows,
                      ChainPlan(arena, [caches[i] for i in chained], [counts[i] for i in chained], device)
-                     if chained else None)
+                     if chained else None, device)
     ends = [sum(counts[:index + 1]) for index in range(len(counts))]
     kept = torch.tensor([end - kept + offset for end, kept in zip(ends, keep, strict=True) for offset in range(kept)],
                         device=device)
