@@ -89,7 +89,8 @@ async def test_every_dashboard_query_returns_data_from_a_real_prometheus(tiny, p
         await scraped(base)
         await asyncio.sleep(1.5)  # a scrape before any traffic: every rate below starts from it
         async with ChatClient(await connect(server.url)) as client:
-            a, b = (await client.open_session(system="Be brief.")).session_id, (await client.open_session()).session_id
+            # Two customers saying the same: the second's replies are drafted from the first's, and accepted.
+            a, b = [(await client.open_session(system="Be brief.")).session_id for _ in range(2)]
             for text in ("My order is late.", "It was order 1234.", "Any news?"):
                 for session_id in (a, b):
                     server.engine.offload_idle()  # evictions and offloads; the next turn restores

@@ -9,10 +9,11 @@ the model's attention through the one that wraps what transformers chose for it:
 
 Every call but a batched step goes straight to the wrapped function with the mask transformers built for
 the layer (sliding or full, as the model's config says), so a single sequence attends exactly as in
-transformers. A batched step packs its rows' tokens into one sequence (a row feeds one token, or a draft to
-verify) and gives each row a view of its own region: a full layer sees the whole region, a sliding-window
-layer the positions its first query's window reaches, and a row of several queries a mask of what each of
-them sees, which is transformers' rule (`kv_idx <= q_idx`, `kv_idx > q_idx - sliding_window`).
+transformers. A batched step packs its rows' tokens into one sequence (a row feeds one token, a draft to
+verify, or the rest of a prompt) and gives each row a view of its own region: a full layer sees the whole
+region, a sliding-window layer the positions its first query's window reaches, and a row of several queries
+a mask of what each of them sees, which is transformers' rule (`kv_idx <= q_idx`,
+`kv_idx > q_idx - sliding_window`).
 
 A cache that starts with shared segments (`cache_store/chain.py`), alone or in a batch, attends through
 `chatd.engine.chain_attention` instead: each piece apart, merged by log-sum-exp, a shared segment once for
@@ -39,12 +40,12 @@ ARENA_ATTENTION = {"sdpa": "chatd_arena", "eager": "chatd_arena_eager"}
 
 
 class ArenaRows:
-    """The rows of a batched step, their queries packed one after another (`queries[i]` of row i: one token, or
-    a draft to verify). For each row whose cache has no shared segments, the arena positions it attends to in
-    each layer (its region's start and length, the new tokens included, cut to what its first query's sliding
-    window reaches) and, for a row of several queries, which of them each query sees (its own position and
-    those before it, within its window); the rows whose caches start with shared segments (`chained`, in
-    order) attend through `chain`."""
+    """The rows of a batched step, their queries packed one after another (`queries[i]` of row i: one token, a
+    draft to verify, or the rest of a prompt). For each row whose cache has no shared segments, the arena
+    positions it attends to in each layer (its region's start and length, the new tokens included, cut to what
+    its first query's sliding window reaches) and, for a row of several queries, which of them each query sees
+    (its own position and those before it, within its window); the rows whose caches start with shared
+    segments (`chained`, in order) attend through `chain`."""
 
     def __init__(self, rows: Sequence[tuple[int, int] | None], queries: Sequence[int],
                  windows: Sequence[int | None], chain: ChainPlan | None = None, device: torch.device | None = None):
