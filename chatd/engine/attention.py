@@ -59,10 +59,19 @@ class ArenaRows:
             self.pieces[index].start, self.pieces[index].stop)], device=device) if self.chained else None
         self._spans = {window: [_span(*rows[index], queries[index], window, device) for index in self.plain]
                        for window in set(windows)}
+        self._additive: dict[tuple[int | None, torch.dtype], list] = {}
 
-    def spans(self, layer: int) -> list[tuple[slice, torch.Tensor | None]]:
-        """Per plain row, the positions it attends to in `layer`, and which each of its queries sees."""
-        return self._spans[self.windows[layer]]
+    def spans(self, layer: int, additive: torch.dtype | None = None) -> list[tuple[slice, torch.Tensor | None]]:
+        """Per plain row, the positions it attends to in `layer`, and which each of its queries sees: a boolean
+        mask, or with `additive` a float one of that dtype as eager attention adds it (made once a step)."""
+        window = self.windows[layer]
+        if additive is None:
+            return self._spans[window]
+        if (window, additive) not in self._additive:
+            self._additive[window, additive] = [
+                (span, None if visible is None else torch.zeros(visible.shape, dtype=additive, device=visible.device)
+                 .masked_fill_(~visible, torch.finfo(additive).min)) for span, visible in self._spans[window]]
+        return self._additive[window, additive]
 
 
 def _span(start: int, length: int, queries: int, window: int | None, device: torch.device | None
@@ -112,11 +121,8 @@ def _rows_attention(inner: Callable[[nn.Module], Callable], additive: bool) -> C
         if not step.plain:  # every row starts with shared segments: one plan, no reassembly
             return _chained(module, step.chain, query, step.windows, kwargs), None
         outputs: list[torch.Tensor | None] = [None] * len(step.pieces)
-        for row, (span, visible) in zip(step.plain, step.spans(module.layer_idx), strict=True):
-            mask = visible
-            if visible is not None and additive:
-                mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(
-                    ~visible, torch.finfo(query.dtype).min)
+        spans = step.spans(module.layer_idx, query.dtype if additive else None)
+        for row, (span, mask) in zip(step.plain, spans, strict=True):
             outputs[row] = forward(module, query[:, :, step.pieces[row]], key[:, span].unsqueeze(0),
                                    value[:, span].unsqueeze(0), mask, **kwargs)[0]
         if step.chained:
