@@ -7,7 +7,9 @@ in a `git worktree`) in the same run, one after the other, alone on the machine:
   how many stay resident, and the device tier's bytes against the distinct keys and values (the policy once
   plus each session's own tokens); then eight sessions with eight different short prompts.
 - decode: 16 sessions decoding together: the batch-16 step (ms) and the crowd's tokens/s for shared prompts
-  of 25, 500, 1,000, 2,000 and 4,000 tokens (timed in the engine thread on the sessions' real caches).
+  of 25, 500, 1,000, 2,000 and 4,000 tokens (timed in the engine thread on the sessions' real caches) under
+  `--shared-prompt-min-tokens 256`; and prompts of 25 and 200 tokens held as a segment
+  (`--shared-prompt-min-tokens 16`) against copied, at batch 1, 4 and 16.
 - redis: the same 16 sessions with `--remote-kv` on a redis-server of their own: the bytes of their caches in
   Redis against the distinct keys and values.
 - capacity: sessions per GB of device budget with a 2,000-token shared prompt and 300-token conversations,
@@ -83,16 +85,23 @@ def worker(measure: str) -> dict:
         return result
     if measure == "decode":
         result = {}
-        for tokens in (25, 500, 1000, 2000, 4000):
+        cases = [(tokens, 256, 16, str(tokens)) for tokens in (25, 500, 1000, 2000, 4000)]
+        cases += [(200, 256, batch, f"200 copied, batch {batch}") for batch in (1, 4, 16)]
+        cases += [(tokens, 16, batch, f"{tokens} as a segment, batch {batch}") for tokens in (25, 200)
+                  for batch in (1, 4, 16)]
+        for tokens, min_shared, batch, name in cases:
             system = policy(tokens, renderer)
-            with running_engine(loaded, device_cache_mb=4096, max_batch=16, verify_sample_rate=0.0) as engine:
-                sessions = [Session(f"s{i}", system=system) for i in range(16)]
-                run_together(engine, sessions, [QUESTIONS[i % 8] + f" (customer {i})" for i in range(16)], [1] * 16)
+            with running_engine(loaded, device_cache_mb=4096, max_batch=16, verify_sample_rate=0.0,
+                                shared_prompt_min_tokens=min_shared) as engine:
+                sessions = [Session(f"s{i}", system=system) for i in range(batch)]
+                run_together(engine, sessions, [QUESTIONS[i % 8] + f" (customer {i})" for i in range(batch)],
+                             [1] * batch)
                 ids = [session.session_id for session in sessions]
                 step_ms = engine.call(lambda store, ids=ids, engine=engine: _time_steps(engine, store, ids)).result()
-            result[str(tokens)] = {"prompt_tokens": len(renderer.render([Message("system", system)],
-                                                                          add_generation_prompt=False)),
-                                   "step_ms": round(step_ms, 1), "tokens_per_s": round(16 / step_ms * 1000, 1)}
+            result[name] = {"prompt_tokens": len(renderer.render([Message("system", system)],
+                                                                 add_generation_prompt=False)),
+                            "batch": batch, "step_ms": round(step_ms, 1),
+                            "tokens_per_s": round(batch / step_ms * 1000, 1)}
         return result
     if measure == "redis":
         return _redis_bytes(loaded, renderer, per_token)
@@ -174,7 +183,7 @@ def _host_bytes(loaded, renderer, per_token: int) -> dict:
 
 
 def _time_steps(engine, store, session_ids: list[str], steps: int = 12) -> float:
-    """The median batch-16 decode step over the sessions' real caches (in the engine thread); the caches are
+    """The median decode step of the sessions together' real caches (in the engine thread); the caches are
     cropped back after."""
     import statistics
 
@@ -223,7 +232,7 @@ def _median_of_rounds(compared: dict[str, Path], rounds: int) -> dict:
             steps = [numbers[label][prompt]["step_ms"] for numbers in runs]
             step = statistics.median(steps)
             report[label][prompt] = {**first, "step_ms": step, "step_ms_runs": steps,
-                                     "tokens_per_s": round(16 / step * 1000, 1)}
+                                     "tokens_per_s": round(first["batch"] / step * 1000, 1)}
     return report
 
 

@@ -116,10 +116,10 @@ class Settings(BaseSettings):
         "positions per chunk of a cache in Redis: a chunk Redis holds (a shared policy, earlier turns) is not "
         "written or fetched again (docs/benchmarks.md)"))
     shared_prompt_min_tokens: int = Field(
-        256, ge=16, description="a system prompt of at least this many tokens is held once on the device, a "
-                                "segment that its sessions start with and that a batched step reads once; a "
-                                "shorter one is copied into each session that uses it, which decodes faster "
-                                "(docs/benchmarks.md)")
+        32, ge=16, description="a system prompt of at least this many tokens is held once on the device, a "
+                               "segment that its sessions start with and that a batched step reads once (a short "
+                               "one gathered with each row's own tokens); a shorter one is copied into each "
+                               "session that uses it (docs/benchmarks.md)")
     warm_prompt: TextList = Field(default_factory=list, description="a file holding a system prompt (its text, "
                                   "without a final newline) to prefill at start and keep on the device through any "
                                   "eviction, shared by every session and key that uses it (repeatable)")

@@ -11,7 +11,7 @@ from chatd.api.server import ChatServer
 from chatd.config import Settings
 from chatd.model.loader import LoadedModel, converted_checkpoint, default_cache_dir, load_model
 from tests.redis_server import DATABASES, RedisDatabase, RedisServer
-from tests.support import tiny_model
+from tests.support import openai_client, tiny_model
 
 
 def pytest_configure(config) -> None:
@@ -68,11 +68,6 @@ async def openai_pair(smollm2) -> tuple[openai.AsyncOpenAI, openai.AsyncOpenAI]:
         await uncached.wait_ready()
         async with openai_client(server) as client, openai_client(uncached) as reference:
             yield client, reference
-
-
-def openai_client(server: ChatServer) -> openai.AsyncOpenAI:
-    """An `openai` client of `server`, which fails at once rather than retrying."""
-    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="session")

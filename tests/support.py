@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from contextlib import asynccontextmanager, contextmanager
 
+import openai
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from websockets.asyncio.client import connect
@@ -144,3 +145,8 @@ def run_together(engine, sessions, contents, lengths, on_text=None) -> list[Turn
         if result.finish_reason != "cancelled":
             session.record_turn(content, result.content, result.conversation_ids)
     return ordered
+
+
+def openai_client(server: ChatServer) -> openai.AsyncOpenAI:
+    """An `openai` client of `server`, which fails at once rather than retrying."""
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)

@@ -11,6 +11,7 @@ import torch
 from cache_store import CacheEntry, DeviceTier, chain
 from cache_store.arena import UNIT, ArenaCache, KVArena
 from cache_store.policy import LRUPolicy
+from chatd.engine import chain_attention
 from chatd.engine.chain_attention import ChainPlan, matmul_attention, merge_partials, partial_attention
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4
@@ -168,9 +169,11 @@ def test_a_query_that_sees_nothing_in_a_piece_contributes_nothing_from_it(kernel
 
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("softcap", [None, 30.0])  # (None: the own pieces gathered into one call; else one a row)
-def test_rows_of_any_length_attend_their_chain_exactly(window, softcap):
+@pytest.mark.parametrize("fold", [True, False])  # (the segment gathered with the own pieces, or read once)
+def test_rows_of_any_length_attend_their_chain_exactly(window, softcap, fold, monkeypatch):
     """Three caches on one shared segment feed 1, 3 and 2 tokens in one pass (a token, and drafts to verify):
     each query sees the segment and its own positions up to its own, within its window, as one softmax would."""
+    monkeypatch.setattr(chain_attention, "FOLD_LIMIT", chain_attention.FOLD_LIMIT if fold else 0)
     kv_arena = arena()
     first = filled(kv_arena, UNIT + 9, seed=1)
     policy = chain.split(first, UNIT)
@@ -188,6 +191,7 @@ def test_rows_of_any_length_attend_their_chain_exactly(window, softcap):
                                                          dtype=torch.float64)
     query = torch.randn(1, 2 * HEADS, sum(counts), HEAD_DIM, generator=generator, dtype=torch.float64)
     plan = ChainPlan(kv_arena, caches, counts, torch.device("cpu"))
+    assert plan.folded == fold
     for layer in range(LAYERS):
         got = plan.attend(layer, window, query, 0.4, softcap, None)  # [1, Q, Hq, D]
         first_query = 0

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from cache_store import KVGeometry
 from chatd.api.server import ChatServer
 from chatd.config import Settings
+from chatd.engine import chain_attention
 from chatd.engine.turn import TurnResult
 from chatd.model.loader import LoadedModel
 from chatd.model.prompt import PromptRenderer
@@ -80,14 +81,16 @@ POLICY = ("You are a support agent for Northwind Internet. Refunds take fourteen
           "always ask for the order number first.")  # a segment of two or more units: longer than the windows
 
 
-def test_conversations_that_share_a_policy_decode_together_and_alone(family):
+def test_conversations_that_share_a_policy_decode_together_and_alone(family, monkeypatch):
     """The policy is a shared segment longer than the 12-token windows (a window ends inside it for the first
-    tokens after it, beyond it later); four conversations decode together, reading it once per step, then one
-    goes on alone, every reuse deep-checked (without unsharing the policy): every reply is transformers'."""
+    tokens after it, beyond it later); four conversations decode together, gathering it with their own tokens in
+    the first round and reading it once per step in the second, then one goes on alone, every reuse deep-checked
+    (without unsharing the policy): every reply is transformers'."""
     with running_engine(family.loaded, max_batch=4, shared_prompt_min_tokens=16, verify_sample_rate=1.0) as engine:
         sessions = [Session(f"p{i}", system=POLICY) for i in range(4)]
         lengths = [5 + 3 * i for i in range(4)]
-        for round_index in range(2):
+        for round_index, fold_limit in enumerate((chain_attention.FOLD_LIMIT, 0)):
+            monkeypatch.setattr(chain_attention, "FOLD_LIMIT", fold_limit)
             contents = [QUESTIONS[(i + round_index) % len(QUESTIONS)] for i in range(4)]
             for session, result, length in zip(sessions, run_together(engine, sessions, contents, lengths),
                                                lengths, strict=True):

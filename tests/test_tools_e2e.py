@@ -8,9 +8,14 @@ from __future__ import annotations
 import json
 from typing import Literal
 
+import httpx
 import jsonschema
 import openai
 import pytest
+
+from chatd.api.server import ChatServer
+from chatd.config import Settings
+from tests.support import openai_client
 
 MODEL = "smollm2-135m"
 SYSTEM = "You are the support assistant of Northwind Telecom. Use the tools to look things up."
@@ -69,6 +74,28 @@ async def test_an_agent_loop_calls_valid_functions_and_each_round_prefills_only_
                 previous.completion_tokens - 1, (index, got.usage)
             assert expected.usage.prompt_tokens_details.cached_tokens < got.usage.prompt_tokens_details.cached_tokens
     assert rounds[1].choices[0].message.tool_calls[0].function.name == "open_ticket"
+
+
+async def test_tool_calls_drafted_from_the_desks_past_replies_equal_plain_decoding(smollm2):
+    """A second agent loop's calls and answer are drafted from the first's (the desk's past replies) and verified
+    under the tools' grammar: every round equals a server's without speculation, and drafts were accepted."""
+    async with ChatServer(Settings(port=0), load=lambda: smollm2) as server, \
+            ChatServer(Settings(port=0, speculation="off"), load=lambda: smollm2) as plain:
+        await server.wait_ready()
+        await plain.wait_ready()
+        async with openai_client(server) as client, openai_client(plain) as reference:
+            await _agent_loop(client)
+            drafted, expected = await _agent_loop(client), await _agent_loop(reference)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as http:
+            speculation = (await http.get("/v1/stats")).json()["now"]["engine"]["speculation"]
+    for index, (got, want) in enumerate(zip(drafted, expected, strict=True)):
+        assert got.choices[0].message.model_dump(exclude={"tool_calls"}) == want.choices[0].message.model_dump(
+            exclude={"tool_calls"}), f"round {index}"
+        assert [(c.function.name, c.function.arguments) for c in got.choices[0].message.tool_calls or ()] == \
+            [(c.function.name, c.function.arguments) for c in want.choices[0].message.tool_calls or ()]
+        assert got.choices[0].finish_reason == want.choices[0].finish_reason
+    assert drafted[0].choices[0].message.tool_calls, "the first round called a tool"
+    assert speculation["accepted_tokens"] > 0, speculation
 
 
 async def test_streamed_calls_assemble_as_the_sdk_reads_them(openai_pair):

@@ -95,18 +95,16 @@ def _fused_cpu(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
 
 
 def gathered_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-                       visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's queries [R, Hq, Lq, D] (padded to one count) over its own keys and values [R, Hkv, L, D]
-    (gathered and padded to one length; `visible` [R, Lq, L] says which each query sees: the row's, before it and
-    in its window), in one call of torch's fused CPU flash kernel: the output [R, Hq, Lq, D] and the log-sum-exp
-    [R, Hq, Lq]."""
+    (gathered and padded to one length; `mask` [R, 1, G * Lq, L], additive, says which each query of each of the
+    G query heads of a key head sees: the row's, before it and in its window; None: all), in one call of torch's
+    fused CPU flash kernel: the output [R, Hq, Lq, D] and the log-sum-exp [R, Hq, Lq]."""
     rows, heads, length, dim = query.shape
     kv_heads = keys.shape[1]
-    groups = heads // kv_heads
-    flat = visible[:, None].expand(rows, groups, length, visible.shape[-1]).reshape(rows, 1, groups * length, -1)
-    mask = torch.zeros(flat.shape, dtype=query.dtype).masked_fill_(~flat, float("-inf"))
     output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query.reshape(rows, kv_heads, groups * length, dim), keys, values, attn_mask=mask, scale=scaling)[:2]
+        query.reshape(rows, kv_heads, heads // kv_heads * length, dim), keys, values, attn_mask=mask,
+        scale=scaling)[:2]
     return output.reshape(rows, heads, length, dim), lse.reshape(rows, heads, length)
 
 
@@ -116,6 +114,8 @@ def merge_partials(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
     attention over all their keys together; `sinks` [H] (gpt-oss) are one more key per head whose value is
     zero: they weigh in the denominator once. Each part's weight is e^(lse_i - lse), where lse is the
     log-sum-exp of all of them (a query that sees nothing at all gets 0)."""
+    if len(outputs) == 1 and sinks is None:
+        return outputs[0]
     total = functools.reduce(torch.logaddexp, lses)
     if sinks is not None:
         total = torch.logaddexp(total, sinks.to(total.dtype).view(1, -1, 1))
@@ -128,6 +128,7 @@ def merge_partials(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
 
 
 GATHER_LIMIT = 8192  # own positions of a whole batch below which they are gathered into one call
+FOLD_LIMIT = 1024  # gathered positions of a whole batch (segments included) below which segments are gathered too
 
 
 @dataclass(frozen=True)
@@ -165,15 +166,24 @@ class ChainPlan:
                 by_id[id(segment)] = segment
         self.groups = [(by_id[key], self._query_index(rows)) for key, rows in shared.items()]
         self._masks: dict[object, object] = {}
-        # A batched step over short own pieces reads them in one call, gathered from their regions (a call per row
-        # costs more than the copy when they are short): arena positions per row, padded to the longest; each row's
-        # queries padded to the most any row has (a padding slot repeats its row's last query, and is dropped).
-        longest = max(row.own_length for row in self.rows)
+        # Own pieces are read in one call, gathered from their regions (a call per row costs more than the copy when
+        # they are short): arena slots per row, padded to the longest; each row's queries padded to the most any
+        # row has (a padding slot repeats its row's last query, and is dropped). Segments that few rows read and
+        # that are short are gathered with them (`folded`): one call and no merge costs less than reading them once.
+        chains = [[(segment, segment.used_tokens()) for segment in row.segments] + [(row.own, row.own_length)]
+                  for row in self.rows]
+        self.folded = bool(self.groups) and sum(length for row in chains for _, length in row) <= FOLD_LIMIT
+        pieces = chains if self.folded else [row[-1:] for row in chains]
+        slots = [[piece.region.start + j for piece, length in row for j in range(length)] for row in pieces]
+        positions = [[piece.offset + j for piece, length in row for j in range(length)] for row in pieces]
+        longest = max(len(row) for row in slots)
         most = max(len(row.positions) for row in self.rows)
-        self._gather = self._slots = self._real = None
-        if device.type == "cpu" and len(self.rows) > 1 and longest * len(self.rows) <= GATHER_LIMIT:
-            self._gather = torch.tensor([[row.own.region.start + min(j, row.own_length - 1) for j in range(longest)]
-                                         for row in self.rows], device=device).view(-1)
+        self._gather = self._gathered_positions = self._slots = self._real = None
+        if device.type == "cpu" and (len(self.rows) > 1 or self.folded) and longest * len(self.rows) <= GATHER_LIMIT:
+            self._gather = torch.tensor([row + row[-1:] * (longest - len(row)) for row in slots],
+                                        device=device).view(-1)
+            self._gathered_positions = torch.tensor([row + [-1] * (longest - len(row)) for row in positions],
+                                                    device=device)  # -1: padding, seen by no query
             if most > 1:
                 self._slots = torch.tensor([row.first + min(j, len(row.positions) - 1) for row in self.rows
                                             for j in range(most)], device=device)
@@ -191,35 +201,43 @@ class ChainPlan:
                softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
         """Every row's attention in `layer`: the packed queries `query` [1, Hq, Q, D] -> [1, Q, Hq, D]."""
         keys, values = self.arena.keys[layer], self.arena.values[layer]
-        segment_masks, own_spans = self._visibility(window)
-        outputs, lses = [], []
-        for (segment, (_, index)), (visible, lo, hi) in zip(self.groups, segment_masks, strict=True):
+        gathered = self._gather is not None and softcap is None and query.dtype in (torch.float32, torch.float64)
+        parts = [] if gathered and self.folded else self._segment_parts(window, query, keys, values, scaling, softcap)
+        if gathered:
+            parts.append(self._gathered(query, keys, values, scaling, window))
+        else:
+            parts.append(self._own_parts(window, query, keys, values, scaling, softcap))
+        merged = merge_partials([output for output, _ in parts], [lse for _, lse in parts], sinks)
+        return merged.transpose(1, 2).to(query.dtype)
+
+    def _segment_parts(self, window: int | None, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       scaling: float, softcap: float | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each shared segment attended once by the queries of every row that starts with it: (output, lse) over
+        all the packed queries (a query of a row that does not start with it sees nothing of it)."""
+        parts = []
+        for (segment, (_, index)), (visible, lo, hi) in zip(self.groups, self._visibility(window)[0], strict=True):
             if hi <= lo:
                 continue  # outside every member's window
             start = segment.region.start
             output, lse = partial_attention(query if index is None else query[:, :, index],
                                             keys[:, start + lo:start + hi], values[:, start + lo:start + hi],
                                             scaling, visible, softcap)
-            if index is not None:  # the queries of rows that do not start with it see nothing of it
+            if index is not None:
                 output = output.new_zeros(query.shape).index_copy_(2, index, output)
                 lse = lse.new_full(query.shape[:3], float("-inf")).index_copy_(2, index, lse)
-            outputs.append(output)
-            lses.append(lse)
-        if self._gather is not None and softcap is None and query.dtype in (torch.float32, torch.float64):
-            output, lse = self._gathered(query, keys, values, scaling, window)
-            outputs.append(output)
-            lses.append(lse)
-        else:
-            own = []
-            for row, (visible, lo, hi) in zip(self.rows, own_spans, strict=True):
-                start = row.own.region.start
-                own.append(partial_attention(query[:, :, row.first:row.first + len(row.positions)],
-                                             keys[:, start + lo:start + hi], values[:, start + lo:start + hi],
-                                             scaling, visible, softcap))
-            outputs.append(torch.cat([output for output, _ in own], dim=2))
-            lses.append(torch.cat([lse for _, lse in own], dim=2))
-        merged = merge_partials(outputs, lses, sinks)
-        return merged.transpose(1, 2).to(query.dtype)
+            parts.append((output, lse))
+        return parts
+
+    def _own_parts(self, window: int | None, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   scaling: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's own piece, a call a row (soft-capping, another dtype, a GPU): (output, lse) packed."""
+        own = []
+        for row, (visible, lo, hi) in zip(self.rows, self._visibility(window)[1], strict=True):
+            start = row.own.region.start
+            own.append(partial_attention(query[:, :, row.first:row.first + len(row.positions)],
+                                         keys[:, start + lo:start + hi], values[:, start + lo:start + hi],
+                                         scaling, visible, softcap))
+        return torch.cat([output for output, _ in own], dim=2), torch.cat([lse for _, lse in own], dim=2)
 
     def _gathered(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
                   window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,30 +246,39 @@ class ChainPlan:
         rows, heads, dim = len(self.rows), query.shape[1], query.shape[-1]
         padded = query[0] if self._slots is None else query[0][:, self._slots]  # [Hq, R * most, D]
         padded = padded.reshape(heads, rows, -1, dim).transpose(0, 1)
-        output, lse = gathered_attention(padded, *(buffer[:, self._gather].view(
+        output, lse = gathered_attention(padded, *(buffer.index_select(1, self._gather).view(
             buffer.shape[0], rows, -1, buffer.shape[-1]).transpose(0, 1) for buffer in (keys, values)),
-            scaling, self._gathered_visibility(window))
+            scaling, self._gathered_mask(window, heads // keys.shape[0], query.dtype))
         output, lse = output.transpose(0, 1).reshape(heads, -1, dim), lse.transpose(0, 1).reshape(heads, -1)
         if self._real is not None:
             output, lse = output[:, self._real], lse[:, self._real]
         return output.unsqueeze(0), lse.unsqueeze(0)
 
     def _gathered_visibility(self, window: int | None) -> torch.Tensor:
-        """For gathered own pieces: [R, Lq, L], which of its row's own positions each (padded) query sees: the
+        """For gathered pieces: [R, Lq, L], which of its row's gathered positions each (padded) query sees: the
         row's, up to its own position, within its window (a padding slot sees what its row's last query sees)."""
         key = ("gathered", window)
         if key not in self._masks:
-            longest = len(self._gather) // len(self.rows)
             most = 1 if self._slots is None else len(self._slots) // len(self.rows)
-            j = torch.arange(longest, device=self.device)[None, None, :]
-            own = torch.tensor([[row.own_length, row.own.offset] for row in self.rows], device=self.device)
             at = torch.tensor([[row.positions[min(slot, len(row.positions) - 1)] for slot in range(most)]
                                for row in self.rows], device=self.device)[:, :, None]  # [R, Lq, 1]
-            kv = own[:, 1, None, None] + j
-            visible = (j < own[:, 0, None, None]) & (kv <= at)
+            kv = self._gathered_positions[:, None, :]  # [R, 1, L]
+            visible = (kv >= 0) & (kv <= at)
             if window is not None:
                 visible &= kv > at - window
             self._masks[key] = visible
+        return self._masks[key]
+
+    def _gathered_mask(self, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """`_gathered_visibility` as the fused kernel's additive mask for `groups` query heads a key head."""
+        key = ("additive", window, groups, dtype)
+        if key not in self._masks:
+            visible = self._gathered_visibility(window)
+            rows, length = visible.shape[:2]
+            flat = visible[:, None].expand(rows, groups, length, visible.shape[-1])
+            flat = flat.reshape(rows, 1, groups * length, -1)
+            self._masks[key] = None if bool(flat.all()) else torch.zeros(flat.shape, dtype=dtype).masked_fill_(
+                ~flat, float("-inf"))
         return self._masks[key]
 
     def _visibility(self, window: int | None) -> tuple[list, list]:
