@@ -23,10 +23,10 @@ from common import synthetic_history, write_result
 
 from cache_store import Offloader
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient
 from chatd.config import Settings
 from chatd.model.loader import load_model
 from chatd.model.prompt import PromptRenderer
-from chatd.tools.client import ChatClient
 
 HERE = Path(__file__).parent
 

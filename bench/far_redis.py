@@ -22,8 +22,8 @@ from pathlib import Path
 
 from common import checkouts, write_result
 
-from chatd.tools.client import ChatClient
-from chatd.tools.server_process import ServerProcess
+from chatd.cli.client import ChatClient
+from chatd.cli.server_process import ServerProcess
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent.parent))

@@ -14,9 +14,9 @@ from pathlib import Path
 from common import write_result
 from websockets.asyncio.client import connect
 
+from chatd.cli.client import ChatClient
+from chatd.cli.server_process import ServerProcess
 from chatd.observability.stats import percentiles
-from chatd.tools.client import ChatClient
-from chatd.tools.server_process import ServerProcess
 
 HERE = Path(__file__).parent
 QUESTIONS = ["My internet is down since this morning.", "The router light is blinking orange.",

@@ -17,9 +17,9 @@ from websockets.asyncio.client import connect
 
 from cache_store import kv_bytes_per_token
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient
 from chatd.config import Settings
 from chatd.model.loader import load_model
-from chatd.tools.client import ChatClient
 
 HERE = Path(__file__).parent
 SYSTEM = "You are a friendly customer-service agent for Northwind Internet. Answer briefly."

@@ -35,7 +35,7 @@ async def fill(server: ChatServer, scenario: dict, history: list[Message], count
     """`count` sessions, each the shared history plus a distinct last exchange; their histories, and the bytes
     Redis took for indexing them (0 without Redis)."""
     histories, indexed = [], []
-    for number in range(len(server.openai.index.local), count):
+    for number in range(len(server.conversations.index.local), count):
         own = [*history, Message("user", f"My customer number is {number}."), Message("assistant", REPLY)]
         session = await server.sessions.create(scenario["system"], messages=own)
         indexed.append((session.session_id, renderer.render([Message("system", scenario["system"]), *own],
@@ -43,7 +43,7 @@ async def fill(server: ChatServer, scenario: dict, history: list[Message], count
         histories.append(own)
     before = await redis_memory(server)
     for session_id, token_ids in indexed:
-        await server.openai.index.add(None, session_id, token_ids)
+        await server.conversations.index.add(None, session_id, token_ids)
     return histories, await redis_memory(server) - before
 
 
@@ -63,7 +63,7 @@ async def measure(sessions: list[int], history_tokens: int, repeats: int, redis_
         renderer = PromptRenderer(server.engine.loaded.tokenizer)
         history = synthetic_history(scenario, renderer, history_tokens)
         histories: list[list[Message]] = []
-        server.openai.render(scenario["system"], history, "warm-up")  # the API's tokenizer copy, made once
+        server.conversations.render(scenario["system"], history, "warm-up")  # the API's tokenizer copy, made once
         for count in sessions:
             added, grown = await fill(server, scenario, history, count, renderer)
             histories += added
@@ -72,11 +72,11 @@ async def measure(sessions: list[int], history_tokens: int, repeats: int, redis_
             for repeat in range(repeats):
                 own = histories[(repeat * 7919) % len(histories)]
                 started = time.perf_counter()
-                session, _, _ = await server.openai.place(None, scenario["system"], own, "Any news?", None)
+                session, _, _ = await server.conversations.place(None, scenario["system"], own, "Any news?", None)
                 samples.append(time.perf_counter() - started)
                 server.turns.release_claim(session.session_id)
                 assert session.messages == own, "the request must continue its own session"
-            count = len(server.openai.index.local)
+            count = len(server.conversations.index.local)
             rows.append({"sessions": count, "match_ms": 1000 * statistics.median(samples),
                          "match_ms_max": 1000 * max(samples), "redis_index_bytes_per_session": index_bytes / count})
             print(f"{count:>6} sessions: matching {rows[-1]['match_ms']:.2f} ms (max {rows[-1]['match_ms_max']:.2f} ms)"

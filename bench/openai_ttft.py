@@ -19,8 +19,8 @@ from pathlib import Path
 import openai
 from common import write_result
 
-from chatd.tools.bench import openai_url, served_model
-from chatd.tools.server_process import ServerProcess
+from chatd.cli.bench import openai_url, served_model
+from chatd.cli.server_process import ServerProcess
 
 HERE = Path(__file__).parent
 

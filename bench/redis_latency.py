@@ -66,7 +66,7 @@ def _redis_server(folder: Path, *options: str):
 
     import redis
 
-    from chatd.tools.server_process import free_port
+    from chatd.cli.server_process import free_port
 
     folder.mkdir()
     port = free_port()

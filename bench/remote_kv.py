@@ -22,10 +22,10 @@ import redis.asyncio as redis
 from common import synthetic_history, write_result
 
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient
 from chatd.config import Settings
 from chatd.model.loader import load_model
 from chatd.model.prompt import PromptRenderer
-from chatd.tools.client import ChatClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.redis_server import RedisServer  # noqa: E402

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from common import write_result
 
-from chatd.tools.bench import DEFAULT_SCENARIOS, Workload, load_scenarios, run_workload, summarize
-from chatd.tools.nginx_process import NginxProcess
-from chatd.tools.server_process import ServerProcess, free_port
+from chatd.cli.bench import DEFAULT_SCENARIOS, Workload, load_scenarios, run_workload, summarize
+from chatd.cli.nginx_process import NginxProcess
+from chatd.cli.server_process import ServerProcess, free_port
 
 HERE = Path(__file__).parent
 

@@ -27,9 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import DynamicCache
 
 from chatd.api.protocol import ChatDone
+from chatd.cli.client import ChatClient
+from chatd.cli.server_process import ServerProcess
 from chatd.model.loader import load_model
-from chatd.tools.client import ChatClient
-from chatd.tools.server_process import ServerProcess
 
 HERE = Path(__file__).parent
 QUESTION = "Any news on my case? Please tell me what happens next."

@@ -21,10 +21,10 @@ import torch
 from common import write_result
 from transformers import DynamicCache
 
+from chatd.cli.client import ChatClient
+from chatd.cli.server_process import ServerProcess
 from chatd.model.loader import load_model
 from chatd.model.prompt import PromptRenderer
-from chatd.tools.client import ChatClient
-from chatd.tools.server_process import ServerProcess
 from sessions import Session
 
 HERE = Path(__file__).parent

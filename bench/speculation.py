@@ -25,8 +25,8 @@ from pathlib import Path
 
 from common import checkouts, write_result
 
-from chatd.tools.client import ChatClient
-from chatd.tools.server_process import ServerProcess
+from chatd.cli.client import ChatClient
+from chatd.cli.server_process import ServerProcess
 
 HERE = Path(__file__).resolve()
 KEYS = [f"bench-key-{number}" for number in range(64)]  # one per case and repeat: each its own reply book

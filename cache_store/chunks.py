@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import xxhash
-
 from cache_store.arena import UNIT
 from cache_store.identity import CacheLayout
-from sessions.encoding import pack_ids
+from sessions.encoding import chained_token_hashes
 
 # Positions per chunk: whole key-scale groups (an int8 chunk is quantised alone, once), small enough that a turn
 # rewrites little besides what it added, large enough that a long history is few keys (docs/benchmarks.md).
@@ -32,11 +30,7 @@ def chain_hashes(token_ids: Sequence[int], identity: str, chunk_tokens: int = CH
     and its own ids, so a name stands for every position up to its chunk's end."""
     if chunk_tokens <= 0 or chunk_tokens % UNIT:
         raise ValueError(f"a chunk is a whole number of {UNIT}-token units, not {chunk_tokens} tokens")
-    hashes, previous = [], xxhash.xxh3_128_hexdigest(identity.encode())
-    for start in range(0, len(token_ids) - chunk_tokens + 1, chunk_tokens):
-        previous = xxhash.xxh3_128_hexdigest(previous.encode() + pack_ids(token_ids[start:start + chunk_tokens]))
-        hashes.append(previous)
-    return hashes
+    return chained_token_hashes(token_ids, chunk_tokens, identity)
 
 
 def shared_chunks(a: Sequence[str], b: Sequence[str]) -> int:

@@ -15,7 +15,7 @@ import xxhash
 from cache_store.entry import CacheEntry, KVTensors
 from cache_store.identity import CacheLayout, Fingerprint
 from cache_store.quantize import key_groups
-from sessions.encoding import pack_ids
+from sessions.encoding import token_hash
 
 Check = str  # one of CHECKS
 CHECKS = ("fingerprint", "length", "shape", "checksum", "finite", "deep")
@@ -23,7 +23,7 @@ CHECKS = ("fingerprint", "length", "shape", "checksum", "finite", "deep")
 
 def token_digest(token_ids: Sequence[int]) -> str:
     """A digest of token ids, for fingerprints."""
-    return xxhash.xxh3_64_hexdigest(pack_ids(token_ids))
+    return token_hash(token_ids)
 
 
 def fingerprint(entry: CacheEntry, model_key: str, owner: str, layout: CacheLayout) -> Fingerprint:

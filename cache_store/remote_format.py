@@ -1,8 +1,9 @@
 """A cache as Redis holds it (`--remote-kv`): the records a write and a fetch pass around, and their bytes.
 
 A cache is a chain of immutable chunks (`cache_store/chunks.py`) plus its session's own two keys, all with one
-TTL. `chatd:kvchunk:{name}` holds one chunk: a JSON frame (its name, shapes, dtype, checksum) and its bytes, the
-same key for every session of one owner whose history starts with the same ids. `chatd:{id}:kv` holds the
+TTL. `chatd:kvchunk:{name}` holds one chunk as safetensors bytes (each tensor's dtype and shape in a checked
+header, its name and checksum in the header's metadata), the same key for every session of one owner whose
+history starts with the same ids. `chatd:{id}:kv` holds the
 session's token ids (int32) and the keys and values of its tail (the positions after its last whole chunk);
 `chatd:{id}:kvmeta` a JSON header (format version, fingerprint, session version, the chunks' names, the tail's
 shapes, dtype and checksum). Moving them is `remote_tier.py`'s job.
@@ -14,7 +15,9 @@ import json
 import struct
 from dataclasses import asdict, dataclass
 
+import safetensors.torch
 import torch
+from safetensors import SafetensorError
 
 from cache_store.entry import KVTensors
 from cache_store.identity import CacheLayout, Fingerprint
@@ -23,9 +26,11 @@ from cache_store.quantize import GROUP_TOKENS
 from sessions.encoding import pack_ids, unpack_ids
 
 # 2: checksums carry their kind (xxh3:…); 3: int8 caches with their scales; 4: key scales per group; 5: a cache may
-# hold only its own positions, naming the shared segment it starts with; 6: chains of chunks
-FORMAT_VERSION = 6
-_FRAME = struct.Struct("<I")  # the length of a chunk's JSON frame, before it
+# hold only its own positions, naming the shared segment it starts with; 6: chains of chunks; 7: chunks named by
+# the one hash of token ids (`sessions.encoding.token_hash`), so a version-6 copy's names would never match, and
+# chunks as safetensors bytes
+FORMAT_VERSION = 7
+_HEADER = struct.Struct("<Q")  # the length of a safetensors header, before it
 
 
 def chunk_key(name: str) -> str:
@@ -182,26 +187,32 @@ def _chunk_nbytes(tail: StoredKV, chunk_tokens: int) -> int:
 
 
 def encode_chunk(name: str, piece: StoredKV) -> bytes:
-    """A chunk as Redis holds it: the length of its JSON frame (name, shapes, dtype, checksum), the frame, then every
-    stored byte (scales after the keys and values)."""
-    frame = json.dumps({"name": name, "shapes": [list(t.shape) for t in _flat(piece.tensors)],
-                        "dtype": str(piece.tensors[0][0].dtype),
-                        "scale_shapes": [list(t.shape) for t in _flat(piece.scales or [])],
-                        "checksum": piece.checksum}).encode()
-    return _FRAME.pack(len(frame)) + frame + b"".join(
-        t.view(torch.uint8).numpy().tobytes() for t in _flat(piece.stored))
+    """A chunk as Redis holds it: safetensors bytes (a checked header with each tensor's dtype and shape: every
+    layer's keys stacked, then values, then a quantised chunk's scales), its name and checksum in the header's
+    metadata."""
+    tensors = {"keys": torch.stack([keys for keys, _ in piece.tensors]),
+               "values": torch.stack([values for _, values in piece.tensors])}
+    if piece.scales is not None:
+        tensors |= {"key_scales": torch.stack([scales for scales, _ in piece.scales]),
+                    "value_scales": torch.stack([scales for _, scales in piece.scales])}
+    return safetensors.torch.save(tensors, metadata={"format": str(FORMAT_VERSION), "name": name,
+                                                     "checksum": piece.checksum})
 
 
 def decode_chunk(blob: bytes) -> StoredKV:
-    """A chunk as Redis holds it; an unreadable frame yields a chunk with no layers, which the checks refuse."""
+    """A chunk as Redis holds it; an unreadable one (another format, a damaged header, bytes missing) yields a chunk
+    with no layers and no name, which the checks refuse."""
     try:
-        (length,) = _FRAME.unpack_from(blob)
-        frame = json.loads(blob[_FRAME.size:_FRAME.size + length])
-        piece = _stored(_byte_tensor(blob[_FRAME.size + length:]), frame["shapes"], _dtype(frame["dtype"]),
-                        frame["scale_shapes"], frame["checksum"])
-        piece.name = frame["name"]
-        return piece
-    except (struct.error, KeyError, TypeError, ValueError, AttributeError):
+        (length,) = _HEADER.unpack_from(blob)
+        metadata = json.loads(blob[_HEADER.size:_HEADER.size + length])["__metadata__"]
+        if metadata["format"] != str(FORMAT_VERSION):
+            raise ValueError(f"a chunk of format {metadata['format']}")
+        tensors = safetensors.torch.load(blob)
+        scales = None if "key_scales" not in tensors else \
+            list(zip(tensors["key_scales"].unbind(0), tensors["value_scales"].unbind(0), strict=True))
+        return StoredKV(list(zip(tensors["keys"].unbind(0), tensors["values"].unbind(0), strict=True)), scales,
+                        metadata["checksum"], metadata["name"])
+    except (struct.error, KeyError, TypeError, ValueError, RuntimeError, SafetensorError):
         return StoredKV([], None, "unreadable")
 
 

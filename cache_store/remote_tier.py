@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import xxhash
+from cachetools import LRUCache
 from redis.cluster import RedisCluster
 
 from cache_store.chunks import CHUNK_TOKENS
@@ -119,7 +120,7 @@ class RemoteTier:
         self._busy = [False] * WRITERS  # each writer: carrying out an op
         self._unwritten: set[str] = set()  # sessions with a snapshot queued or being written
         self._held: dict[str, float] = {}  # chunk -> when this tier last wrote or renewed it in Redis
-        self._session_chunks: OrderedDict[str, int] = OrderedDict()  # session -> chunks its last write named
+        self._session_chunks: LRUCache[str, int] = LRUCache(CHUNKS_REMEMBERED)  # session -> chunks its last write named
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="chatd-remote-read")
         self._writers = [threading.Thread(target=self._write_loop, args=(shard,), name=f"chatd-remote-kv-{shard}",
                                           daemon=True) for shard in range(WRITERS)]
@@ -460,6 +461,3 @@ class RemoteTier:
                 self._held.pop(name, None)
                 self.counters["chunks_lost"] += 1
             self._session_chunks[session_id] = len(chunks)
-            self._session_chunks.move_to_end(session_id)
-            while len(self._session_chunks) > CHUNKS_REMEMBERED:
-                self._session_chunks.popitem(last=False)

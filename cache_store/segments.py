@@ -14,23 +14,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-import xxhash
-
 import cache_store.chain as chain
 from cache_store.arena import UNIT, ArenaCache
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry
 from cache_store.identity import CacheLayout
 from cache_store.integrity import Check, check_identity, check_tensors, checksum, fingerprint
-from sessions.encoding import pack_ids
+from sessions.encoding import token_hash
 
 PREFIX = "prefix:"
 
 
 def segment_key(token_ids: Sequence[int], scope: str | None) -> str:
     """The key of a segment holding `token_ids`, shared within `scope` (an owner; None: every owner)."""
-    seed = xxhash.xxh3_64_intdigest((scope or "").encode())
-    return PREFIX + xxhash.xxh3_64_hexdigest(pack_ids(token_ids), seed=seed)
+    return PREFIX + token_hash(token_ids, scope or "")
 
 
 def is_segment(key: str) -> bool:

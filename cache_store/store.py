@@ -10,8 +10,10 @@ import dataclasses
 import logging
 import time
 import weakref
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
+
+from cachetools import LRUCache
 
 import cache_store.chain as chain
 from cache_store.arena import UNIT, ArenaCache, ArenaFull, TemporaryCache
@@ -75,15 +77,15 @@ class CacheStore:
         self.connected: set[str] = set()  # sessions with a client: evicted last
         self._moves = TierMoves(self)
         self._remote_moves = RemoteMoves(self)
-        self._lost: OrderedDict[str, None] = OrderedDict()  # sessions whose cache was dropped
+        self._lost: LRUCache[str, None] = LRUCache(_REMEMBERED_LOSSES)  # sessions whose cache was dropped
         # A system prompt shorter than this is copied into each session that uses it, from a session's cache that
         # holds it (`_holders`: prompt key -> the session and its cache, weakly: running or not, resident or gone),
         # rather than attended as a segment (faster at every step when short).
         self.min_shared_tokens = min_shared_tokens
-        self._holders: OrderedDict[str, tuple[str, weakref.ref[CacheEntry]]] = OrderedDict()
+        self._holders: LRUCache[str, tuple[str, weakref.ref[CacheEntry]]] = LRUCache(_REMEMBERED_LOSSES)
         self._turns: dict[str, object] = {}  # session id -> its running turn, from admit to put or abandon
         # session id -> its owner and its system prompt's length, as its turns said
-        self._scopes: OrderedDict[str, tuple[str | None, int]] = OrderedDict()
+        self._scopes: LRUCache[str, tuple[str | None, int]] = LRUCache(_REMEMBERED_LOSSES)
 
     # ##### Public API #####
 
@@ -257,9 +259,6 @@ class CacheStore:
         if not pinned and entry.own_tokens // UNIT * UNIT < self.min_shared_tokens:
             if holder is not None:
                 self._holders[key] = (holder, weakref.ref(entry))
-                self._holders.move_to_end(key)
-                while len(self._holders) > _REMEMBERED_LOSSES:
-                    self._holders.popitem(last=False)
             return False
         return self.segments.share(entry, key, pinned) is not None
 
@@ -480,9 +479,6 @@ class CacheStore:
 
     def _remember_scope(self, session_id: str, scope: str | None, prefix_len: int) -> None:
         self._scopes[session_id] = (scope, prefix_len)
-        self._scopes.move_to_end(session_id)
-        while len(self._scopes) > _REMEMBERED_LOSSES:
-            self._scopes.popitem(last=False)
 
     def _segment_for(self, prompt_ids: Sequence[int], prefix_len: int, scope: str | None) -> CacheEntry | None:
         """The checked segment holding the prompt's first `prefix_len` ids: the owner's own, or a warm prompt
@@ -531,8 +527,6 @@ class CacheStore:
     def remember_loss(self, session_id: str) -> None:
         """The session's cache is gone from every tier: its next turn is an `evicted` miss."""
         self._lost[session_id] = None
-        while len(self._lost) > _REMEMBERED_LOSSES:
-            self._lost.popitem(last=False)
 
     def _end_turn(self, session_id: str) -> None:
         self.device.unreserve(session_id)

@@ -1,3 +1,3 @@
-from chatd.tools.cli import main
+from chatd.cli.main import main
 
 main()

@@ -14,22 +14,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-import xxhash
-
-from sessions.encoding import pack_ids
+from sessions.encoding import chained_token_hashes
 
 BLOCK = 16  # tokens per hashed block
 MAX_CANDIDATES = 8
 MAX_SESSIONS = 100_000  # sessions indexed in one worker's memory (about 100 bytes a block: tens of MB at most)
 
 
-def block_hashes(owner: str | None, token_ids: Sequence[int]) -> list[int]:
-    """The chained hash of every full block of `token_ids`."""
-    chain, hashes = xxhash.xxh3_64_intdigest((owner or "").encode()), []
-    for start in range(0, len(token_ids) - BLOCK + 1, BLOCK):
-        chain = xxhash.xxh3_64_intdigest(pack_ids(token_ids[start:start + BLOCK]), seed=chain)
-        hashes.append(chain)
-    return hashes
+def block_hashes(owner: str | None, token_ids: Sequence[int]) -> list[str]:
+    """The chained hash of every full block of `token_ids`, under the owner."""
+    return chained_token_hashes(token_ids, BLOCK, owner or "")
 
 
 class PrefixIndex:
@@ -41,8 +35,8 @@ class PrefixIndex:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.max_sessions, self.ttl_s, self._clock = max_sessions, ttl_s, clock
         self.forgotten = 0  # sessions dropped to stay within the bounds (expired, or the least recently indexed)
-        self._hashes: OrderedDict[str, tuple[list[int], float]] = OrderedDict()  # session -> its chain, indexed at
-        self._sessions: dict[int, set[str]] = {}  # chained hash -> sessions whose conversation has that prefix
+        self._hashes: OrderedDict[str, tuple[list[str], float]] = OrderedDict()  # session -> its chain, indexed at
+        self._sessions: dict[str, set[str]] = {}  # chained hash -> sessions whose conversation has that prefix
 
     def __len__(self) -> int:
         return len(self._hashes)
@@ -91,7 +85,7 @@ class PrefixIndex:
                         return found
         return found
 
-    def _deepest(self, hashes: list[int]) -> int:
+    def _deepest(self, hashes: list[str]) -> int:
         """How many leading blocks some session shares (a binary search: a shared block implies
         every block before it is shared too)."""
         low, high = 0, len(hashes)

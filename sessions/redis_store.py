@@ -27,11 +27,12 @@ import json
 import logging
 import secrets
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import redis.asyncio as redis
+from cachetools import LRUCache
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -140,7 +141,7 @@ class RedisSessionStore:
             max_connections=64,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
             retry_on_error=[RedisConnectionError, RedisTimeoutError], health_check_interval=15)
-        self._local: OrderedDict[str, Session] = OrderedDict()
+        self._local: LRUCache[str, Session] = LRUCache(LOCAL_SESSIONS)
         self._pending: deque[tuple[str, Callable[[], Awaitable[None]]]] = deque()
         self._flusher: asyncio.Task | None = None
         self._down_until = float("-inf")  # monotonic time until which calls skip Redis
@@ -327,9 +328,6 @@ class RedisSessionStore:
 
     def _remember(self, session: Session) -> None:
         self._local[session.session_id] = session
-        self._local.move_to_end(session.session_id)
-        while len(self._local) > LOCAL_SESSIONS:
-            self._local.popitem(last=False)
 
     def _unreleased_lease(self, session_id: str, token: str) -> None:
         self._unreleased[session_id] = token

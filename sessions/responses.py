@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
+
+from cachetools import LRUCache
 
 from sessions.encoding import UNREACHABLE, redis_key
 from sessions.redis_store import RedisSessionStore
@@ -67,13 +68,11 @@ class InMemoryResponseStore:
 
     def __init__(self, retention_s: float, clock=time.monotonic):
         self.retention_s, self._clock = retention_s, clock
-        self._responses: OrderedDict[str, tuple[float, StoredResponse]] = OrderedDict()
+        self._responses: LRUCache[str, tuple[float, StoredResponse]] = LRUCache(LOCAL_RESPONSES)
         self._conversations: dict[str, ConversationInfo] = {}
 
     async def put(self, response: StoredResponse) -> None:
         self._responses[response.response_id] = (self._clock(), response)
-        while len(self._responses) > LOCAL_RESPONSES:
-            self._responses.popitem(last=False)
 
     async def get(self, response_id: str) -> StoredResponse | None:
         kept = self._responses.get(response_id)

@@ -8,7 +8,7 @@ import asyncio
 import threading
 import time
 
-from chatd.tools.server_process import free_port
+from chatd.cli.server_process import free_port
 
 
 class DelayProxy:

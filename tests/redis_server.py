@@ -13,7 +13,7 @@ from pathlib import Path
 
 import redis
 
-from chatd.tools.server_process import free_port
+from chatd.cli.server_process import free_port
 
 DATABASES = 4096  # one per test that shares the server: a test's keys are never another's
 

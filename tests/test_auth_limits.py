@@ -13,8 +13,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from chatd.api.protocol import ErrorMessage
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient, ChatError
 from chatd.config import Settings
-from chatd.tools.client import ChatClient, ChatError
 
 KEY_A, KEY_B = "sk-alpha-0123456789abcdef", "sk-bravo-fedcba9876543210"
 

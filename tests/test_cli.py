@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from chatd.cli.client import ChatClient
 from chatd.config import Settings
-from chatd.tools.client import ChatClient
 
 
 def chatd(*args: str) -> subprocess.Popen:

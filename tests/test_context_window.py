@@ -4,8 +4,8 @@
 from websockets.asyncio.client import connect
 
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient, ChatError
 from chatd.config import Settings
-from chatd.tools.client import ChatClient, ChatError
 from tests.support import TINY_CONTEXT, beside_a_reference
 
 SYSTEM = "You are the support desk of a bicycle shop."

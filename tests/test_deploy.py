@@ -9,9 +9,9 @@ import pytest
 import yaml
 from websockets.asyncio.client import connect
 
-from chatd.tools.client import ChatClient, ChatError
-from chatd.tools.nginx_process import NginxProcess, nginx_binary
-from chatd.tools.server_process import ServerProcess
+from chatd.cli.client import ChatClient, ChatError
+from chatd.cli.nginx_process import NginxProcess, nginx_binary
+from chatd.cli.server_process import ServerProcess
 from sessions.redis_store import RedisSessionStore
 
 ROOT = Path(__file__).resolve().parent.parent

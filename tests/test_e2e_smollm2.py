@@ -4,8 +4,8 @@ must answer exactly like a server that prefills the whole conversation every tur
 from websockets.asyncio.client import connect
 
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient
 from chatd.config import Settings
-from chatd.tools.client import ChatClient
 from tests.support import beside_a_reference, kv_budget_mb
 
 SYSTEM = "You are a friendly customer-service agent for Northwind Internet. Answer briefly."

@@ -13,8 +13,8 @@ import pytest_asyncio
 from websockets.asyncio.client import connect
 
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient
 from chatd.config import Settings
-from chatd.tools.client import ChatClient
 from tests.support import kv_budget_mb
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -17,8 +17,8 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as connect_sync
 
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient
 from chatd.config import Settings
-from chatd.tools.client import ChatClient
 
 SERVER_TYPES = {"auth.ok", "session.ready", "session.closed", "chat.delta", "chat.done", "error"}
 CLIENT_TYPES = ["auth", "session.open", "chat.request", "chat.cancel", "chat.resume", "typing", "session.close"]

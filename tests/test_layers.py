@@ -9,7 +9,7 @@ PACKAGES = ("chatd", "cache_store", "sessions")
 # What each layer may import, besides itself.
 BELOW_CHATD = {"cache_store", "sessions"}
 MAY_IMPORT = {
-    "chatd.tools": {"chatd.api", "chatd.observability", "chatd.engine", "chatd.config", "chatd.model", *BELOW_CHATD},
+    "chatd.cli": {"chatd.api", "chatd.observability", "chatd.engine", "chatd.config", "chatd.model", *BELOW_CHATD},
     "chatd.api": {"chatd.observability", "chatd.engine", "chatd.config", "chatd.model", *BELOW_CHATD},
     "chatd.observability": {"chatd.engine", "chatd.config", "chatd.model", *BELOW_CHATD},
     "chatd.engine": {"chatd.config", "chatd.model", *BELOW_CHATD},
@@ -66,6 +66,17 @@ def test_no_import_cycles():
     for module in graph:
         if module not in state:
             visit(module, [])
+
+
+def test_each_api_is_a_room_that_only_the_composition_root_enters():
+    """The OpenAI routes and the websocket gateway share what lies beside them (conversations, tool calling,
+    constants, the turn runner), never each other's modules: only the server, which composes them, imports them."""
+    rooms = {"chatd.api.openai": "chatd.api.openai.", "chatd.api.gateway": "chatd.api.gateway"}
+    wrong = [(module, target) for module, targets in modules().items() for target in targets
+             for room, prefix in rooms.items()
+             if target.startswith(prefix) and not module.startswith(room) and module != "chatd.api.server"
+             and layer(module) == "chatd.api" and module != "chatd.api.schema"]
+    assert not wrong, wrong
 
 
 def test_chatd_has_a_handful_of_loose_modules():

@@ -12,8 +12,8 @@ from websockets.asyncio.client import connect
 from cache_store import CacheStore
 from chatd.api.protocol import ChatDone
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient, ChatError
 from chatd.config import Settings
-from chatd.tools.client import ChatClient, ChatError
 
 MODEL = "tiny-test"
 

@@ -10,9 +10,9 @@ from transformers import LlamaForCausalLM
 from websockets.asyncio.client import connect
 
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient
 from chatd.config import Settings
 from chatd.model.weights_digest import file_digest, weights_digest
-from chatd.tools.client import ChatClient
 
 
 def save_weights(tiny, folder, seed: int) -> None:

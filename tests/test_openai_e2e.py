@@ -10,8 +10,8 @@ import pytest
 from websockets.asyncio.client import connect
 
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient
 from chatd.config import Settings
-from chatd.tools.client import ChatClient
 from tests.test_e2e_smollm2 import SYSTEM
 from tests.test_e2e_smollm2 import TURNS as WEBSOCKET_TURNS
 

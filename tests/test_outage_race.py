@@ -11,8 +11,8 @@ import pytest
 from websockets.asyncio.client import connect
 
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient, ChatError
 from chatd.config import Settings
-from chatd.tools.client import ChatClient, ChatError
 
 SYSTEM = "You are a support agent for Northwind Internet. Answer briefly."
 ROUNDS = [("What colour is the router light when it works?", "What is zero plus zero?"),

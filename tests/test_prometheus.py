@@ -16,9 +16,9 @@ import yaml
 from websockets.asyncio.client import connect
 
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient
+from chatd.cli.server_process import free_port
 from chatd.config import Settings
-from chatd.tools.client import ChatClient
-from chatd.tools.server_process import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy/grafana/dashboards/chatd.json"

@@ -10,8 +10,8 @@ import pytest
 from websockets.asyncio.client import connect
 
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient, ChatError
 from chatd.config import Settings
-from chatd.tools.client import ChatClient, ChatError
 from tests.support import TINY_CONTEXT
 
 

@@ -15,8 +15,8 @@ import pytest
 import redis
 import yaml
 
+from chatd.cli.client import ChatError
 from chatd.config import Settings
-from chatd.tools.client import ChatError
 from sessions.redis_client import RedisSetupError, RedisTopology, topology
 from tests.redis_cluster import RedisClusterNodes, _node_port
 from tests.support import two_workers_and_a_reference

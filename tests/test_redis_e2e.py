@@ -5,8 +5,8 @@ import asyncio
 from websockets.asyncio.client import connect
 
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient, ChatError
 from chatd.config import Settings
-from chatd.tools.client import ChatClient, ChatError
 from sessions.redis_store import RedisSessionStore
 from tests.support import two_workers_and_a_reference
 

@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient, ChatError, connect
 from chatd.config import Settings
-from chatd.tools.client import ChatClient, ChatError, connect
 
 
 async def _get(server: ChatServer, path: str) -> str:

@@ -2,13 +2,17 @@
 shared by an owner's sessions is stored once, a turn writes only its new chunks, a worker fetches only the chunks
 it lacks, and a chunk that is damaged, gone or another owner's ends what is restored at the chunk before it."""
 
+import json
+import struct
+
 import pytest
+import safetensors.torch
 import torch
 
 from cache_store import CacheEntry, CacheStore, Offloader
 from cache_store.arena import ArenaCache, KVArena
 from cache_store.chunks import chain_hashes, chunk_identity
-from cache_store.remote_format import chunk_key
+from cache_store.remote_format import FORMAT_VERSION, chunk_key
 from cache_store.remote_tier import RemoteTier
 from tests.support import lookup_through_redis
 from tests.test_cache_store import BYTES_PER_TOKEN, HEAD_DIM, HEADS, LAYERS, LAYOUT, Clock, make_entry
@@ -170,6 +174,30 @@ def test_a_damaged_chunk_shared_by_several_sessions_ends_each_restore_at_the_chu
     reader.put("s0", keyed_entry(history(0, 64)), session_version=2)
     assert reader_remote.wait_written("s0", 10)
     assert reader_remote._redis.get(shared) not in (None, bytes(blob))
+
+
+def test_a_chunk_is_safetensors_bytes_and_a_frame_of_an_older_format_is_refused_cleanly(workers):
+    """A chunk in Redis is what any safetensors reader opens (its name and checksum in the header's metadata); a
+    chunk as format 6 wrote it (a JSON frame, then raw bytes) is unreadable, so not the chunk asked for (the
+    fingerprint check), and the restore ends at the chunk before it."""
+    writer, writer_remote = workers()
+    reader, _ = workers()
+    write_turn(writer, writer_remote, "s0", history(0, 64), 1)
+    name = chunk_names(history(0, 64))[1]
+    blob = writer_remote._redis.get(chunk_key(name))
+    tensors = safetensors.torch.load(blob)
+    assert set(tensors) == {"keys", "values"} and tensors["keys"].shape == (LAYERS, 1, HEADS, CHUNK, HEAD_DIM)
+    (length,) = struct.unpack_from("<Q", blob)
+    metadata = json.loads(blob[8:8 + length])["__metadata__"]
+    assert (metadata["name"], metadata["format"]) == (name, str(FORMAT_VERSION)) and metadata["checksum"]
+    layers = [tensor for pair in zip(tensors["keys"], tensors["values"], strict=True) for tensor in pair]
+    frame = json.dumps({"name": name, "shapes": [list(t.shape) for t in layers], "dtype": "torch.float32",
+                        "scale_shapes": [], "checksum": metadata["checksum"]}).encode()
+    writer_remote._redis.set(chunk_key(name), struct.pack("<I", len(frame)) + frame + b"".join(
+        tensor.numpy().tobytes() for tensor in layers))
+    found = lookup_through_redis(reader, "s0", [*history(0, 64), 7], session_version=1)
+    assert (found.source, found.cached_tokens, found.cleared) == ("remote", CHUNK, ("fingerprint",))
+    assert same_tensors(found.entry, keyed_entry(history(0, 64)), CHUNK)
 
 
 def test_a_chunk_gone_from_redis_is_sent_again_by_the_next_write(workers):

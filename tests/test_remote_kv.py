@@ -20,8 +20,8 @@ from cache_store.integrity import fingerprint
 from cache_store.remote_format import RemoteSnapshot, chunk_key
 from cache_store.remote_tier import RemoteTier
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient
 from chatd.config import Settings
-from chatd.tools.client import ChatClient
 from tests.support import two_workers_and_a_reference
 
 QUESTIONS = ["My parcel is late.", "It was sent on Monday.", "Where is it now?"]
@@ -140,7 +140,7 @@ async def test_turns_go_on_without_stalling_while_the_remote_tier_is_down(tiny, 
 
 
 def test_after_a_failure_the_remote_tier_is_skipped_instead_of_waited_on():
-    from chatd.tools.server_process import free_port
+    from chatd.cli.server_process import free_port
 
     remote = RemoteTier(f"redis://127.0.0.1:{free_port()}/0", ttl_s=60)  # nothing listens there
     assert remote.head("s") is None and remote.errors == 1

@@ -7,8 +7,8 @@ import asyncio
 from websockets.asyncio.client import connect
 
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient
 from chatd.config import Settings
-from chatd.tools.client import ChatClient
 from tests.delay_proxy import DelayProxy
 
 DELAY_S = 0.05  # each way: a round trip to Redis takes 100 ms more

@@ -13,8 +13,8 @@ import pytest
 from websockets.asyncio.client import connect
 
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient
 from chatd.config import Settings
-from chatd.tools.client import ChatClient
 
 MODEL = "tiny-test"
 SYSTEM = "You are the support desk of a small internet provider. Answer briefly and politely."

@@ -11,8 +11,8 @@ from websockets.frames import Close, CloseCode, Frame, Opcode
 from websockets.protocol import State
 
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient, ChatError
 from chatd.config import Settings
-from chatd.tools.client import ChatClient, ChatError
 from sessions.redis_store import RedisSessionStore
 from tests.test_deploy import start_worker
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from chatd.tools.nginx_process import NginxProcess, nginx_binary
-from chatd.tools.server_process import ServerProcess
+from chatd.cli.nginx_process import NginxProcess, nginx_binary
+from chatd.cli.server_process import ServerProcess
 from tests.redis_server import RedisServer
 
 TURNS = 8

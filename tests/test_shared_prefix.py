@@ -190,7 +190,8 @@ def test_gpt_oss_answers_exactly_when_its_system_prompt_is_prefilled_alone_and_t
 def test_a_short_prompt_is_copied_from_the_session_that_prefilled_it_not_chained(tiny):
     """Below --shared-prompt-min-tokens a system prompt is no segment: a later session copies it from the cache of
     the session that prefilled it."""
-    with running_engine(tiny, max_batch=4, shared_prompt_min_tokens=256) as engine, running_engine(tiny, session_cache=False) as cacheless:
+    with running_engine(tiny, max_batch=4, shared_prompt_min_tokens=256) as engine, \
+            running_engine(tiny, session_cache=False) as cacheless:
         sessions = [Session(f"s{i}", system=POLICY) for i in range(4)]
         first, _ = run_turn(engine, sessions[0], QUESTIONS[0], max_new_tokens=8)
         later = run_together(engine, sessions[1:], QUESTIONS[1:4], [8, 8, 8])

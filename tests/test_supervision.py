@@ -17,8 +17,8 @@ from websockets.asyncio.client import connect
 
 from cache_store import CacheStore
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient, ChatError
 from chatd.config import Settings
-from chatd.tools.client import ChatClient, ChatError
 
 SYSTEM = "You are a support agent."
 FIRST = {"a": "My parcel never arrived.", "b": "I need a copy of my invoice."}

@@ -11,10 +11,10 @@ from websockets.asyncio.client import connect
 
 from cache_store import kv_bytes_per_token
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient
 from chatd.config import Settings
 from chatd.engine.turn import TurnFailed
 from chatd.model.loader import LoadedModel
-from chatd.tools.client import ChatClient
 from sessions import Session
 from tests.support import beside_a_reference, kv_budget_mb, run_turn, running_engine
 from tests.test_e2e_smollm2 import CUSTOMERS, SYSTEM, TURNS

@@ -11,7 +11,8 @@ import json
 import jsonschema
 import openai
 
-from chatd.api.openai.tools import (
+from chatd.api.server import ChatServer
+from chatd.api.tool_calling import (
     Function,
     HermesFormat,
     Llama3JsonFormat,
@@ -20,7 +21,6 @@ from chatd.api.openai.tools import (
     ToolSetup,
     format_for,
 )
-from chatd.api.server import ChatServer
 from chatd.config import Settings
 from sessions import Message, ToolCall
 

@@ -12,8 +12,8 @@ from playwright.async_api import Page, async_playwright, expect
 
 from cache_store import CacheStore
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient, connect
 from chatd.config import Settings
-from chatd.tools.client import ChatClient, connect
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SCREENSHOTS = Path(__file__).resolve().parent.parent / "test-output" / "web"

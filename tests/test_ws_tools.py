@@ -14,8 +14,8 @@ import pytest
 from websockets.asyncio.client import connect
 
 from chatd.api.server import ChatServer
+from chatd.cli.client import ChatClient, ChatError
 from chatd.config import Settings
-from chatd.tools.client import ChatClient, ChatError
 from tests.support import two_workers_and_a_reference
 from tests.test_remote_kv import wait_for_remote
 from tests.test_tool_formats import REFUND, _hermes_model

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import secrets
-import socket
 from collections import Counter
 from collections.abc import Callable
 
 from chatd.api.auth import KeyRing
 from chatd.api.client_socket import ClientGone, ClientSocket
-from chatd.api.openai.tools import RequestRefused, ToolFormat, compile_grammar, format_for
+from chatd.api.constants import WORKER
 from chatd.api.protocol import (
     Auth,
     AuthOk,
@@ -42,6 +40,7 @@ from chatd.api.protocol import (
     Usage,
     parse_client_message,
 )
+from chatd.api.tool_calling import RequestRefused, ToolFormat, compile_grammar, format_for
 from chatd.api.turn_log import TurnLogs
 from chatd.api.turn_tools import result_messages, setup_for
 from chatd.api.turns import StartedTurn, TurnRunner
@@ -50,7 +49,6 @@ from chatd.engine.turn import TurnFailed, TurnResult
 from sessions import Session, StoreUnavailable, ToolCall
 
 log = logging.getLogger(__name__)
-WORKER = f"{socket.gethostname()}:{os.getpid()}"
 MAX_FAILED_AUTH = 5
 POLICY_VIOLATION = 1008  # the websocket close code
 

@@ -8,8 +8,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-MAX_NEW_TOKENS_CAP = 4096
-FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+from chatd.api.constants import FUNCTION_NAME, MAX_NEW_TOKENS_CAP
+
 ErrorCode = Literal["bad_request", "unauthorized", "unknown_session", "unknown_turn", "busy", "rate_limited",
                     "limit_exceeded", "too_long", "unavailable", "conflict", "internal"]
 

@@ -15,19 +15,21 @@ from urllib.parse import urlsplit
 
 import torch
 import uvicorn
-from fastapi import FastAPI, Request, WebSocket
+from fastapi import FastAPI, WebSocket
 from starlette.responses import Response
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.protocol import State
 
 from cache_store import KVGeometry, kv_bytes_per_token
-from cache_store.faults import FAULT_KINDS, TIERS, NoCache, corrupt
-from cache_store.stage_faults import STAGES
+from chatd.api.admin import FaultRoutes
 from chatd.api.auth import KeyRing
 from chatd.api.client_socket import ClientSocket
+from chatd.api.conversations import Conversations
 from chatd.api.gateway import Gateway
 from chatd.api.http_responses import json_response, static_response, text_response
+from chatd.api.openai.admission import OpenAIAdmission
 from chatd.api.openai.chat_completions import OpenAIApi
+from chatd.api.openai.errors import install_error_handlers
 from chatd.api.openai.responses import ResponsesApi
 from chatd.api.protocol import ErrorCode
 from chatd.api.turns import TurnRunner
@@ -105,11 +107,14 @@ class ChatServer:
         self.turns = TurnRunner(self.engine, self.sessions, settings, on_turn=self._turn_finished,
                                 on_request=self.metrics.observe_request)
         self.gateway = Gateway(self.turns, self.keys, on_error=self._error_sent)
-        self.openai = OpenAIApi(self.engine, self.sessions, settings, self.turns, self.keys)
+        self.conversations = Conversations(self.engine, self.sessions, settings, self.turns)
+        admission = OpenAIAdmission(self.engine, settings, self.turns, self.keys)
+        self.openai = OpenAIApi(admission, self.conversations, self.turns)
         retention_s = settings.session_retention_s
         responses = (RedisResponseStore(self.sessions, retention_s)
                      if isinstance(self.sessions, RedisSessionStore) else InMemoryResponseStore(retention_s))
-        self.responses = ResponsesApi(self.openai, responses)
+        self.responses = ResponsesApi(admission, self.conversations, responses)
+        self.faults = FaultRoutes(self.engine, self.sessions, settings, self.keys)
         self.app = self._build_app()
         self._uvicorn: uvicorn.Server | None = None
         self._socket = None
@@ -179,7 +184,7 @@ class ChatServer:
                          decode_steps=dict(self.engine.batch_sizes), kv_dtypes=self._kv_dtypes(),
                          kv=self._kv_layout(),
                          redis=self.sessions.state() if isinstance(self.sessions, RedisSessionStore) else {},
-                         prefix_index=self.openai.index.local_state())
+                         prefix_index=self.conversations.index.local_state())
 
     def _kv_layout(self) -> dict:
         """The model's layers and windows, and what a session of N tokens holds against what its windows need
@@ -225,7 +230,8 @@ class ChatServer:
                       redoc_url=None)
         app.include_router(self.openai.router)
         app.include_router(self.responses.router)
-        self.openai.install_error_handlers(app)
+        app.include_router(self.faults.router)
+        install_error_handlers(app)
         app.add_api_websocket_route("/ws", self._websocket)
         app.add_api_route("/healthz", self._healthz, methods=["GET"])
         app.add_api_route("/metrics", self._metrics, methods=["GET"])
@@ -237,8 +243,6 @@ class ChatServer:
                           methods=["GET"])
         app.add_api_route("/web/{name:path}", lambda name: static_response(self.settings.web_dir, name),
                           methods=["GET"])
-        app.add_api_route("/admin/sessions/{session_id}/corrupt", self._corrupt, methods=["POST"])
-        app.add_api_route("/admin/engine/fault", self._arm_engine_fault, methods=["POST"])
         app.add_exception_handler(404, lambda request, error: text_response(
             http.HTTPStatus.NOT_FOUND, "not found: chatd serves /ws, /v1/chat/completions, /v1/responses, "
                                        "/v1/conversations, /v1/models, /, "
@@ -283,61 +287,6 @@ class ChatServer:
         if sent and owner is None:
             return text_response(http.HTTPStatus.UNAUTHORIZED, "unknown API key\n")
         return None
-
-    def _refuse_fault_injection(self, request: Request) -> tuple[Response | None, str | None]:
-        """Fault injection only when enabled, and with API keys only with a key: (refusal, the key's id)."""
-        if not self.settings.enable_fault_injection:
-            return json_response(http.HTTPStatus.FORBIDDEN, {
-                "error": "fault injection is disabled; start the server with --enable-fault-injection"}), None
-        _, owner = self.keys.bearer(request.headers)
-        if self.keys.required and owner is None:
-            return json_response(http.HTTPStatus.UNAUTHORIZED,
-                                 {"error": "send the session owner's key as Authorization: Bearer <key>"}), None
-        return None, owner
-
-    async def _arm_engine_fault(self, request: Request) -> Response:
-        """POST /admin/engine/fault?stage=…[&session=…][&fatal=true]: the next time that engine stage
-        runs (for that session, until its turn has failed; or for any, once), it raises."""
-        refusal, owner = self._refuse_fault_injection(request)
-        if refusal is not None:
-            return refusal
-        query = request.query_params
-        stage, session_id = query.get("stage", ""), query.get("session")
-        fatal = query.get("fatal", "false").lower() in ("1", "true", "yes")
-        if stage not in STAGES:
-            return json_response(http.HTTPStatus.BAD_REQUEST, {"error": f"stage must be one of {', '.join(STAGES)}"})
-        if session_id is not None:
-            session = await self.sessions.get(session_id)
-            if session is None or session.owner != owner:
-                return json_response(http.HTTPStatus.NOT_FOUND, {"error": f"no session {session_id!r}"})
-        elif self.keys.required:
-            return json_response(http.HTTPStatus.BAD_REQUEST, {"error": "with API keys, name one of your sessions"})
-        self.engine.faults.arm(stage, session_id, fatal)
-        log.warning("fault armed at the engine's %s stage (%s%s)", stage, session_id or "any session",
-                    ", fatal" if fatal else "")
-        return json_response(http.HTTPStatus.OK, {"stage": stage, "session_id": session_id, "fatal": fatal})
-
-    async def _corrupt(self, session_id: str, request: Request) -> Response:
-        """POST /admin/sessions/{id}/corrupt?kind=…&tier=…: fault injection, only when enabled, and with
-        API keys only by the key that owns the session."""
-        refusal, owner = self._refuse_fault_injection(request)
-        if refusal is not None:
-            return refusal
-        kind, tier = request.query_params.get("kind", ""), request.query_params.get("tier", "device")
-        if kind not in FAULT_KINDS or tier not in TIERS:
-            return json_response(http.HTTPStatus.BAD_REQUEST,
-                         {"error": f"kind must be one of {', '.join(FAULT_KINDS)}; tier one of {', '.join(TIERS)}"})
-        session = await self.sessions.get(session_id)
-        if session is None or session.owner != owner:  # another key's session is answered as missing
-            return json_response(http.HTTPStatus.NOT_FOUND, {"error": f"no session {session_id!r}"})
-        try:
-            done = await asyncio.wrap_future(
-                self.engine.call(lambda store: corrupt(store, session_id, kind, tier), session_id=session_id))
-        except NoCache as error:
-            return json_response(http.HTTPStatus.NOT_FOUND, {"error": str(error)})
-        log.warning("fault injected into session %s (%s tier): %s", session_id, tier, done)
-        return json_response(http.HTTPStatus.OK,
-                     {"session_id": session_id, "kind": kind, "tier": tier, "done": done})
 
 
 async def run(settings: Settings) -> None:

@@ -15,7 +15,7 @@ import json
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -23,6 +23,7 @@ from typing import Literal
 import llguidance
 import llguidance.hf
 import torch
+from cachetools import LRUCache
 from transformers import PreTrainedTokenizerBase
 
 from cache_store.stage_faults import FaultPoints
@@ -75,7 +76,7 @@ class GrammarCompiler:
         self.stats = GrammarStats()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="chatd-grammar")
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="chatd-masks")
-        self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._cache: LRUCache[GrammarSpec, CompiledGrammar] = LRUCache(GRAMMAR_CACHE_SIZE)
         self._lock = threading.Lock()
         self.executor = llguidance.LLExecutor()  # fills the masks of a batch's constrained rows in parallel
 
@@ -90,7 +91,6 @@ class GrammarCompiler:
         """The compiled grammar, from the cache or compiled in the worker thread; a `GrammarError` fails it."""
         with self._lock:
             if (hit := self._cache.get(spec)) is not None:
-                self._cache.move_to_end(spec)
                 self.stats.cache_hits += 1
                 done: Future[CompiledGrammar] = Future()
                 done.set_result(hit)
@@ -125,8 +125,6 @@ class GrammarCompiler:
         with self._lock:
             self.stats.compiled += 1
             self._cache[spec] = compiled
-            while len(self._cache) > GRAMMAR_CACHE_SIZE:
-                self._cache.popitem(last=False)
         return compiled
 
     def start(self, compiled: CompiledGrammar, session_id: str | None = None) -> ReplyGrammar:

@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from chatd.api.openai.tools import (
+from chatd.api.constants import FUNCTION_NAME, MAX_NEW_TOKENS_CAP
+from chatd.api.tool_calling import (
     Function,
     RequestRefused,
     ToolFormat,
@@ -16,7 +17,6 @@ from chatd.api.openai.tools import (
     checked_schema,
     tool_setup,
 )
-from chatd.api.protocol import FUNCTION_NAME, MAX_NEW_TOKENS_CAP
 from sessions import Message, ToolCall
 
 FinishReason = Literal["stop", "length", "tool_calls", "grammar_error"]

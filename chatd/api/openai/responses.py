@@ -14,17 +14,18 @@ same `TurnRunner`, tools, grammars, keys, limits, leases and metrics as the othe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from chatd.api.gateway import WORKER
-from chatd.api.openai.chat_completions import ARGUMENTS_FRAGMENT, SESSION_HEADER, WORKER_HEADER, ApiError, OpenAIApi
+from chatd.api.constants import ARGUMENTS_FRAGMENT, SESSION_HEADER, WORKER, WORKER_HEADER
+from chatd.api.conversations import Conversations
+from chatd.api.openai.admission import OpenAIAdmission
+from chatd.api.openai.errors import ApiError, refusals
 from chatd.api.openai.responses_schema import (
     ConversationCreate,
     ConversationDeleted,
@@ -44,8 +45,8 @@ from chatd.api.openai.responses_schema import (
     ResponseRequest,
     ResponseUsage,
 )
-from chatd.api.openai.tools import RequestRefused, ToolSetup
 from chatd.api.protocol import ErrorMessage
+from chatd.api.tool_calling import ToolSetup
 from chatd.api.turns import StartedTurn
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed, TurnResult
@@ -58,9 +59,9 @@ DEFAULT_MAX_OUTPUT_TOKENS = 256
 class ResponsesApi:
     """The Responses and Conversations routes, sharing the OpenAI API's authentication, matching and turns."""
 
-    def __init__(self, openai: OpenAIApi, store: ResponseStore):
-        self.openai, self.store = openai, store
-        self.sessions, self.turns, self.engine = openai.sessions, openai.turns, openai.engine
+    def __init__(self, admission: OpenAIAdmission, conversations: Conversations, store: ResponseStore):
+        self.admission, self.conversations, self.store = admission, conversations, store
+        self.sessions, self.turns, self.engine = conversations.sessions, conversations.turns, conversations.engine
         errors = {code: {"model": dict} for code in (400, 401, 404, 409, 429, 503)}
         self.router = APIRouter(prefix="/v1")
         self.router.add_api_route("/responses", self.create, methods=["POST"], responses=errors)
@@ -75,24 +76,19 @@ class ResponsesApi:
     # ##### Responses #####
 
     async def create(self, request: Request, body: ResponseRequest) -> Response:
-        owner = self.openai.authenticate(request)
-        with _refusals():
+        owner = self.admission.authenticate(request)
+        with refusals():
             body.refuse_unsupported()
-            setup = body.tool_setup(self.openai.tool_format())
+            setup = body.tool_setup(self.conversations.tool_format())
             if not body.previous_response_id and not body.conversation_id():
                 body.check_outputs()  # otherwise against the history, once it is read
-        if body.model not in self.openai.model_names():
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
-                                f"{self.openai.settings.model!r}", param="model", code="model_not_found")
-        max_new_tokens = body.max_output_tokens or min(DEFAULT_MAX_OUTPUT_TOKENS, self.openai.settings.max_new_tokens)
-        if max_new_tokens > self.openai.settings.max_new_tokens:
-            raise ApiError(400, f"max_output_tokens {max_new_tokens} is over this server's cap of "
-                                f"{self.openai.settings.max_new_tokens}", param="max_output_tokens",
-                           code="limit_exceeded")
-        self.openai.refuse_when_unavailable()
+        self.admission.check_model(body.model)
+        max_new_tokens = self.admission.max_new_tokens(body.max_output_tokens, DEFAULT_MAX_OUTPUT_TOKENS,
+                                                       "max_output_tokens")
+        self.admission.refuse_when_unavailable()
         client = owner or (request.client.host if request.client else "unknown")
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
-                                grammar=await self.openai.compile(setup, "text.format"))
+                                grammar=await self.admission.compile(setup, "text.format"))
         created = ResponseObject(id="resp_" + secrets.token_hex(16), created_at=int(time.time()), status="in_progress",
                                  model=body.model, instructions=body.instructions,
                                  previous_response_id=body.previous_response_id,
@@ -144,7 +140,7 @@ class ResponsesApi:
     # ##### Conversations #####
 
     async def create_conversation(self, request: Request, body: ConversationCreate) -> Response:
-        owner = self.openai.authenticate(request)
+        owner = self.admission.authenticate(request)
         messages = [item.message() for item in body.items or []]
         system = messages[0].content if messages and messages[0].role == "system" else None
         history = messages[1:] if system is not None else messages
@@ -166,7 +162,7 @@ class ResponsesApi:
         await self._call(self.sessions.delete(session.session_id))
         await self._call(self.store.delete_conversation(conversation_id))
         self.engine.close_session(session.session_id)
-        await self.openai.index.remove(session.session_id)
+        await self.conversations.index.remove(session.session_id)
         return JSONResponse(ConversationDeleted(id=conversation_id).model_dump())
 
     async def conversation_items(self, request: Request, conversation_id: str) -> Response:
@@ -188,12 +184,12 @@ class ResponsesApi:
                                     "call outputs) and is stored", param="input" if extra else "store",
                                code="bad_request")
             _, session = await self._owned_conversation(owner, conversation_id)
-            with _refusals():
+            with refusals():
                 body.check_outputs(_call_ids(session.messages))
             if not self.turns.try_claim(session.session_id):
                 raise ApiError(409, f"a response of conversation {conversation_id!r} is running; wait for it",
                                param="conversation", code="conflict")
-            return session, await self.openai.begin(session, new, params, response_id, owner, client,
+            return session, await self.conversations.begin(session, new, params, response_id, owner, client,
                                                     api="responses", setup=setup)
         system = body.instructions
         if body.previous_response_id:
@@ -201,14 +197,14 @@ class ResponsesApi:
         else:
             if extra and extra[0].role == "system":
                 system, extra = (extra[0].content if system is None else system), extra[1:]
-            session, _, matched = await self.openai.place(owner, system, extra, new, None, setup)
+            session, _, matched = await self.conversations.place(owner, system, extra, new, None, setup)
             fresh = not matched
         if not body.store and not fresh:
             # Nothing may be left behind: the turn runs in a session of its own, deleted after the reply.
             self.turns.release_claim(session.session_id)
-            session = await self.openai.branch_from(owner, session.system, session.messages, new, session, setup)
+            session = await self.conversations.branch_from(owner, session.system, session.messages, new, session, setup)
             fresh = True
-        started = await self.openai.begin(session, new, params, response_id, owner, client,
+        started = await self.conversations.begin(session, new, params, response_id, owner, client,
                                           expected_version=None if fresh else session.version, api="responses",
                                           setup=setup)
         if isinstance(started, ErrorMessage) and started.code in ("busy", "conflict") and not fresh:
@@ -216,8 +212,8 @@ class ResponsesApi:
             if body.previous_response_id:
                 session, _ = await self._from_previous(owner, body, extra, new, setup, branch=True)
             else:
-                session = await self.openai.branch_from(owner, system, extra, new, session, setup)
-            started = await self.openai.begin(session, new, params, response_id, owner, client,
+                session = await self.conversations.branch_from(owner, system, extra, new, session, setup)
+            started = await self.conversations.begin(session, new, params, response_id, owner, client,
                                               api="responses", setup=setup)
         return session, started
 
@@ -234,15 +230,15 @@ class ResponsesApi:
         if session is None or session.owner != owner:
             raise ApiError(404, f"previous response {body.previous_response_id!r} not found (its conversation "
                                 "expired)", param="previous_response_id", code="previous_response_not_found")
-        with _refusals():
+        with refusals():
             body.check_outputs(_call_ids(session.messages[:previous.messages]))
         system = body.instructions if body.instructions is not None else session.system
         if not branch and session.version == previous.version and not extra and system == session.system and \
                 self.turns.try_claim(session.session_id):
             return session, False
         history = session.messages[:previous.messages] + extra
-        ids = self.openai.render(system, history, new, setup)
-        return await self.openai.branch(owner, system, history, ids, [(session, history, ids)]), True
+        ids = self.conversations.render(system, history, new, setup)
+        return await self.conversations.branch(owner, system, history, ids, [(session, history, ids)]), True
 
     async def _ended(self, owner: str | None, body: ResponseRequest, created: ResponseObject, started: StartedTurn,
                      event: TurnResult | TurnFailed, events: asyncio.Queue) -> None:
@@ -263,7 +259,7 @@ class ResponsesApi:
             except StoreUnavailable:
                 event = TurnFailed("unavailable", "the reply could not be stored; send the input again")
             else:
-                await self.openai.index.add(owner, session.session_id, event.conversation_ids)
+                await self.conversations.ended(owner, session.session_id, event)
         await events.put(event)
 
     async def _forget(self, session_id: str) -> None:
@@ -349,14 +345,14 @@ class ResponsesApi:
     # ##### Lookups #####
 
     async def _stored(self, request: Request, response_id: str) -> StoredResponse:
-        owner = self.openai.authenticate(request)
+        owner = self.admission.authenticate(request)
         stored = await self._call(self.store.get(response_id))
         if stored is None or stored.owner != owner:
             raise ApiError(404, f"response {response_id!r} not found", param="response_id", code="not_found")
         return stored
 
     async def _conversation(self, request: Request, conversation_id: str) -> tuple[ConversationInfo, Session]:
-        return await self._owned_conversation(self.openai.authenticate(request), conversation_id)
+        return await self._owned_conversation(self.admission.authenticate(request), conversation_id)
 
     async def _owned_conversation(self, owner: str | None, conversation_id: str
                                   ) -> tuple[ConversationInfo, Session]:
@@ -428,15 +424,6 @@ def _listed_input(item_id: str, item: dict) -> InputItem | OutputFunctionCall | 
 
 def _call_ids(messages: list[Message]) -> list[str]:
     return [call.id for message in messages for call in message.tool_calls]
-
-
-@contextlib.contextmanager
-def _refusals() -> Iterator[None]:
-    """A `RequestRefused` as OpenAI's 400, naming the parameter."""
-    try:
-        yield
-    except RequestRefused as error:
-        raise ApiError(400, str(error), param=error.param, code="bad_request") from None
 
 
 def _item_list(items: list[InputItem]) -> ItemList:

@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from chatd.api.openai.tools import Function, RequestRefused, ToolFormat, ToolSetup, checked_schema, tool_setup
-from chatd.api.protocol import FUNCTION_NAME, MAX_NEW_TOKENS_CAP
+from chatd.api.constants import FUNCTION_NAME, MAX_NEW_TOKENS_CAP
+from chatd.api.tool_calling import Function, RequestRefused, ToolFormat, ToolSetup, checked_schema, tool_setup
 from sessions import Message, ToolCall
 
 

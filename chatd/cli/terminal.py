@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from chatd.api.protocol import ChatDone
-from chatd.tools.client import ChatClient, ChatError, TurnStream
+from chatd.cli.client import ChatClient, ChatError, TurnStream
 
 
 def tool_fields_from(tools: Path | None, json_schema: Path | None, tool_choice: str | None = None) -> dict:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from chatd.cli.client import ChatClient, ChatError
+from chatd.cli.server_process import ServerProcess
 from chatd.observability.stats import percentile
-from chatd.tools.client import ChatClient, ChatError
-from chatd.tools.server_process import ServerProcess
 
 STATS_SETTLE_S = 1.5  # longer than /v1/stats keeps a snapshot
 DEFAULT_SCENARIOS = Path(__file__).resolve().parents[2] / "bench" / "scenarios"

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         except RedisSetupError as error:  # one line naming Redis and the setting, before the model loads
             sys.exit(f"chatd serve: {error}")
     elif args.command == "bench":
-        from chatd.tools import bench as bench_command
+        from chatd.cli import bench as bench_command
 
         args.scenarios = args.scenarios or bench_command.DEFAULT_SCENARIOS
         bench_command.main(args)
@@ -142,9 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from websockets.exceptions import InvalidHandshake
 
-        from chatd.tools.client import ChatError
-        from chatd.tools.terminal import chat as run_chat
-        from chatd.tools.terminal import tool_fields_from
+        from chatd.cli.client import ChatError
+        from chatd.cli.terminal import chat as run_chat
+        from chatd.cli.terminal import tool_fields_from
 
         try:
             tool_fields = tool_fields_from(args.tools, args.json_schema, args.tool_choice)

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from chatd.tools.server_process import ServerProcess, free_port
+from chatd.cli.server_process import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

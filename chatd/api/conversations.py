@@ -1,0 +1,156 @@
+"""Which session a stateless request continues: the conversation matching and branching every HTTP API shares.
+
+A stateless client (OpenAI's chat completions, the Responses API without a stored response) sends the whole
+conversation every time and no session id. The request is rendered to token ids and matched, through the
+prefix index (in Redis when sessions are, so any worker finds any conversation), against the conversations of
+the same key; the session whose cached ids it shares the most with is continued when the request extends it
+exactly, and otherwise branched: a new session whose cache starts as a copy of the shared part. Either way only
+the tokens after the reused prefix are prefilled. A reply the client resends carries the ids the model
+generated for it wherever a session knows them (`_splice`), so that a re-tokenised reply does not break the
+match.
+"""
+
+from __future__ import annotations
+
+import json
+
+from cache_store.lookup import common_prefix_length
+from chatd.api.protocol import ErrorMessage
+from chatd.api.tool_calling import ToolFormat, ToolSetup, format_for
+from chatd.api.turns import StartedTurn, TurnRunner
+from chatd.config import Settings
+from chatd.engine.sampling import SamplingParams
+from chatd.engine.scheduler import Engine
+from chatd.engine.turn import TurnFailed, TurnResult
+from chatd.model.prompt import PromptRenderer
+from sessions import Message, Session, SessionStore
+from sessions.prefix_index import BLOCK
+from sessions.redis_store import RedisSessionStore
+from sessions.shared_prefix_index import SharedPrefixIndex
+
+
+class Conversations:
+    """Finds, claims and starts the session of a request that carries its whole conversation."""
+
+    def __init__(self, engine: Engine, sessions: SessionStore, settings: Settings, turns: TurnRunner):
+        self.engine, self.sessions, self.settings, self.turns = engine, sessions, settings, turns
+        # In Redis when sessions are: every worker finds every conversation, whichever worker it reached before.
+        shared = isinstance(sessions, RedisSessionStore)
+        self.index = SharedPrefixIndex(sessions.client if shared else None, settings.session_retention_s,
+                                       sessions.events if shared else None)
+        self._renderer: PromptRenderer | None = None
+
+    def tool_format(self) -> ToolFormat:
+        """How the served model's template renders tools and how it writes calls."""
+        return format_for(self.engine.loaded.tokenizer.chat_template)
+
+    def render(self, system: str | None, history: list[Message], content: str | list[Message],
+               setup: ToolSetup | None = None) -> list[int]:
+        """The prompt's ids, as the engine renders the session's turn."""
+        if self._renderer is None:
+            self._renderer = PromptRenderer(self.engine.loaded.tokenizer)
+        setup = setup or ToolSetup(self.tool_format())
+        messages = Session("", system=system, messages=history).prompt_messages(content)
+        return self._renderer.render(setup.engine_messages(messages), tools=setup.template_tools())
+
+    async def place(self, owner: str | None, system: str | None, history: list[Message], content: str | list[Message],
+                    hint: str | None, setup: ToolSetup | None = None) -> tuple[Session, list[int], bool]:
+        """The session this request runs in, claimed for it, the request's plain prompt ids, and whether the
+        session is one it continues: the matched session when the request extends it exactly and it is free;
+        otherwise a new one, branched from the best match's cache."""
+        plain_ids = self.render(system, history, content, setup)
+        matches = []
+        for session in await self._candidates(owner, plain_ids, hint):
+            if session.system == system and _same(session.messages, history) and \
+                    self.turns.try_claim(session.session_id):
+                return session, plain_ids, True
+            spliced = _splice(history, session.messages)
+            prompt_ids = plain_ids if spliced == history and _ids_of(spliced) == _ids_of(history) else \
+                self.render(system, spliced, content, setup)
+            matches.append((session, spliced, prompt_ids))
+        return await self.branch(owner, system, history, plain_ids, matches), plain_ids, False
+
+    async def branch(self, owner: str | None, system: str | None, history: list[Message], plain_ids: list[int],
+                     matches: list[tuple[Session, list[Message], list[int]]]) -> Session:
+        """A new session, claimed, for `history`: its cache starts as a copy of the part it shares with the
+        match (session, spliced history, prompt ids) that shares the most, when that is a block or more."""
+        best, best_history, best_ids, shared = None, history, plain_ids, 0
+        for session, spliced, prompt_ids in matches:
+            if (reach := common_prefix_length(session.token_ids, prompt_ids)) > shared:
+                best, best_history, best_ids, shared = session, spliced, prompt_ids, reach
+        session = await self.sessions.create(system, owner=owner, messages=best_history)
+        self.turns.try_claim(session.session_id)  # new: nobody else can know it yet
+        if best is not None and shared >= BLOCK:
+            self.engine.fork_session(best.session_id, session.session_id, best_ids)
+        return session
+
+    async def branch_from(self, owner: str | None, system: str | None, history: list[Message],
+                          content: str | list[Message], source: Session, setup: ToolSetup | None = None) -> Session:
+        """A new session, claimed, for `history` (its replies spliced with `source`'s ids), its cache a copy
+        of the part it shares with `source`'s."""
+        spliced = _splice(history, source.messages)
+        prompt_ids = self.render(system, spliced, content, setup)
+        return await self.branch(owner, system, history, prompt_ids, [(source, spliced, prompt_ids)])
+
+    async def begin(self, session: Session, content: str | list[Message], params: SamplingParams, turn_id: str,
+                    owner: str | None, client: str, expected_version: int | None = None, api: str = "openai",
+                    setup: ToolSetup | None = None) -> StartedTurn | ErrorMessage:
+        """`TurnRunner.begin_turn` for a claimed session; the claim is released when it does not start."""
+        try:
+            started = await self.turns.begin_turn(session, content, params, turn_id, owner, client, api=api,
+                                                  expected_version=expected_version,
+                                                  tools=setup or ToolSetup(self.tool_format()))
+        except BaseException:
+            self.turns.release_claim(session.session_id)
+            raise
+        if isinstance(started, ErrorMessage):
+            self.turns.release_claim(session.session_id)
+        return started
+
+    async def ended(self, owner: str | None, session_id: str, event: TurnResult | TurnFailed) -> None:
+        """A turn ended: index the conversation it reached, so that the next request that resends it finds it."""
+        if isinstance(event, TurnResult) and event.finish_reason != "cancelled":
+            await self.index.add(owner, session_id, event.conversation_ids)
+
+    async def _candidates(self, owner: str | None, prompt_ids: list[int], hint: str | None) -> list[Session]:
+        """The owner's sessions that may hold this conversation: the hinted one, then the index's
+        matches, each verified against its real ids, longest shared prefix first."""
+        found: list[Session] = []
+        for session_id in ([hint] if hint else []) + await self.index.candidates(owner, prompt_ids):
+            session = await self.sessions.get(session_id)
+            if session is None:
+                await self.index.remove(session_id, owner, prompt_ids)
+            elif session.owner == owner and all(s.session_id != session_id for s in found):
+                found.append(session)
+        found.sort(key=lambda s: common_prefix_length(s.token_ids, prompt_ids), reverse=True)
+        return found
+
+
+def _splice(sent: list[Message], stored: list[Message]) -> list[Message]:
+    """`sent`, with each reply that `stored` holds at the same place with the same text and calls carrying
+    the ids the model generated for it."""
+    return [known if index < len(stored) and (known := stored[index]).token_ids is not None
+            and _key(known) == _key(message) else message
+            for index, message in enumerate(sent)]
+
+
+def _key(message: Message) -> tuple:
+    """What makes two messages the same for a client that resends them: role, text, calls (arguments compared as
+    JSON, as clients re-serialize them) and the call a result answers; never the ids the model generated."""
+    return (message.role, message.content, tuple((call.name, _normal(call.arguments)) for call in message.tool_calls),
+            message.tool_call_id)
+
+
+def _normal(arguments: str) -> str:
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True)
+    except ValueError:
+        return arguments
+
+
+def _ids_of(messages: list[Message]) -> list[tuple[int, ...] | None]:
+    return [message.token_ids for message in messages]
+
+
+def _same(stored: list[Message], sent: list[Message]) -> bool:
+    return [_key(m) for m in stored] == [_key(m) for m in sent]

@@ -1,0 +1,69 @@
+"""What an OpenAI request must pass before any model work: its API key, the model it names, the tokens it asks
+for, the server's state (loaded, not draining, not at capacity) and its grammar; each refusal in OpenAI's shape."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from chatd.api.auth import KeyRing
+from chatd.api.openai.errors import ApiError, refusals
+from chatd.api.tool_calling import ToolSetup, compile_grammar
+from chatd.api.turns import TurnRunner
+from chatd.config import Settings
+from chatd.engine.grammar import CompiledGrammar
+from chatd.engine.scheduler import Engine
+
+
+class OpenAIAdmission:
+    """The checks the OpenAI routes share."""
+
+    def __init__(self, engine: Engine, settings: Settings, turns: TurnRunner, keys: KeyRing):
+        self.engine, self.settings, self.turns, self.keys = engine, settings, turns, keys
+
+    def authenticate(self, request: Request) -> str | None:
+        """The key's id; 401 for a missing or unknown key when the server has keys. Without keys any
+        bearer token is accepted (OpenAI's clients always send one)."""
+        if not self.keys.required:
+            return None
+        _, owner = self.keys.bearer(request.headers)
+        if owner is None:
+            raise ApiError(401, "missing or unknown API key: send Authorization: Bearer <key>",
+                           code="invalid_api_key")
+        return owner
+
+    def model_names(self) -> set[str]:
+        names = {self.settings.model}
+        if self.engine.loaded is not None:
+            names.add(self.engine.loaded.name)
+        return names
+
+    def check_model(self, model: str) -> None:
+        """404 for a model this server does not serve."""
+        if model not in self.model_names():
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.settings.model!r}",
+                           param="model", code="model_not_found")
+
+    def max_new_tokens(self, requested: int | None, default: int, param: str) -> int:
+        """The tokens a reply may have: `requested`, or `default` within the server's cap; 400 over the cap."""
+        tokens = requested or min(default, self.settings.max_new_tokens)
+        if tokens > self.settings.max_new_tokens:
+            raise ApiError(400, f"{param} {tokens} is over this server's cap of {self.settings.max_new_tokens}",
+                           param=param, code="limit_exceeded")
+        return tokens
+
+    def refuse_when_unavailable(self) -> None:
+        if self.engine.failure is not None:
+            raise ApiError(503, f"the engine failed: {self.engine.failure}", code="unavailable")
+        if not self.engine.ready.is_set():
+            raise ApiError(503, "the model is still loading; retry shortly", code="unavailable",
+                           retry_after_s=1.0)
+        if self.turns.draining:
+            raise ApiError(503, "the server is shutting down; retry on another worker", code="unavailable")
+        if self.engine.waiting >= self.settings.max_waiting:
+            raise ApiError(503, f"the server is at capacity ({self.engine.waiting} turns waiting); retry shortly",
+                           code="busy", retry_after_s=1.0)
+
+    async def compile(self, setup: ToolSetup, format_param: str = "response_format") -> CompiledGrammar | None:
+        """The reply's grammar; a 400 naming the tools or the response format when it cannot compile."""
+        with refusals():
+            return await compile_grammar(self.engine.grammars, setup, format_param)
