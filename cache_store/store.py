@@ -17,7 +17,7 @@ from cachetools import LRUCache
 
 import cache_store.chain as chain
 from cache_store.arena import UNIT, ArenaCache, ArenaFull, TemporaryCache
-from cache_store.cost_model import CostModel, Throughput
+from cache_store.cost_model import CostModel, RemoteDecision, Throughput
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry, NewCache
 from cache_store.host_pool import HostBufferPool
@@ -45,6 +45,15 @@ from cache_store.tier_moves import TierMoves
 log = logging.getLogger(__name__)
 _REMEMBERED_LOSSES = 100_000
 _UNKNOWN = object()
+
+
+@dataclasses.dataclass
+class _Found:
+    """A cache a lookup found on one tier (None: none there yet), and the checks a later copy of it failed."""
+
+    entry: CacheEntry | None
+    source: CacheSource
+    cleared: tuple[Check, ...] = ()
 
 
 class CacheStore:
@@ -158,41 +167,64 @@ class CacheStore:
         # worker wrote, may hold the newest, which continues this copy (or else this copy is of no use).
         stale = self._older_than(session_id, session_version)
         if stale and self.remote is None:
-            self.device.pop(session_id)
-            self.host.discard(session_id)
-        source: CacheSource = "device"
+            self._discard_copies(session_id)
+        found = self._on_device(session_id)
+        if isinstance(found, _Found) and found.entry is None and session_id in self.host:
+            found = self._from_host(session_id)
+        decision = None
+        if isinstance(found, _Found) and fetch is not None and (found.entry is None or stale):
+            found, decision = self._from_redis(session_id, fetch, found, prompt_ids, prefix_len, scope)
+        if isinstance(found, CacheLookup):
+            return found  # a corrupt copy, cleared
+        if stale and found.source != "remote":
+            self._discard_copies(session_id)
+            return CacheLookup("miss", 0, miss_reason="stale", remote=decision)
+        if found.entry is None:
+            return dataclasses.replace(self._start_from_prefix(session_id, prompt_ids, prefix_len, scope),
+                                       remote=decision)
+        return self._resume(session_id, found, prompt_ids, decision)
+
+    def _on_device(self, session_id: str) -> _Found | CacheLookup:
+        """The session's resident cache (None: not resident), checked."""
         entry = self.device.get(session_id)
         if entry is not None and (failed := self._check_resident(session_id, entry)):
             return self.report_corruption(session_id, failed)
-        cleared: tuple[Check, ...] = ()
-        if entry is None and session_id in self.host:
-            entry, cleared = self._moves.restore(session_id, for_turn=True)
-            if cleared and entry is None:
-                return self.report_corruption(session_id, cleared)
-            self._count_corruption(cleared)  # (a later copy failed: the turn recomputes from the last good one)
-            source = "host"  # (or nothing: the segment it starts with is gone, and it was dropped)
-        outcome = fetch.outcome() if fetch is not None and (entry is None or stale) else None
-        decision = outcome.decision if outcome is not None else None
-        if outcome is not None:
-            self.counters.update(outcome.counters)
-            if decision is not None:
-                self.counters[f"remote_decisions_{decision.choice}"] += 1
-        if outcome is not None and outcome.header is not None and decision.choice == "fetch":
-            held = entry or self._segment_for(prompt_ids, prefix_len, scope)
-            fetched = self._remote_moves.adopt(session_id, outcome, held)
-            if outcome.failed and fetched is None:
-                return self.report_corruption(session_id, outcome.failed)
-            self._count_corruption(outcome.failed)  # (a chunk failed: the turn recomputes from the last good one)
-            if fetched is not None:
-                entry, source, cleared = fetched, "remote", outcome.failed
-                self._remote_moves.hold_policy(session_id, entry, prompt_ids, prefix_len, scope)
-        if stale and source != "remote":
-            self.device.pop(session_id)
-            self.host.discard(session_id)
-            return CacheLookup("miss", 0, miss_reason="stale", remote=decision)
-        if entry is None:
-            return dataclasses.replace(self._start_from_prefix(session_id, prompt_ids, prefix_len, scope),
-                                       remote=decision)
+        return _Found(entry, "device")
+
+    def _from_host(self, session_id: str) -> _Found | CacheLookup:
+        """The session's offloaded cache copied back into place, up to its last good copy (None: the segment it
+        starts with is gone, and it was dropped)."""
+        entry, cleared = self._moves.restore(session_id, for_turn=True)
+        if cleared and entry is None:
+            return self.report_corruption(session_id, cleared)
+        self._count_corruption(cleared)  # (a later copy failed: the turn recomputes from the last good one)
+        return _Found(entry, "host", cleared)
+
+    def _from_redis(self, session_id: str, fetch: RemoteFetch, found: _Found, prompt_ids: Sequence[int],
+                    prefix_len: int, scope: str | None) -> tuple[_Found | CacheLookup, RemoteDecision | None]:
+        """What the fetch brought from Redis, copied into place after what the device holds (the session's older
+        copy or its policy's segment) up to its last good chunk; and the fetch's decision."""
+        outcome = fetch.outcome()
+        decision = outcome.decision
+        self.counters.update(outcome.counters)
+        if decision is not None:
+            self.counters[f"remote_decisions_{decision.choice}"] += 1
+        if outcome.header is None or decision.choice != "fetch":
+            return found, decision
+        held = found.entry or self._segment_for(prompt_ids, prefix_len, scope)
+        fetched = self._remote_moves.adopt(session_id, outcome, held)
+        if outcome.failed and fetched is None:
+            return self.report_corruption(session_id, outcome.failed), decision
+        self._count_corruption(outcome.failed)  # (a chunk failed: the turn recomputes from the last good one)
+        if fetched is None:
+            return found, decision
+        self._remote_moves.hold_policy(session_id, fetched, prompt_ids, prefix_len, scope)
+        return _Found(fetched, "remote", outcome.failed), decision
+
+    def _resume(self, session_id: str, found: _Found, prompt_ids: Sequence[int],
+                decision: RemoteDecision | None) -> CacheLookup:
+        """The cache cropped to what the prompt shares with it, leaving the last prompt token to feed."""
+        entry = found.entry
         reusable = min(common_prefix_length(entry.token_ids, prompt_ids), len(prompt_ids) - 1)
         if reusable <= 0:
             self.drop(session_id)  # nothing in it is of use, in any tier
@@ -201,7 +233,12 @@ class CacheStore:
         entry.checksum = None  # the turn changes it; write-back takes a new one
         if (kept := self.host.get(session_id)) is not None and len(kept.token_ids) > reusable:
             self.host.discard(session_id)  # positions it holds are computed again: its next offload is whole
-        return CacheLookup(source, reusable, entry, cleared=cleared, remote=decision)
+        return CacheLookup(found.source, reusable, entry, cleared=found.cleared, remote=decision)
+
+    def _discard_copies(self, session_id: str) -> None:
+        """A stale session's copies on the device and the host are of no use."""
+        self.device.pop(session_id)
+        self.host.discard(session_id)
 
     def put(self, session_id: str, entry: CacheEntry, session_version: int = 0) -> None:
         """Write a session's cache back after its turn, with the fingerprint and checksum that its next
