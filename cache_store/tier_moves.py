@@ -243,6 +243,27 @@ class TierMoves:
             # its system prompt's chunks, named: its owner's (never on top of a copy of this session's alone)
             ends.append((len(names) * CHUNK_TOKENS, names[-1]))
         ends.append((entry.num_tokens, None))  # the rest, its own
+        copied = self._copy_out(session_id, entry, ends, base, kv_dtype, scope)
+        if copied is None:
+            return
+        host_entry, written = copied
+        if base is not None:
+            store.host.unhold(base)
+        store.on_copy("offload", "host", time.perf_counter() - started)
+        store.counters["host_offload_bytes"] += written
+        store.counters["host_offload_bytes_skipped"] += _stored_bytes(base) if base is not None else 0
+        if not _left_intact(entry, host_entry, start):  # changed while resident: never launder it into the host tier
+            store.host.release(host_entry)
+            store.report_corruption(session_id, ("checksum",))
+            return
+        store.host.put(session_id, host_entry)
+
+    def _copy_out(self, session_id: str, entry: CacheEntry, ends: list[tuple[int, str | None]],
+                  base: HostEntry | None, kv_dtype: KVDtype, scope: str) -> tuple[HostEntry, int] | None:
+        """Copy the cache's positions after `base` to the host tier, one copy up to each of `ends` (a named one:
+        its owner's system prompt's chunks); the last copy and the bytes written. None: it did not fit, or the
+        copy failed, and the cache is lost."""
+        store = self.store
         host_entry, written, buffer = base, 0, None
         try:
             store.faults.check("offload", session_id)
@@ -255,7 +276,7 @@ class TierMoves:
                     store.counters["host_evictions"] += 1
                 if not fits:
                     self._abandon_offload(session_id, host_entry, base, lost=True)
-                    return
+                    return None
                 buffer = store.host.pool.take(need) if need else None
                 host_entry = store.offloader.offload(entry, buffer, kv_dtype, base=host_entry, end=end)
                 buffer, written = None, written + need  # (the copy holds it now)
@@ -272,17 +293,8 @@ class TierMoves:
             self._abandon_offload(session_id, host_entry, base, lost=False)
             store.counters["offload_failures"] += 1
             store.drop(session_id)
-            return
-        if base is not None:
-            store.host.unhold(base)
-        store.on_copy("offload", "host", time.perf_counter() - started)
-        store.counters["host_offload_bytes"] += written
-        store.counters["host_offload_bytes_skipped"] += _stored_bytes(base) if base is not None else 0
-        if not _left_intact(entry, host_entry, start):  # changed while resident: never launder it into the host tier
-            store.host.release(host_entry)
-            store.report_corruption(session_id, ("checksum",))
-            return
-        store.host.put(session_id, host_entry)
+            return None
+        return host_entry, written
 
     def offload_base(self, session_id: str, entry: CacheEntry, kept: HostEntry | None
                      ) -> tuple[list[str], HostEntry | None]:

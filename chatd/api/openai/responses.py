@@ -275,25 +275,7 @@ class ResponsesApi:
         """The typed server-sent events the `openai` SDK parses: the reply's message item as its text comes
         (text from where the model opens a call on is held back), then each call as a function_call item with
         its arguments in fragments. A client that goes away cancels the turn."""
-        sequence = 0
-        message_id = "msg_" + created.id[5:]
-
-        def sse(kind: str, **fields) -> str:
-            nonlocal sequence
-            payload = {"type": kind, "sequence_number": sequence, **fields}
-            sequence += 1
-            return f"event: {kind}\ndata: {_json(payload)}\n\n"
-
-        def text_delta(text: str) -> str:
-            return sse("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                       delta=text, logprobs=[])
-
-        def message_opened() -> list[str]:
-            item = OutputMessage(id=message_id, status="in_progress", content=[]).model_dump()
-            return [sse("response.output_item.added", output_index=0, item=item),
-                    sse("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
-                        part=OutputText(text="").model_dump())]
-
+        sse = _ResponseEvents("msg_" + created.id[5:])
         event, opened = first, False
         prose = setup.prose_stream()
         try:
@@ -302,10 +284,9 @@ class ResponsesApi:
             while isinstance(event, str):
                 if text := prose.push(event):
                     if not opened:
-                        for line in message_opened():
-                            yield line
+                        yield sse.message_opened()
                         opened = True
-                    yield text_delta(text)
+                    yield sse.text_delta(text)
                 event = await events.get()
             if isinstance(event, TurnFailed):
                 failed = created.model_copy(update={"status": "failed",
@@ -313,29 +294,15 @@ class ResponsesApi:
                 yield sse("response.failed", response=failed.model_dump())
                 return
             finished = _finished(created, event, started.reply)
-            rest = prose.rest(started.reply[0], bool(started.reply[1]))
             if not opened and isinstance(finished.output[0], OutputMessage):
-                for line in message_opened():
-                    yield line
+                yield sse.message_opened()
                 opened = True
-            if rest:
-                yield text_delta(rest)
+            if rest := prose.rest(started.reply[0], bool(started.reply[1])):
+                yield sse.text_delta(rest)
             if opened:
-                message = finished.output[0]
-                yield sse("response.output_text.done", item_id=message_id, output_index=0, content_index=0,
-                          text=message.content[0].text, logprobs=[])
-                yield sse("response.content_part.done", item_id=message_id, output_index=0, content_index=0,
-                          part=message.content[0].model_dump())
-                yield sse("response.output_item.done", output_index=0, item=message.model_dump())
+                yield sse.message_done(finished.output[0])
             for index, call in enumerate(finished.output[1 if opened else 0:], start=1 if opened else 0):
-                yield sse("response.output_item.added", output_index=index,
-                          item=call.model_copy(update={"arguments": "", "status": "in_progress"}).model_dump())
-                for start in range(0, len(call.arguments), ARGUMENTS_FRAGMENT):
-                    yield sse("response.function_call_arguments.delta", item_id=call.id, output_index=index,
-                              delta=call.arguments[start:start + ARGUMENTS_FRAGMENT])
-                yield sse("response.function_call_arguments.done", item_id=call.id, output_index=index,
-                          name=call.name, arguments=call.arguments)
-                yield sse("response.output_item.done", output_index=index, item=call.model_dump())
+                yield sse.function_call(index, call)
             yield sse("response.completed" if finished.status == "completed" else "response.incomplete",
                       response=finished.model_dump())
         finally:
@@ -370,6 +337,47 @@ class ResponsesApi:
             return await awaitable
         except StoreUnavailable as error:
             raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
+
+
+class _ResponseEvents:
+    """A response's server-sent events, numbered in the order they are sent; the message item is `message_id`."""
+
+    def __init__(self, message_id: str):
+        self.message_id, self.sequence = message_id, 0
+
+    def __call__(self, kind: str, **fields) -> str:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {_json(payload)}\n\n"
+
+    def text_delta(self, text: str) -> str:
+        return self("response.output_text.delta", item_id=self.message_id, output_index=0, content_index=0,
+                    delta=text, logprobs=[])
+
+    def message_opened(self) -> str:
+        item = OutputMessage(id=self.message_id, status="in_progress", content=[]).model_dump()
+        return self("response.output_item.added", output_index=0, item=item) + self(
+            "response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
+            part=OutputText(text="").model_dump())
+
+    def message_done(self, message: OutputMessage) -> str:
+        return self("response.output_text.done", item_id=self.message_id, output_index=0, content_index=0,
+                    text=message.content[0].text, logprobs=[]) + self(
+            "response.content_part.done", item_id=self.message_id, output_index=0, content_index=0,
+            part=message.content[0].model_dump()) + self(
+            "response.output_item.done", output_index=0, item=message.model_dump())
+
+    def function_call(self, index: int, call: OutputFunctionCall) -> str:
+        """A call as the SDK assembles it: the item, its arguments in fragments, their end, the item's end."""
+        events = [self("response.output_item.added", output_index=index,
+                       item=call.model_copy(update={"arguments": "", "status": "in_progress"}).model_dump())]
+        for start in range(0, len(call.arguments), ARGUMENTS_FRAGMENT):
+            events.append(self("response.function_call_arguments.delta", item_id=call.id, output_index=index,
+                               delta=call.arguments[start:start + ARGUMENTS_FRAGMENT]))
+        events.append(self("response.function_call_arguments.done", item_id=call.id, output_index=index,
+                           name=call.name, arguments=call.arguments))
+        events.append(self("response.output_item.done", output_index=index, item=call.model_dump()))
+        return "".join(events)
 
 
 def _finished(created: ResponseObject, result: TurnResult, reply: tuple[str, list[ToolCall]]) -> ResponseObject:
