@@ -15,7 +15,8 @@ which join the merge once, as one more part whose value is zero. A sliding-windo
 only the positions within the window of each query (`kv > q - window`, transformers' rule), so a window may
 end inside a segment or beyond it. Scores are computed in float32 (float64 for a float64 model); on a CPU
 without soft-capping, torch's fused flash kernel (`_scaled_dot_product_flash_attention_for_cpu`), which
-returns the log-sum-exp, computes each part.
+returns the log-sum-exp, computes each part (the public call that returns it, flex attention, runs only eagerly
+on a CPU, 10-50x slower: `bench/chain_attention_api.py`).
 """
 
 from __future__ import annotations
