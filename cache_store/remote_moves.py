@@ -28,6 +28,7 @@ from cache_store.arena import UNIT, ArenaCache
 from cache_store.chunks import chain_hashes, chunk_identity, shared_chunks
 from cache_store.cost_model import CostModel, RemoteDecision
 from cache_store.entry import CacheEntry, entry_from_parts
+from cache_store.failure_log import log_failure
 from cache_store.identity import CacheLayout
 from cache_store.integrity import (
     Check,
@@ -131,8 +132,8 @@ class RemoteFetch:
             return FetchOutcome(decision=RemoteDecision("timeout", None, prefill_ms, waited_ms))
         try:
             outcome = self.job.result()
-        except Exception:  # (Redis errors are caught where they happen: anything else is a bug, logged once here)
-            log.exception("fetching a cache from Redis failed; the turn recomputes")
+        except Exception as error:  # (Redis errors are caught where they happen: anything else is a bug, logged here)
+            log_failure(log, error, "fetching a cache from Redis failed; the turn recomputes")
             return FetchOutcome(counters=Counter(remote_fetch_failures=1))
         if outcome.decision is not None:
             outcome.decision = dataclasses.replace(outcome.decision, waited_ms=waited_ms)

@@ -20,6 +20,7 @@ from cache_store.arena import UNIT, ArenaCache, ArenaFull, TemporaryCache
 from cache_store.cost_model import CostModel, RemoteDecision, Throughput
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry, NewCache
+from cache_store.failure_log import log_failure
 from cache_store.host_pool import HostBufferPool
 from cache_store.host_tier import HostTier
 from cache_store.identity import CacheLayout
@@ -266,9 +267,9 @@ class CacheStore:
         if self.remote is not None:
             try:
                 self._remote_moves.share(session_id, entry)
-            except Exception:  # the turn is done and its cache is here: only other workers go without it
-                log.exception("session %s: snapshotting its cache for Redis failed; Redis keeps the copy before",
-                              session_id)
+            except Exception as error:  # the turn is done and its cache is here: only other workers go without it
+                log_failure(log, error, "session %s: snapshotting its cache for Redis failed; Redis keeps the copy "
+                                        "before", session_id)
                 self.counters["remote_snapshot_failures"] += 1
         if isinstance(entry.cache, TemporaryCache) or self.device.used_bytes() > self.device.budget_bytes:
             self._moves.offload(session_id)  # longer than the whole arena, or alone larger than the budget

@@ -22,6 +22,7 @@ from cache_store.arena import ArenaCache
 from cache_store.chunks import CHUNK_TOKENS, chain_hashes, chunk_identity
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry, NewCache
+from cache_store.failure_log import log_failure
 from cache_store.host_tier import HostTier
 from cache_store.identity import CacheLayout
 from cache_store.integrity import (
@@ -285,9 +286,9 @@ class TierMoves:
                     host_entry.fingerprint = dataclasses.replace(
                         host_entry.fingerprint, owner=scope, num_tokens=end,
                         token_digest=token_digest(entry.token_ids[:end]))
-        except Exception:
-            log.exception("offloading session %s's cache failed; it is dropped and its next turn recomputes",
-                          session_id)
+        except Exception as error:
+            log_failure(log, error, "offloading session %s's cache failed; it is dropped and its next turn "
+                                    "recomputes", session_id)
             if buffer is not None:
                 store.host.pool.give(buffer)
             self._abandon_offload(session_id, host_entry, base, lost=False)

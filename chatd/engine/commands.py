@@ -14,6 +14,7 @@ from typing import TypeVar
 import torch
 
 from cache_store import CacheStore
+from cache_store.failure_log import log_failure
 from chatd.engine.supervision import EngineUnavailable, is_fatal
 
 T = TypeVar("T")
@@ -99,7 +100,7 @@ class CacheCommands:
         except Exception as error:
             if is_fatal(error):
                 raise
-            log.exception("cache housekeeping failed")
+            log_failure(log, error, "cache housekeeping failed")
             if result is not None:
                 result.set_exception(error)
             return

@@ -30,6 +30,7 @@ from cache_store import (
     SessionRunning,
 )
 from cache_store.arena import ArenaCache, ArenaFull
+from cache_store.failure_log import log_failure
 from cache_store.lookup import CopyObserver
 from cache_store.stage_faults import FaultPoints, Stage
 from chatd.config import Settings
@@ -583,9 +584,10 @@ class Engine(CacheCommands):
         if draft and running.grammar is not None and running.grammar.active:
             try:
                 draft = draft[:running.grammar.matcher.validate_tokens(draft)]
-            except Exception:  # (no draft then: a grammar that truly fails fails its turn when its mask is filled)
-                log.warning("checking a draft against the grammar of session %s failed; no draft this step",
-                            running.turn.session_id, exc_info=True)
+            except Exception as error:  # (no draft then: a grammar that truly fails fails its turn when its mask
+                # is filled)
+                log_failure(log, error, "checking a draft against the grammar of session %s failed; no draft this "
+                                        "step", running.turn.session_id, level=logging.WARNING)
                 return []
         return draft
 
@@ -614,8 +616,8 @@ class Engine(CacheCommands):
         if is_fatal(error):
             raise error
         turn = failed.turn if isinstance(failed, RunningTurn) else failed
-        log.error("turn %s of session %s failed at the %s stage; its cache is dropped", turn.turn_id,
-                  turn.session_id, stage, exc_info=error)
+        log_failure(log, error, "turn %s of session %s failed at the %s stage; its cache is dropped", turn.turn_id,
+                    turn.session_id, stage)
         self.failures[stage] += 1
         self.faults.disarm(turn.session_id)
         if isinstance(failed, RunningTurn) or not self.cache.device.is_running(turn.session_id):
