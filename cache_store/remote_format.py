@@ -33,6 +33,23 @@ FORMAT_VERSION = 7
 _HEADER = struct.Struct("<Q")  # the length of a safetensors header, before it
 
 
+# The session's own bytes, then its header, unless Redis holds a copy of a later version (another worker's, written
+# first): a late write of an older turn never takes its place. KEYS kv, kvmeta; ARGV bytes, header, version, TTL.
+WRITE_SESSION = """
+local current = redis.call('GET', KEYS[2])
+if current then
+  local ok, meta = pcall(cjson.decode, current)
+  if ok and type(meta) == 'table' and tonumber(meta['session_version']) and
+      tonumber(meta['session_version']) > tonumber(ARGV[3]) then
+    return 0
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[4])
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
+return 1
+"""
+
+
 def chunk_key(name: str) -> str:
     """A chunk's Redis key: a hash tag of its own, so that chunks spread over a Redis Cluster."""
     return f"chatd:kvchunk:{{{name}}}"

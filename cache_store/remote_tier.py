@@ -29,6 +29,7 @@ from redis.cluster import RedisCluster
 from cache_store.chunks import CHUNK_TOKENS
 from cache_store.cost_model import Throughput
 from cache_store.remote_format import (
+    WRITE_SESSION,
     RemoteCopy,
     RemoteHeader,
     RemoteSnapshot,
@@ -55,23 +56,6 @@ PENDING_BYTES = 256 * 2**20  # snapshots queued for writing, at most (while Redi
 PENDING_AGE_S = 30.0  # a snapshot queued longer is dropped unwritten (its turn stopped waiting long before)
 MAX_QUEUED_DELETES = 100_000
 DROP_REASONS = ("full", "expired", "deletes")  # why a queued write was not made: no room, too old, delete queue full
-
-
-# The session's own bytes, then its header, unless Redis holds a copy of a later version (another worker's, written
-# first): a late write of an older turn never takes its place. KEYS kv, kvmeta; ARGV bytes, header, version, TTL.
-_WRITE_SESSION = """
-local current = redis.call('GET', KEYS[2])
-if current then
-  local ok, meta = pcall(cjson.decode, current)
-  if ok and type(meta) == 'table' and tonumber(meta['session_version']) and
-      tonumber(meta['session_version']) > tonumber(ARGV[3]) then
-    return 0
-  end
-end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[4])
-redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
-return 1
-"""
 
 
 @dataclass(frozen=True)
@@ -428,7 +412,7 @@ class RemoteTier:
             elif held is not None:
                 lost.append(name)  # gone from Redis, and this snapshot does not carry it: the next one will
         blob, meta = session_bytes(snapshot, tail, self.chunk_tokens, chunk_nbytes)
-        write.execute_command("EVAL", _WRITE_SESSION, 2, redis_key(session_id, "kv"), redis_key(session_id, "kvmeta"),
+        write.execute_command("EVAL", WRITE_SESSION, 2, redis_key(session_id, "kv"), redis_key(session_id, "kvmeta"),
                               blob, meta, snapshot.session_version, self.ttl_s)  # (a cluster's pipeline too)
         *answers, newest = write.execute()
         renewed = answers[:len(renewing)]
