@@ -15,7 +15,6 @@ start when asked, so a region can move between two steps. A region is freed when
 
 from __future__ import annotations
 
-import gc
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -88,16 +87,11 @@ class KVArena:
         units = units_for(tokens)
         if units > self.allocator.units:
             raise ArenaFull(f"a cache of {tokens} tokens is longer than the whole KV arena ({self.tokens} tokens)")
-        collected = False
         while (start := self.allocator.allocate(units)) is None:
             if self.allocator.free_units() >= units and self.compact(units):
                 continue
-            if self.make_room(tokens):
-                continue
-            if collected:
+            if not self.make_room(tokens):
                 raise ArenaFull(f"no room for a region of {units * UNIT} tokens in the KV arena")
-            gc.collect()  # a dropped cache caught in a reference cycle holds its region until collected
-            collected = True
         region = _Region(start * UNIT, units * UNIT, owner)
         self._regions.add(region)
         return region

@@ -584,8 +584,8 @@ class Engine(CacheCommands):
         if draft and running.grammar is not None and running.grammar.active:
             try:
                 draft = draft[:running.grammar.matcher.validate_tokens(draft)]
-            except Exception as error:  # (no draft then: a grammar that truly fails fails its turn when its mask
-                # is filled)
+            except Exception as error:
+                # No draft then: a grammar that truly fails fails its turn when its mask is filled.
                 log_failure(log, error, "checking a draft against the grammar of session %s failed; no draft this "
                                         "step", running.turn.session_id, level=logging.WARNING)
                 return []
