@@ -10,16 +10,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-import torch
-
 from cache_store.host_pool import HostBufferPool, size_class
 from cache_store.offload import HostEntry
 from cache_store.segments import is_segment
 
 
 class HostTier:
-    """Offloaded caches in host memory, first offloaded dropped first, under the memory really held. A copy named
-    for the chunks it ends is held once for every chain that includes it (`refs`), and stays, named, for later
+    """Offloaded caches in host memory, first offloaded dropped first, under the memory really held. One ownership
+    rule for every copy: each holder of a chain (the tier, for each key it keeps; a caller reading a chain or
+    building on it) counts once on every copy in it (`refs`: `acquire`, `take`, `put`), and lets it go with
+    `release`, which frees a copy nothing holds. A copy named for the chunks it ends stays, named, for later
     offloads to continue after the last chain that included it has gone (then it is the first to go)."""
 
     def __init__(self, budget_bytes: int, pool: HostBufferPool | None = None,
@@ -52,46 +52,47 @@ class HostTier:
             # Then sessions' caches: dropping a shared segment would lose every cache that starts with it.
             oldest = next((key for key in self._entries if is_segment(key) and not needed(key)), None) or \
                 next((key for key in self._entries if not is_segment(key)), next(iter(self._entries)))
-            self.release(self.pop(oldest))
+            self.discard(oldest)
             dropped.append(oldest)
         return dropped, True
 
     def put(self, key: str, entry: HostEntry, first_to_go: bool = False) -> None:
-        """Keep `entry`, whose buffers came from `pool` after `make_room`, as `key`'s chain, naming its named
-        copies for later offloads to continue; `first_to_go`: dropped before every other entry (a copy of a cache
-        that is also on the device). The chain it replaces is released (what they share stays)."""
-        self.hold(entry)  # (first: what it shares with the chain it replaces stays)
+        """Keep `entry`, whose buffers came from `pool` after `make_room`, as `key`'s chain (the tier's own
+        reference: a caller that holds one still releases it), naming its named copies for later offloads to
+        continue; `first_to_go`: dropped before every other entry (a copy of a cache that is also on the device).
+        The chain it replaces is released (what they share stays)."""
+        self.acquire(entry)  # (first: what it shares with the chain it replaces stays)
         for piece in entry.pieces():
             if piece.name is not None and piece.name not in self._named:
                 self._named[piece.name] = piece
-        if (previous := self.pop(key)) is not None and previous is not entry:
+        if (previous := self.take(key)) is not None:
             self.release(previous)
         self._entries[key] = entry
         self._entries.move_to_end(key, last=not first_to_go)
         self._put_at[key] = self._clock()
 
-    def hold(self, entry: HostEntry) -> None:
-        """Count `entry`'s chain as including its copies (a chain kept, or one being built on: see `unhold`)."""
+    def take(self, key: str) -> HostEntry | None:
+        """Take `key`'s chain out: the tier's reference passes to the caller, who releases it (or puts it back)."""
+        self._put_at.pop(key, None)
+        return self._entries.pop(key, None)
+
+    def discard(self, key: str) -> None:
+        if (entry := self.take(key)) is not None:
+            self.release(entry)
+
+    def acquire(self, entry: HostEntry) -> None:
+        """Count one more holder of `entry`'s chain (a caller reading it or building on it): while it holds it, no
+        room made and no other release frees a copy of it."""
         for piece in entry.pieces():
             piece.refs += 1
 
-    def unhold(self, entry: HostEntry) -> None:
+    def release(self, entry: HostEntry) -> None:
+        """One holder of `entry`'s chain lets it go: the buffers of its copies that nothing holds any more and that
+        are not named for later offloads are free for reuse once a restore still reading them has completed. With
+        `forget`, the one path by which a copy is freed."""
         for piece in entry.pieces():
             piece.refs -= 1
-
-    def release(self, entry: HostEntry, copied: torch.cuda.Event | None = None) -> None:
-        """A chain taken out with `pop` (or never put) is no longer needed: the buffers of its copies that no other
-        chain includes and that are not named for later offloads are free for reuse once the copy that `copied`
-        (or a restore still reading them) marks has completed."""
-        for piece in entry.pieces():
             if piece.refs == 0 and self._named.get(piece.name) is not piece:
-                self._free(piece, copied)
-
-    def release_after(self, entry: HostEntry, keep: HostEntry) -> None:
-        """Release the copies of `entry`'s chain that come after `keep` (which stays in use)."""
-        kept = {id(piece) for piece in keep.pieces()}
-        for piece in entry.pieces():
-            if id(piece) not in kept and piece.refs == 0 and self._named.get(piece.name) is not piece:
                 self._free(piece)
 
     def forget(self, piece: HostEntry) -> None:
@@ -111,9 +112,9 @@ class HostTier:
                 return piece
         return None
 
-    def _free(self, piece: HostEntry, copied: torch.cuda.Event | None = None) -> None:
+    def _free(self, piece: HostEntry) -> None:
         if piece.buffer is not None:
-            self.pool.give(piece.buffer, copied or piece.restoring)
+            self.pool.give(piece.buffer, piece.restoring)
             piece.buffer = None
         piece.tensors, piece.scales = [], None  # (nothing reads a freed copy: a check would refuse it)
 
@@ -124,18 +125,6 @@ class HostTier:
         """Count `key` as offloaded now (a segment's copy that a restore used and kept)."""
         self._entries.move_to_end(key)
         self._put_at[key] = self._clock()
-
-    def pop(self, key: str) -> HostEntry | None:
-        """Take an entry out; the caller hands it to `release` when done with it (or puts it back)."""
-        self._put_at.pop(key, None)
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.unhold(entry)
-        return entry
-
-    def discard(self, key: str) -> None:
-        if (entry := self.pop(key)) is not None:
-            self.release(entry)
 
     def put_at(self, key: str) -> float:
         return self._put_at[key]

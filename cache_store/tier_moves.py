@@ -113,20 +113,18 @@ class TierMoves:
                 store.host.touch(key)
                 store.counters["segment_restores"] += 1
             return entry, failed
-        chain = store.host.pop(key)
-        store.host.hold(chain)  # (while it is read: room made meanwhile never drops a copy of it)
+        chain = store.host.take(key)  # (ours while it is read: room made meanwhile never drops a copy of it)
         try:
             entry, failed, kept = self._bring_back(key, chain, started, stamp=not for_turn)
+            if entry is not None:
+                store.host.put(key, kept, first_to_go=True)  # the session's next offload continues it
         except BaseException:  # no room (ArenaFull), or a copy that failed: the host copy is as it was
             store.host.put(key, chain)  # kept where it was, for when there is room
             raise
         finally:
-            store.host.unhold(chain)
+            store.host.release(chain)  # (what the tier keeps of it stays)
         if entry is None:
-            store.host.release(chain)
             return None, failed
-        store.host.put(key, kept, first_to_go=True)  # the session's next offload continues it
-        store.host.release_after(chain, kept)
         store.counters["restores"] += 1
         return entry, failed
 
@@ -225,17 +223,18 @@ class TierMoves:
         entry = store.device.pop(session_id)
         store.counters["segment_offloads" if is_segment(session_id) else "device_evictions"] += 1
         kv_dtype = "same" if is_segment(session_id) else store.host_kv_dtype  # a segment is held once: exact
-        kept = None if is_segment(session_id) else store.host.pop(session_id)  # kept from its restore
+        kept = None if is_segment(session_id) else store.host.take(session_id)  # kept from its restore: ours
         started = time.perf_counter()
         if kept is not None and len(kept.token_ids) == entry.num_tokens and _continued_by(kept, entry, kv_dtype):
             store.host.put(session_id, kept)  # nothing added since it was restored
+            store.host.release(kept)
             store.counters["host_offload_bytes_skipped"] += _stored_bytes(kept)
             store.on_copy("offload", "host", time.perf_counter() - started)
             return
         scope = store.scope_of(session_id)
         names, base = self.offload_base(session_id, entry, kept)
         if base is not None:
-            store.host.hold(base)  # (while room is made: never the first to go)
+            store.host.acquire(base)  # (ours while room is made: never the first to go)
         if kept is not None:
             store.host.release(kept)  # (what the new copy continues stays)
         start = len(base.token_ids) if base is not None else entry.prefix_tokens
@@ -248,8 +247,6 @@ class TierMoves:
         if copied is None:
             return
         host_entry, written = copied
-        if base is not None:
-            store.host.unhold(base)
         store.on_copy("offload", "host", time.perf_counter() - started)
         store.counters["host_offload_bytes"] += written
         store.counters["host_offload_bytes_skipped"] += _stored_bytes(base) if base is not None else 0
@@ -258,12 +255,14 @@ class TierMoves:
             store.report_corruption(session_id, ("checksum",))
             return
         store.host.put(session_id, host_entry)
+        store.host.release(host_entry)
 
     def _copy_out(self, session_id: str, entry: CacheEntry, ends: list[tuple[int, str | None]],
                   base: HostEntry | None, kv_dtype: KVDtype, scope: str) -> tuple[HostEntry, int] | None:
-        """Copy the cache's positions after `base` to the host tier, one copy up to each of `ends` (a named one:
-        its owner's system prompt's chunks); the last copy and the bytes written. None: it did not fit, or the
-        copy failed, and the cache is lost."""
+        """Copy the cache's positions after `base` (which the caller holds) to the host tier, one copy up to each of
+        `ends` (a named one: its owner's system prompt's chunks); the last copy, which the caller then holds
+        instead of `base`, and the bytes written. None: it did not fit, or the copy failed, and the cache is
+        lost."""
         store = self.store
         host_entry, written, buffer = base, 0, None
         try:
@@ -276,11 +275,15 @@ class TierMoves:
                     store.remember_loss(key)
                     store.counters["host_evictions"] += 1
                 if not fits:
-                    self._abandon_offload(session_id, host_entry, base, lost=True)
+                    self._abandon_offload(session_id, host_entry, lost=True)
                     return None
                 buffer = store.host.pool.take(need) if need else None
-                host_entry = store.offloader.offload(entry, buffer, kv_dtype, base=host_entry, end=end)
+                built = store.offloader.offload(entry, buffer, kv_dtype, base=host_entry, end=end)
                 buffer, written = None, written + need  # (the copy holds it now)
+                store.host.acquire(built)  # (the longer chain is ours; the shorter, in it, is let go)
+                if host_entry is not None:
+                    store.host.release(host_entry)
+                host_entry = built
                 if name is not None:  # others of this owner continue it: it is theirs as much as this session's
                     host_entry.name, host_entry.scope = name, scope
                     host_entry.fingerprint = dataclasses.replace(
@@ -291,7 +294,7 @@ class TierMoves:
                                     "recomputes", session_id)
             if buffer is not None:
                 store.host.pool.give(buffer)
-            self._abandon_offload(session_id, host_entry, base, lost=False)
+            self._abandon_offload(session_id, host_entry, lost=False)
             store.counters["offload_failures"] += 1
             store.drop(session_id)
             return None
@@ -325,13 +328,12 @@ class TierMoves:
         return chunk_identity(store.model_key, store.scope_of(session_id), store.layout,
                               f"host {kind} after {prefix or 'nothing'}:{entry.prefix_tokens}")
 
-    def _abandon_offload(self, session_id: str, built: HostEntry | None, base: HostEntry | None, lost: bool) -> None:
-        """An offload that cannot finish: the copies it made go back to the pool, the cache is lost."""
+    def _abandon_offload(self, session_id: str, held: HostEntry | None, lost: bool) -> None:
+        """An offload that cannot finish: the chain it held is let go (the copies it made go back to the pool),
+        the cache is lost."""
         store = self.store
-        if base is not None:
-            store.host.unhold(base)
-        if built is not None:
-            store.host.release(built)
+        if held is not None:
+            store.host.release(held)
         store.faults.disarm(session_id)
         if lost:
             store.counters["host_evictions"] += 1
