@@ -2,7 +2,7 @@
 
 A segment is an `ArenaCache` that is frozen: a system prompt that many sessions start with, or the history
 that a branch of a conversation shares with its parent. A segment may itself start with another (a branch of
-a conversation that started from a shared policy), so a chain has any depth; each cache points at the last
+a conversation that started from a shared system prompt), so a chain has any depth; each cache points at the last
 segment of its chain (`prefix`) and counts positions from that segment's end (`offset`). Its own region holds
 only the positions after it.
 

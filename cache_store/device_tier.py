@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection, Iterator
 import cache_store.chain as chain
 from cache_store.arena import ArenaCache
 from cache_store.entry import CacheEntry
-from cache_store.policy import ConnectedLRUPolicy, EvictionPolicy, Residency
+from cache_store.eviction import ConnectedLRUPolicy, EvictionPolicy, Residency
 
 
 class DeviceTier:

@@ -1,6 +1,6 @@
 """Moving caches between the device and Redis (`--remote-kv`), as chains of chunks: a write-back's snapshot of
 only the positions Redis is not known to hold, and a fetch of only the chunks after what the device holds (the
-session's own older copy, or the segment of its policy), each chunk checked, up to the last good one.
+session's own older copy, or the segment of its system prompt), each chunk checked, up to the last good one.
 
 A fetch never runs on the engine thread (vLLM's asynchronous KV connectors do the same): the engine asks for one
 (`FetchRequest`, what the device holds named by its ids), `fetch_copy` runs on the remote tier's I/O thread (the
@@ -251,7 +251,7 @@ class RemoteMoves:
 
     def share(self, session_id: str, entry: CacheEntry) -> None:
         """Write the cache to Redis, in the background, as a chain of chunks named for its owner: the snapshot
-        copies only the positions from the first chunk Redis is not known to hold (a shared policy's chunks, and
+        copies only the positions from the first chunk Redis is not known to hold (a shared system prompt's chunks, and
         the turns before, are there already), int8 quantised once, when first written."""
         store = self.store
         kind = "int8" if store.remote_kv_dtype == "int8" else "from-int8" if entry.quantized else "exact"
@@ -316,10 +316,10 @@ class RemoteMoves:
         store.counters["remote_restores"] += 1
         return entry
 
-    def hold_policy(self, session_id: str, entry: CacheEntry, prompt_ids: Sequence[int], prefix_len: int,
+    def share_system_prompt(self, session_id: str, entry: CacheEntry, prompt_ids: Sequence[int], prefix_len: int,
                     scope: str | None) -> None:
         """After a restore from Redis, make the whole units of the prompt's system prompt a shared segment here
-        (nothing copied) when none holds it yet: the next session with that policy starts with it, and a later
+        (nothing copied) when none holds it yet: the next session with that system prompt starts with it, and a later
         restore from Redis fetches none of its chunks."""
         store = self.store
         tokens = prefix_len // UNIT * UNIT

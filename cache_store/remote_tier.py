@@ -384,7 +384,7 @@ class RemoteTier:
         """Send the chunks Redis lacks (that the snapshot carries) and renew those it holds, then the session's token
         ids and tail, then its header. A session's later turn, whose carried chunks all come after those its last
         written snapshot named (its new positions), is written in one round trip that renews the others as it
-        goes; otherwise (a first write: its policy's chunks may be another session's or worker's) one round trip
+        goes; otherwise (a first write: its system prompt's chunks may be another session's or worker's) one round trip
         asks Redis which it holds, and a second sends only the others."""
         started = time.perf_counter()
         with self._lock:

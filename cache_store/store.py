@@ -20,6 +20,7 @@ from cache_store.arena import UNIT, ArenaCache, ArenaFull, TemporaryCache
 from cache_store.cost_model import CostModel, RemoteDecision, Throughput
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry, NewCache
+from cache_store.eviction import EvictionPolicy
 from cache_store.failure_log import log_failure
 from cache_store.host_pool import HostBufferPool
 from cache_store.host_tier import HostTier
@@ -35,7 +36,6 @@ from cache_store.lookup import (
     common_prefix_length,
 )
 from cache_store.offload import Offloader
-from cache_store.policy import EvictionPolicy
 from cache_store.quantize import KVDtype
 from cache_store.remote_moves import FetchRequest, HeldIds, RemoteFetch, RemoteMoves, fetch_copy
 from cache_store.segments import SharedSegments, is_segment, segment_key
@@ -204,7 +204,7 @@ class CacheStore:
     def _from_redis(self, session_id: str, fetch: RemoteFetch, found: _Found, prompt_ids: Sequence[int],
                     prefix_len: int, scope: str | None) -> tuple[_Found | CacheLookup, RemoteDecision | None]:
         """What the fetch brought from Redis, copied into place after what the device holds (the session's older
-        copy or its policy's segment) up to its last good chunk; and the fetch's decision."""
+        copy or its system prompt's segment) up to its last good chunk; and the fetch's decision."""
         outcome = fetch.outcome()
         decision = outcome.decision
         self.counters.update(outcome.counters)
@@ -219,7 +219,7 @@ class CacheStore:
         self._count_corruption(outcome.failed)  # (a chunk failed: the turn recomputes from the last good one)
         if fetched is None:
             return found, decision
-        self._remote_moves.hold_policy(session_id, fetched, prompt_ids, prefix_len, scope)
+        self._remote_moves.share_system_prompt(session_id, fetched, prompt_ids, prefix_len, scope)
         return _Found(fetched, "remote", outcome.failed), decision
 
     def _resume(self, session_id: str, found: _Found, prompt_ids: Sequence[int],

@@ -113,7 +113,7 @@ class Settings(BaseSettings):
         "host memory for snapshots waiting to be written to Redis (while it is slow or down); beyond it the oldest "
         "are dropped, and a snapshot queued over 30 s is too (counted on /metrics)"))
     remote_kv_chunk_tokens: int = Field(CHUNK_TOKENS, ge=16, multiple_of=16, description=(
-        "positions per chunk of a cache in Redis: a chunk Redis holds (a shared policy, earlier turns) is not "
+        "positions per chunk of a cache in Redis: a chunk Redis holds (a shared system prompt, earlier turns) is not "
         "written or fetched again (docs/benchmarks.md)"))
     shared_prompt_min_tokens: int = Field(
         32, ge=16, description="a system prompt of at least this many tokens is held once on the device, a "

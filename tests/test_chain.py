@@ -10,7 +10,7 @@ import torch
 
 from cache_store import CacheEntry, DeviceTier, chain
 from cache_store.arena import UNIT, ArenaCache, KVArena
-from cache_store.policy import LRUPolicy
+from cache_store.eviction import LRUPolicy
 from chatd.engine import chain_attention
 from chatd.engine.chain_attention import ChainPlan, matmul_attention, merge_partials, partial_attention
 
