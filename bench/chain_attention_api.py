@@ -10,24 +10,15 @@ it), on the shapes of a SmolLM2 step (9 query heads, 3 key heads, head_dim 64): 
 from __future__ import annotations
 
 import json
-import time
 import warnings
 
 import torch
+from common import mean_ms
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
 from chatd.engine.chain_attention import partial_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
-
-
-def mean_ms(action, repeats: int = 50) -> float:
-    for _ in range(5):
-        action()
-    started = time.perf_counter()
-    for _ in range(repeats):
-        action()
-    return round((time.perf_counter() - started) / repeats * 1000, 3)
 
 
 def compare(rows: int, length: int) -> dict:
@@ -46,7 +37,8 @@ def compare(rows: int, length: int) -> dict:
     output, _ = private()
     flex_output, _ = public()
     difference = (output.transpose(0, 2).reshape(1, HEADS, rows, HEAD_DIM) - flex_output).abs().max()
-    return {"private_ms": mean_ms(private), "flex_attention_ms": mean_ms(public), "max_difference": float(difference)}
+    return {"private_ms": mean_ms(private, 50), "flex_attention_ms": mean_ms(public, 50),
+            "max_difference": float(difference)}
 
 
 def main() -> None:

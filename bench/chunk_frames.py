@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
-from common import checkouts, in_checkout
+from common import checkouts, in_checkout, mean_ms
 
 HERE = Path(__file__).resolve()
 
@@ -29,16 +28,8 @@ def worker(repeats: int) -> dict:
     piece.checksum = checksum(piece.stored)
     blob = encode_chunk("0" * 32, piece)
 
-    def mean_ms(action) -> float:
-        for _ in range(10):
-            action()
-        started = time.perf_counter()
-        for _ in range(repeats):
-            action()
-        return round((time.perf_counter() - started) / repeats * 1000, 3)
-
-    return {"encode_ms": mean_ms(lambda: encode_chunk("0" * 32, piece)),
-            "decode_ms": mean_ms(lambda: decode_chunk(blob)), "bytes": len(blob)}
+    return {"encode_ms": mean_ms(lambda: encode_chunk("0" * 32, piece), repeats),
+            "decode_ms": mean_ms(lambda: decode_chunk(blob), repeats), "bytes": len(blob)}
 
 
 def main() -> None:

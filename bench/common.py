@@ -49,6 +49,17 @@ def write_result(path: Path, result: object) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+def mean_ms(action: Callable[[], object], repeats: int, warm_up: int = 10) -> float:
+    """The mean wall time of `action` over `repeats` calls after `warm_up` untimed ones, in milliseconds (for calls
+    too short to time one by one)."""
+    for _ in range(warm_up):
+        action()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        action()
+    return round((time.perf_counter() - started) / repeats * 1000, 3)
+
+
 def median_ms(action: Callable[[], object], repeats: int) -> float:
     """The median wall time of `action`, in milliseconds."""
     samples = []

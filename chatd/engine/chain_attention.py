@@ -175,12 +175,12 @@ class ChainPlan:
                   for row in self.rows]
         self.folded = bool(self.groups) and sum(length for row in chains for _, length in row) <= FOLD_LIMIT
         pieces = chains if self.folded else [row[-1:] for row in chains]
-        slots = [[piece.region.start + j for piece, length in row for j in range(length)] for row in pieces]
-        positions = [[piece.offset + j for piece, length in row for j in range(length)] for row in pieces]
-        longest = max(len(row) for row in slots)
+        longest = max(sum(length for _, length in row) for row in pieces)
         most = max(len(row.positions) for row in self.rows)
         self._gather = self._gathered_positions = self._slots = self._real = None
         if device.type == "cpu" and (len(self.rows) > 1 or self.folded) and longest * len(self.rows) <= GATHER_LIMIT:
+            slots = [[piece.region.start + j for piece, length in row for j in range(length)] for row in pieces]
+            positions = [[piece.offset + j for piece, length in row for j in range(length)] for row in pieces]
             self._gather = torch.tensor([row + row[-1:] * (longest - len(row)) for row in slots],
                                         device=device).view(-1)
             self._gathered_positions = torch.tensor([row + [-1] * (longest - len(row)) for row in positions],
