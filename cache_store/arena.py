@@ -10,7 +10,13 @@ is reserved at admission for its prompt and `max_new_tokens`, shrunk at write-ba
 otherwise. When the free units would do but no run is long enough, the arena slides resident regions
 together (device-to-device copies) before anyone is evicted. Keys and values are written in place at a
 row's own position; a layer hands attention a view of its region, never a copy, and reads the region's
-start when asked, so a region can move between two steps. A region is freed when its cache is collected.
+start when asked, so a region can move between two steps.
+
+Ownership, as vLLM's block pool counts a block's holders: an `ArenaCache` counts its holders (`refs`): whoever made
+it, the device tier for each key that keeps it, a running turn, and every cache that starts with it (a segment).
+Each holder lets go with `release`; the last release is the one path by which a region is freed (and the segment a
+cache starts with let go). Nothing waits for the garbage collector: a cache collected with its region still held is
+a leak, counted in `stats` (`arena_leaked_regions`) and caught by `tests/test_ownership.py`.
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ def units_for(tokens: int) -> int:
     return max(1, -(-tokens // UNIT))
 
 
+class ReleasedCache(RuntimeError):
+    """A cache used, acquired or released after its last holder let it go: an ownership bug, never papered over."""
+
+
 class TemporaryCache(DynamicCache):
     """A cache outside the arena, for a conversation longer than the whole arena: it lives for one turn,
     outside the device budget (counted as a turn outside the arena), and leaves the device at write-back."""
@@ -52,6 +62,10 @@ class _Region:
         """Tokens its cache holds (what a move copies)."""
         owner = self._owner()
         return owner.used_tokens() if owner is not None else 0
+
+    def leaked(self) -> bool:
+        """Whether its cache was collected without its last holder releasing it (the units stay taken)."""
+        return self._owner() is None
 
 
 class KVArena:
@@ -120,6 +134,7 @@ class KVArena:
         return head
 
     def release(self, region: _Region) -> None:
+        """Give a region's units back (its cache's last holder let go, or the cache moved to another region)."""
         if region in self._regions:
             self._regions.discard(region)
             self.allocator.release(region.start // UNIT, region.capacity // UNIT)
@@ -191,6 +206,7 @@ class KVArena:
         held = sum(region.capacity for region in self._regions)
         used = sum(min(region.used(), region.capacity) for region in self._regions)
         return {"arena_used_tokens": used, "arena_reserved_tokens": held - used,
+                "arena_leaked_regions": sum(region.leaked() for region in self._regions),
                 "arena_free_tokens": self.allocator.free_units() * UNIT,
                 "arena_largest_free_tokens": self.allocator.largest_free() * UNIT,
                 "arena_compactions": self.compactions, "arena_compaction_bytes": self.compaction_bytes,
@@ -203,7 +219,7 @@ class ArenaLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, cache: ArenaCache, index: int):
-        self._cache = weakref.proxy(cache)  # not a cycle: the cache (and its region) goes as soon as it is dropped
+        self._cache = weakref.proxy(cache)  # a pointer back, not a holder: no cycle keeps the cache object alive
         self._index = index
         self.length = 0
 
@@ -221,7 +237,10 @@ class ArenaLayer(CacheLayerMixin):
 
     def _view(self, buffer: torch.Tensor) -> torch.Tensor:
         """Its own tokens (after the chain it starts with, if any)."""
-        start = self._cache.region.start if self._cache.region else 0
+        region = self._cache.region
+        if region is None and self.length:
+            raise ReleasedCache("a released cache was read")
+        start = region.start if region is not None else 0
         return buffer[:, start:start + self.length].unsqueeze(0)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -265,12 +284,43 @@ class ArenaCache(Cache):
         self.offset = 0  # the positions of that chain: its own region holds positions from here on
         self.frozen = False  # a shared segment: read-only, other caches start with it
         self.segment_key: str | None = None  # a segment's key in the device tier
-        self.users: weakref.WeakSet[ArenaCache] = weakref.WeakSet()  # the caches that start with it
+        self.refs = 1  # its holders (see the module's docstring); whoever made it holds the first
+        self.users = 0  # of them, the caches that start with it (a segment's)
         super().__init__(layers=[ArenaLayer(self, index) for index in range(len(arena.keys))])
+
+    def acquire(self) -> ArenaCache:
+        """One more holder."""
+        if self.refs <= 0:
+            raise ReleasedCache("a cache was acquired after its last holder released it")
+        self.refs += 1
+        return self
+
+    def release(self, count: int = 1) -> None:
+        """`count` holders let go. The last frees the region and lets go of the segment the cache starts with."""
+        if count > self.refs:
+            raise ReleasedCache(f"a cache with {self.refs} holders was released {count} times")
+        self.refs -= count
+        if self.refs == 0:
+            self._give_back()
+            self.start_with(None)
+            for layer in self.layers:
+                layer.length = 0
+
+    def start_with(self, segment: ArenaCache | None) -> None:
+        """Hold `segment` as the one this cache starts with, letting go of the one before (`chain.attach`)."""
+        if segment is not None:
+            segment.acquire()
+            segment.users += 1
+        if self.prefix is not None:
+            self.prefix.users -= 1
+            self.prefix.release()
+        self.prefix = segment
 
     def reserve(self, tokens: int) -> None:
         """Make the region hold at least `tokens` positions (the chain included: the region holds those after
         it): in place when the run after it is free, else moved once."""
+        if self.refs <= 0:
+            raise ReleasedCache("a released cache was given room")
         tokens = max(1, tokens - self.offset)
         if self.region is not None and (tokens <= self.region.capacity or self.arena.grow(self.region, tokens)):
             return
@@ -281,7 +331,7 @@ class ArenaCache(Cache):
                 raise
             # No room beside the old region: set the cache aside, free its region, and allocate again.
             kept = [(layer.keys.clone(), layer.values.clone()) for layer in self.layers]
-            self._free()
+            self._give_back()
             try:
                 self.load(kept, self.offset + tokens)
             except ArenaFull:
@@ -290,8 +340,8 @@ class ArenaCache(Cache):
             return
         if self.region is not None:
             self.arena.copy(self.region.start, region.start, self.used_tokens())  # read after any compaction
-            self._free()
-        self._own(region)
+            self._give_back()
+        self.region = region
 
     def fit(self) -> None:
         """Shrink the region to what the cache holds (rounded up to a unit), as at write-back."""
@@ -307,13 +357,11 @@ class ArenaCache(Cache):
         """The positions it covers: its chain's and its own."""
         return self.offset + self.used_tokens()
 
-    def _own(self, region: _Region) -> None:
-        self.region = region
-        self._finalizer = weakref.finalize(self, self.arena.release, region)
-
-    def _free(self) -> None:
-        self._finalizer()
-        self.region = None
+    def _give_back(self) -> None:
+        """Return its region's units to the arena (the cache is released, or moves to another region)."""
+        if self.region is not None:
+            self.arena.release(self.region)
+            self.region = None
 
     def load(self, tensors: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int = 0) -> None:
         """Copy its own keys and values `[1, heads, tokens, head_dim]` per layer (those after its chain; never

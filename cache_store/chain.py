@@ -6,10 +6,10 @@ a conversation that started from a shared system prompt), so a chain has any dep
 segment of its chain (`prefix`) and counts positions from that segment's end (`offset`). Its own region holds
 only the positions after it.
 
-The reference count of a segment is the set of caches that start with it (`users`, weak references: a cache
-that is dropped anywhere stops counting at once, so no path can leak a reference). A segment is never written
-and never evicted while it has users; the arena frees its region when the last reference to it goes, as for
-any cache. Moving a segment (compaction) moves it for every user at once, since users read its region's start
+A cache that starts with a segment is one of its holders (`ArenaCache.refs`, counted apart as `users`), from
+`attach` until it starts with another or its own last holder releases it. A segment is never written and never
+evicted while it has users; its region is freed when its last holder (the device tier, a user) releases it, as
+for any cache. Moving a segment (compaction) moves it for every user at once, since users read its region's start
 through the segment. vLLM keeps its block pool apart from the scheduler in the same way (`block_pool.py`):
 these functions only move integers and views; which segment is shared, found, checked and evicted is the
 cache store's business.
@@ -36,7 +36,7 @@ def segments(cache: ArenaCache) -> list[ArenaCache]:
 
 def users(segment: ArenaCache) -> int:
     """How many live caches (sessions, turns, other segments) start with `segment`."""
-    return len(segment.users)
+    return segment.users
 
 
 def attach(cache: ArenaCache, segment: ArenaCache | None) -> None:
@@ -44,31 +44,28 @@ def attach(cache: ArenaCache, segment: ArenaCache | None) -> None:
     attaches before it fills the region (or knows that the positions still line up)."""
     if not (segment is None or segment.frozen):
         raise ValueError("a cache can only start with a frozen (read-only) segment")
-    if cache.prefix is not None:
-        cache.prefix.users.discard(cache)
-    cache.prefix = segment
+    cache.start_with(segment)
     cache.offset = segment.total_tokens() if segment is not None else 0
-    if segment is not None:
-        segment.users.add(cache)
 
 
 def split(cache: ArenaCache, tokens: int) -> ArenaCache:
     """Make the first `tokens` of `cache`'s own region a new frozen segment that `cache` then starts with;
     nothing is copied. `tokens` is all its own tokens (a system prompt just prefilled alone), or a whole number
-    of units (so that the tokens after it keep their place at the start of the remaining region)."""
+    of units (so that the tokens after it keep their place at the start of the remaining region). The caller holds
+    the new segment (and `cache`, one of its users, holds it too)."""
     own = cache.used_tokens()
     if cache.region is None or not 0 < tokens <= own or (tokens < own and tokens % UNIT):
         raise ValueError(f"cannot split {tokens} of {own} tokens off a cache")
     segment = ArenaCache(cache.arena)
     attach(segment, cache.prefix)
     units = min(units_for(tokens), cache.region.capacity // UNIT)
-    segment._own(cache.arena.split(cache.region, units, segment))
+    segment.region = cache.arena.split(cache.region, units, segment)
     for mine, theirs in zip(cache.layers, segment.layers, strict=True):
         theirs.length = tokens
         mine.length -= tokens
     segment.frozen = True
     if cache.region.capacity == 0:
-        cache._free()
+        cache._give_back()
     attach(cache, segment)
     return segment
 

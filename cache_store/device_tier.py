@@ -1,10 +1,14 @@
 """Caches resident on the compute device, under a byte budget that counts every running turn's
 cache at the size it may reach, from its admission to its write-back. A shared segment counts once, and is
-not evictable while a cache starts with it or while it is pinned (a warm prompt)."""
+not evictable while a cache starts with it or while it is pinned (a warm prompt).
+
+The tier is one holder of each cache it keeps (`ArenaCache.refs`): `put` acquires, `discard` releases, `pop` hands
+the tier's reference to the caller, who releases it when done with the cache."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 
 import cache_store.chain as chain
@@ -36,19 +40,30 @@ class DeviceTier:
         return self._entries.get(key)
 
     def put(self, key: str, entry: CacheEntry, connected: bool = False, pinned: bool = False) -> None:
-        """Make `entry` resident (`pinned`: never evicted). The caller makes room first (see `plan_room`)."""
+        """Make `entry` resident (`pinned`: never evicted), held by the tier (the entry it replaces, if any, is let
+        go). The caller makes room first (see `plan_room`)."""
         if pinned:
             self._pinned.add(key)
-        self._entries[key] = entry
+        replaced = self._entries.get(key)
+        self._entries[key] = entry.acquire()
+        if replaced is not None:
+            replaced.release()
         residency = self._residency.setdefault(key, Residency(key, self._clock()))
         residency.last_access, residency.connected = self._clock(), connected
         residency.running = key in self._reserved
 
     def pop(self, key: str) -> CacheEntry | None:
-        """Take the entry off the device; a running turn's reservation stays until `unreserve`."""
+        """Take the entry off the device, with the tier's reference (the caller releases it); a running turn's
+        reservation stays until `unreserve`."""
         self._residency.pop(key, None)
         self._pinned.discard(key)
         return self._entries.pop(key, None)
+
+    def discard(self, key: str) -> None:
+        """Take the entry off the device and let it go (freed unless another holder, such as its running turn or a
+        cache that starts with it, still holds it)."""
+        if (entry := self.pop(key)) is not None:
+            entry.release()
 
     def reserve(self, key: str, nbytes: int) -> None:
         """A turn of `key` runs: count its cache as at least `nbytes`, and never evict it."""
@@ -92,7 +107,7 @@ class DeviceTier:
         keep = {keep} if isinstance(keep, str) else set(keep)
         over = self.used_bytes() + need_bytes - self.budget_bytes
         chosen: list[str] = []
-        leaving: set[int] = set()  # ids of the chosen caches
+        leaving: Counter[int] = Counter()  # id of a segment -> how many of its users are chosen
         while over > 0:
             candidates = sorted((r for r in self._residency.values()
                                  if r.key not in keep and r.key not in chosen and self._evictable_with(r.key, leaving)),
@@ -103,7 +118,9 @@ class DeviceTier:
                 if over <= 0:
                     break
                 chosen.append(residency.key)
-                leaving.add(id(self._entries[residency.key].cache))
+                cache = self._entries[residency.key].cache
+                if isinstance(cache, ArenaCache) and cache.prefix is not None:
+                    leaving[id(cache.prefix)] += 1
                 over -= self._entries[residency.key].nbytes()
         return chosen, over <= 0
 
@@ -113,13 +130,14 @@ class DeviceTier:
         staying = {*self._reserved, *(key for key in self._entries if not self.is_evictable(key))}
         return sum(self.charge(key) for key in staying) + need_bytes <= self.budget_bytes
 
-    def _evictable_with(self, key: str, leaving: set[int]) -> bool:
-        """Whether `key` may be evicted once the caches `leaving` are gone."""
+    def _evictable_with(self, key: str, leaving: Counter[int]) -> bool:
+        """Whether `key` may be evicted once the caches chosen so far (`leaving`: their segments' ids, counted) are
+        gone: a segment once every user it has is among them."""
         entry = self._entries[key]
         if key in self._reserved or key in self._pinned:
             return False
         frozen = isinstance(entry.cache, ArenaCache) and entry.cache.frozen
-        return not frozen or all(id(user) in leaving for user in list(entry.cache.users))
+        return not frozen or leaving[id(entry.cache)] >= chain.users(entry.cache)
 
     def used_bytes(self) -> int:
         return sum(self.charge(key) for key in {*self._entries, *self._reserved})

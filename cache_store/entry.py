@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +53,22 @@ class CacheEntry:
         """"int8" when its keys and values came from a quantised copy (so they are not exact)."""
         return self.fingerprint.quantized if self.fingerprint is not None else None
 
+    def acquire(self) -> CacheEntry:
+        """One more holder of its cache (a region of the arena; other caches need no count)."""
+        if isinstance(self.cache, ArenaCache):
+            self.cache.acquire()
+        return self
+
+    def release(self) -> None:
+        """One holder lets its cache go; the last frees its region (`ArenaCache.release`)."""
+        if isinstance(self.cache, ArenaCache):
+            self.cache.release()
+
+    @property
+    def released(self) -> bool:
+        """Whether every holder let its cache go (its region is free: it holds nothing any more)."""
+        return isinstance(self.cache, ArenaCache) and self.cache.refs == 0
+
     def seq_lengths(self) -> list[int]:
         """The sequence length of every layer; all equal `num_tokens` in a consistent entry."""
         return [layer.get_seq_length() for layer in self.cache.layers]
@@ -98,7 +115,8 @@ class CacheEntry:
         tokens = self.num_tokens if tokens is None else tokens
         cache = new_cache(tokens)
         if isinstance(cache, ArenaCache) and isinstance(self.cache, ArenaCache):
-            chain.start_from(cache, self.cache, tokens)
+            with _released_on_failure(cache):
+                chain.start_from(cache, self.cache, tokens)
             clone = CacheEntry(cache, self.token_ids[:tokens], self.fingerprint if whole else None)
         else:
             tensors = chain.full_tensors(self.cache) if isinstance(self.cache, ArenaCache) else self.tensors()
@@ -110,10 +128,32 @@ class CacheEntry:
 
     def move_out_of_arena(self) -> None:
         """Hold its keys and values in a `TemporaryCache` rather than a region of the arena (a conversation
-        about to outgrow the whole arena); the region is freed."""
+        about to outgrow the whole arena); the region is freed (its holders hold this entry, which then needs no
+        count)."""
         if isinstance(self.cache, ArenaCache):
-            self.cache = _fill(TemporaryCache(), chain.full_tensors(self.cache), self.token_ids, self.fingerprint,
+            arena_cache = self.cache
+            self.cache = _fill(TemporaryCache(), chain.full_tensors(arena_cache), self.token_ids, self.fingerprint,
                                owned=True).cache
+            arena_cache.release(arena_cache.refs)
+
+
+@contextmanager
+def holding(entry: CacheEntry) -> Iterator[CacheEntry]:
+    """Hold `entry` for a scope: the caller's reference (from making it, or `acquire`) is released at its end."""
+    try:
+        yield entry
+    finally:
+        entry.release()
+
+
+@contextmanager
+def _released_on_failure(cache: ArenaCache) -> Iterator[None]:
+    """A cache being filled is let go if filling it fails (no room): nothing else holds it yet."""
+    try:
+        yield
+    except BaseException:
+        cache.release()
+        raise
 
 
 def entry_from_parts(new_cache: NewCache, parts: list[KVTensors], token_ids: list[int],
@@ -126,9 +166,10 @@ def entry_from_parts(new_cache: NewCache, parts: list[KVTensors], token_ids: lis
     the segment's keys and values are copied in front."""
     cache = new_cache(len(token_ids))
     if isinstance(cache, ArenaCache):
-        if prefix is not None:
-            chain.attach(cache, prefix)
-        cache.load_parts(parts)
+        with _released_on_failure(cache):
+            if prefix is not None:
+                chain.attach(cache, prefix)
+            cache.load_parts(parts)
         return CacheEntry(cache, list(token_ids), fingerprint)
     if prefix is not None:
         parts = [chain.full_tensors(prefix), *parts]
@@ -142,7 +183,8 @@ def entry_from_parts(new_cache: NewCache, parts: list[KVTensors], token_ids: lis
 def _fill(cache: DynamicCache | ArenaCache, tensors: KVTensors, token_ids: list[int],
           fingerprint: Fingerprint | None, owned: bool) -> CacheEntry:
     if isinstance(cache, ArenaCache):
-        cache.load(tensors)
+        with _released_on_failure(cache):
+            cache.load(tensors)
         return CacheEntry(cache, list(token_ids), fingerprint)
     if not owned:
         tensors = [(keys.clone(), values.clone()) for keys, values in tensors]

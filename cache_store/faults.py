@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from cache_store.entry import KVTensors
+from cache_store.entry import KVTensors, holding
 from cache_store.integrity import SAME_SIZE_INT
 from cache_store.store import CacheStore
 
@@ -60,7 +60,8 @@ def corrupt(store: CacheStore, session_id: str, kind: FaultKind, tier: Tier) -> 
             if donor is None:
                 raise NoCache(f"no other session has a cache in the {tier} tier to swap in")
             if tier == "device":
-                store.device.put(session_id, store.device.get(donor).clone(store.new_cache))
+                with holding(store.device.get(donor).clone(store.new_cache)) as copy:
+                    store.device.put(session_id, copy)
             else:
                 theirs = store.host.get(donor)
                 store.host.put(session_id, dataclasses.replace(

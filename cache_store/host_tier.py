@@ -17,10 +17,10 @@ from cache_store.segments import is_segment
 
 class HostTier:
     """Offloaded caches in host memory, first offloaded dropped first, under the memory really held. One ownership
-    rule for every copy: each holder of a chain (the tier, for each key it keeps; a caller reading a chain or
+    rule for every copy: each holder of a stack (the tier, for each key it keeps; a caller reading a stack or
     building on it) counts once on every copy in it (`refs`: `acquire`, `take`, `put`), and lets it go with
     `release`, which frees a copy nothing holds. A copy named for the chunks it ends stays, named, for later
-    offloads to continue after the last chain that included it has gone (then it is the first to go)."""
+    offloads to continue after the last stack that included it has gone (then it is the first to go)."""
 
     def __init__(self, budget_bytes: int, pool: HostBufferPool | None = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -29,11 +29,11 @@ class HostTier:
         self._clock = clock
         self._entries: OrderedDict[str, HostEntry] = OrderedDict()  # first offloaded first
         self._put_at: dict[str, float] = {}
-        self._named: OrderedDict[str, HostEntry] = OrderedDict()  # chain name -> the copy ending there, last used last
+        self._named: OrderedDict[str, HostEntry] = OrderedDict()  # chunk name -> the copy ending there, last used last
 
     def make_room(self, nbytes: int, needed: Callable[[str], bool] = lambda key: True) -> tuple[list[str], bool]:
         """Drop entries (and release free buffers) until a buffer for `nbytes` fits under the budget: named copies
-        no chain includes first (the longest first: a shorter one is the base of a longer), then shared segments
+        no stack includes first (the longest first: a shorter one is the base of a longer), then shared segments
         not `needed` (no cache here starts with them), then the oldest sessions' caches, then the oldest
         segments; return the keys dropped (sessions' and segments') and whether it fits now."""
         if size_class(nbytes) > self.budget_bytes:
@@ -57,11 +57,11 @@ class HostTier:
         return dropped, True
 
     def put(self, key: str, entry: HostEntry, first_to_go: bool = False) -> None:
-        """Keep `entry`, whose buffers came from `pool` after `make_room`, as `key`'s chain (the tier's own
+        """Keep `entry`, whose buffers came from `pool` after `make_room`, as `key`'s stack (the tier's own
         reference: a caller that holds one still releases it), naming its named copies for later offloads to
         continue; `first_to_go`: dropped before every other entry (a copy of a cache that is also on the device).
-        The chain it replaces is released (what they share stays)."""
-        self.acquire(entry)  # (first: what it shares with the chain it replaces stays)
+        The stack it replaces is released (what they share stays)."""
+        self.acquire(entry)  # (first: what it shares with the stack it replaces stays)
         for piece in entry.pieces():
             if piece.name is not None and piece.name not in self._named:
                 self._named[piece.name] = piece
@@ -72,7 +72,7 @@ class HostTier:
         self._put_at[key] = self._clock()
 
     def take(self, key: str) -> HostEntry | None:
-        """Take `key`'s chain out: the tier's reference passes to the caller, who releases it (or puts it back)."""
+        """Take `key`'s stack out: the tier's reference passes to the caller, who releases it (or puts it back)."""
         self._put_at.pop(key, None)
         return self._entries.pop(key, None)
 
@@ -81,13 +81,13 @@ class HostTier:
             self.release(entry)
 
     def acquire(self, entry: HostEntry) -> None:
-        """Count one more holder of `entry`'s chain (a caller reading it or building on it): while it holds it, no
+        """Count one more holder of `entry`'s stack (a caller reading it or building on it): while it holds it, no
         room made and no other release frees a copy of it."""
         for piece in entry.pieces():
             piece.refs += 1
 
     def release(self, entry: HostEntry) -> None:
-        """One holder of `entry`'s chain lets it go: the buffers of its copies that nothing holds any more and that
+        """One holder of `entry`'s stack lets it go: the buffers of its copies that nothing holds any more and that
         are not named for later offloads are free for reuse once a restore still reading them has completed. With
         `forget`, the one path by which a copy is freed."""
         for piece in entry.pieces():
@@ -96,7 +96,7 @@ class HostTier:
                 self._free(piece)
 
     def forget(self, piece: HostEntry) -> None:
-        """No later offload continues `piece` (it is the least needed, or failed a check); freed once no chain
+        """No later offload continues `piece` (it is the least needed, or failed a check); freed once no stack
         includes it."""
         if piece.name is not None and self._named.get(piece.name) is piece:
             del self._named[piece.name]
@@ -104,7 +104,7 @@ class HostTier:
             self._free(piece)
 
     def named(self, names: list[str], usable: Callable[[HostEntry], bool] = lambda piece: True) -> HostEntry | None:
-        """The `usable` named copy ending at the last of `names` this tier holds (a chain's chunk names, first
+        """The `usable` named copy ending at the last of `names` this tier holds (a stack's chunk names, first
         first)."""
         for name in reversed(names):
             if (piece := self._named.get(name)) is not None and usable(piece):
@@ -130,14 +130,14 @@ class HostTier:
         return self._put_at[key]
 
     def used_bytes(self) -> int:
-        """The pool's buffers, plus every copy that owns its memory, once (chains share copies; copies that own
+        """The pool's buffers, plus every copy that owns its memory, once (stacks share copies; copies that own
         their memory are rare: offloads write into pool buffers)."""
         owned = {id(piece): piece.nbytes for entry in [*self._entries.values(), *self._named.values()]
                  for piece in entry.pieces() if piece.buffer is None and piece.tensors}
         return self.pool.held_bytes + sum(owned.values())
 
     def chunk_stats(self) -> dict[str, int]:
-        """Named copies held, and those more than one chain includes."""
+        """Named copies held, and those more than one stack includes."""
         return {"host_chunk_copies": len(self._named),
                 "host_chunk_copies_shared": sum(piece.refs > 1 for piece in self._named.values())}
 

@@ -31,7 +31,7 @@ class HostEntry:
     continue an earlier copy (`base`): its tensors then hold only the positions after the base's, so an offload
     copies only the turns added since, and int8 positions are quantised once. A copy that ends on a chunk's edge
     is named for the chunks it ends (`cache_store/chunks.py`, with its owner scope): any session of that owner
-    whose history starts with the same ids continues it, so it is held once however many chains include it."""
+    whose history starts with the same ids continues it, so it is held once however many stacks include it."""
 
     tensors: KVTensors
     token_ids: list[int]
@@ -44,9 +44,9 @@ class HostEntry:
     prefix_tokens: int = 0  # that segment's positions
     base: HostEntry | None = None  # the earlier copy it continues (its tensors hold what comes after the base's)
     restoring: torch.cuda.Event | None = None  # a restore still reading its buffer (CUDA), until this event
-    name: str | None = None  # ending on a chunk's edge: the chain name of its ids, under which others continue it
+    name: str | None = None  # ending on a chunk's edge: the chunk name of its ids, under which others continue it
     scope: str | None = None  # with a name: whose chunks it holds (its fingerprint's owner)
-    refs: int = 0  # the host tier's chains (sessions' entries) that include it
+    refs: int = 0  # the host tier's stacks (sessions' entries) that include it
 
     @property
     def own_tokens(self) -> int:
@@ -54,7 +54,7 @@ class HostEntry:
         return len(self.token_ids) - (len(self.base.token_ids) if self.base is not None else self.prefix_tokens)
 
     def pieces(self) -> list[HostEntry]:
-        """Its chain of copies, the oldest first: together they hold every position after the segment."""
+        """Its stack of copies, the oldest first: together they hold every position after the segment."""
         return [*(self.base.pieces() if self.base is not None else []), self]
 
     @property

@@ -1,6 +1,6 @@
 """A cache as Redis holds it (`--remote-kv`): the records a write and a fetch pass around, and their bytes.
 
-A cache is a chain of immutable chunks (`cache_store/chunks.py`) plus its session's own two keys, all with one
+A cache is a run of immutable chunks (`cache_store/chunks.py`) plus its session's own two keys, all with one
 TTL. `chatd:kvchunk:{name}` holds one chunk as safetensors bytes (each tensor's dtype and shape in a checked
 header, its name and checksum in the header's metadata), the same key for every session of one owner whose
 history starts with the same ids. `chatd:{id}:kv` holds the

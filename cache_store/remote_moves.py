@@ -1,4 +1,4 @@
-"""Moving caches between the device and Redis (`--remote-kv`), as chains of chunks: a write-back's snapshot of
+"""Moving caches between the device and Redis (`--remote-kv`), as runs of chunks: a write-back's snapshot of
 only the positions Redis is not known to hold, and a fetch of only the chunks after what the device holds (the
 session's own older copy, or the segment of its system prompt), each chunk checked, up to the last good one.
 
@@ -7,7 +7,7 @@ A fetch never runs on the engine thread (vLLM's asynchronous KV connectors do th
 header, the decision, the chunks and every check of their bytes), and the turn waits in its own state while the
 batch decodes on; the engine then copies what arrived into the arena (`RemoteMoves.adopt`), or recomputes.
 
-Part of the cache store (`CacheStore` decides what moves; this does the moving).
+Plain transfers, as the host tier's moves (`tier_moves.py`): the cache store decides what moves and records it.
 """
 
 from __future__ import annotations
@@ -16,18 +16,16 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 import cache_store.chain as chain
-from cache_store.arena import UNIT, ArenaCache
-from cache_store.chunks import chain_hashes, chunk_identity, shared_chunks
+from cache_store.arena import ArenaCache
+from cache_store.chunks import chunk_identity, chunk_names, shared_chunks
 from cache_store.cost_model import CostModel, RemoteDecision
-from cache_store.entry import CacheEntry, entry_from_parts
+from cache_store.entry import CacheEntry, KVTensors, NewCache, entry_from_parts
 from cache_store.failure_log import log_failure
 from cache_store.identity import CacheLayout
 from cache_store.integrity import (
@@ -40,21 +38,11 @@ from cache_store.integrity import (
     fingerprint,
 )
 from cache_store.lookup import RemoteCaches
+from cache_store.offload import Offloader
 from cache_store.quantize import GROUP_TOKENS, KVDtype
 from cache_store.remote_format import RemoteCopy, RemoteHeader, RemoteSnapshot, StoredKV
-from cache_store.segments import segment_key
-from cache_store.tier_moves import TierOwner
 
 log = logging.getLogger(__name__)
-
-
-class RemoteOwner(TierOwner, Protocol):
-    """What the Redis moves need of the cache store beyond the host moves' needs."""
-
-    remote: RemoteCaches
-    remote_kv_dtype: KVDtype
-    min_shared_tokens: int
-    cost: CostModel
 
 
 @dataclass(frozen=True)
@@ -143,7 +131,7 @@ class RemoteFetch:
 def fetch_copy(request: FetchRequest, remote: RemoteCaches, cost: CostModel) -> FetchOutcome:
     """The session's copy in Redis, fetched when that is estimated to be faster than recomputing it (on the remote
     tier's I/O thread). Only the chunks after the positions the device holds are fetched (the cost counts only
-    those bytes). Every chunk passes every check of its bytes here; a chunk gone or damaged ends the chain there (a
+    those bytes). Every chunk passes every check of its bytes here; a chunk gone or damaged ends the run there (a
     damaged one is deleted from Redis), and the turn recomputes the rest."""
     header = remote.head(request.session_id)
     if header is not None and header.fingerprint.model_key != request.model_key:
@@ -168,7 +156,7 @@ def fetch_copy(request: FetchRequest, remote: RemoteCaches, cost: CostModel) -> 
         return FetchOutcome(None, decision)
     failed = check_identity(header.fingerprint, request.model_key, request.session_id, copy.token_ids,
                             request.layout) \
-        or (chain_hashes(copy.token_ids, identity, size) != header.chunks and "fingerprint")
+        or (chunk_names(copy.token_ids, identity, size) != header.chunks and "fingerprint")
     if failed:
         return FetchOutcome(header, decision, failed=(failed,))
     held = request.held
@@ -193,7 +181,7 @@ def _kept_positions(held: HeldIds | None, header: RemoteHeader, identity: str) -
     length = len(held.token_ids)
     if held.segment:
         return length if length <= header.fingerprint.num_tokens else 0
-    matched = shared_chunks(chain_hashes(held.token_ids, identity, header.chunk_tokens), header.chunks)
+    matched = shared_chunks(chunk_names(held.token_ids, identity, header.chunk_tokens), header.chunks)
     keep = min(max(matched * header.chunk_tokens, held.prefix_tokens), length, header.fingerprint.num_tokens)
     return keep // GROUP_TOKENS * GROUP_TOKENS
 
@@ -243,29 +231,43 @@ def pinned(part: StoredKV) -> StoredKV:
                     part.checksum, part.name)
 
 
+@dataclass
+class Adoption:
+    """What a fetch brings, ready to copy into place: its parts on the device, and the room they need."""
+
+    outcome: FetchOutcome
+    held: CacheEntry | None  # what the copy continues: the session's own older copy, or the segment it starts with
+    tensors: list[KVTensors]
+    own_bytes: int  # the device bytes of the new cache's own positions
+    keep: list[str]  # what making room for it must not evict (the session, the segments it starts with)
+
+
 class RemoteMoves:
-    """Snapshots to Redis, and fetched copies adopted, for one cache store (on the engine thread)."""
+    """Snapshots to Redis, and fetched copies adopted: plain transfers that return what they did (the cache store
+    decides and records). On the engine thread."""
 
-    def __init__(self, store: RemoteOwner):
-        self.store = store
+    def __init__(self, remote: RemoteCaches, offloader: Offloader, new_cache: NewCache, layout: CacheLayout,
+                 model_key: str, remote_kv_dtype: KVDtype):
+        self.remote, self.offloader, self.new_cache = remote, offloader, new_cache
+        self.layout, self.model_key, self.remote_kv_dtype = layout, model_key, remote_kv_dtype
 
-    def share(self, session_id: str, entry: CacheEntry) -> None:
-        """Write the cache to Redis, in the background, as a chain of chunks named for its owner: the snapshot
-        copies only the positions from the first chunk Redis is not known to hold (a shared system prompt's chunks, and
-        the turns before, are there already), int8 quantised once, when first written."""
-        store = self.store
-        kind = "int8" if store.remote_kv_dtype == "int8" else "from-int8" if entry.quantized else "exact"
-        chunks = chain_hashes(entry.token_ids, chunk_identity(store.model_key, store.scope_of(session_id), store.layout,
-                                                              kind), store.remote.chunk_tokens)
-        start = store.remote.known_chunks(chunks)
-        tensors, scales = store.offloader.snapshot(entry, start * store.remote.chunk_tokens, store.remote_kv_dtype)
+    def share(self, session_id: str, entry: CacheEntry, scope: str) -> Counter[str]:
+        """Write the cache to Redis, in the background, as a run of chunks named for its owner (`scope`): the
+        snapshot copies only the positions from the first chunk Redis is not known to hold (a shared system prompt's
+        chunks, and the turns before, are there already), int8 quantised once, when first written. Returns the
+        bytes it copied and skipped."""
+        kind = "int8" if self.remote_kv_dtype == "int8" else "from-int8" if entry.quantized else "exact"
+        chunks = chunk_names(entry.token_ids, chunk_identity(self.model_key, scope, self.layout, kind),
+                              self.remote.chunk_tokens)
+        start = self.remote.known_chunks(chunks)
+        tensors, scales = self.offloader.snapshot(entry, start * self.remote.chunk_tokens, self.remote_kv_dtype)
         stamp = dataclasses.replace(entry.fingerprint, quantized="int8") if scales is not None else entry.fingerprint
-        store.remote.put(session_id, RemoteSnapshot(list(entry.token_ids), stamp, entry.session_version, kind, chunks,
+        self.remote.put(session_id, RemoteSnapshot(list(entry.token_ids), stamp, entry.session_version, kind, chunks,
                                                    start, tensors, scales))
-        store.counters["remote_snapshot_bytes"] += sum(k.nbytes + v.nbytes for k, v in [*tensors, *(scales or [])])
         # the keys and values (in the model's dtype) of the chunks Redis holds: neither copied nor sent
-        skipped = start * store.remote.chunk_tokens
-        store.counters["remote_snapshot_kv_bytes_skipped"] += skipped * store.layout.token_bytes
+        skipped = start * self.remote.chunk_tokens
+        return Counter({"remote_snapshot_bytes": sum(k.nbytes + v.nbytes for k, v in [*tensors, *(scales or [])]),
+                        "remote_snapshot_kv_bytes_skipped": skipped * self.layout.token_bytes})
 
     def held_ids(self, held: CacheEntry | None) -> HeldIds | None:
         """What a fetch may keep of `held` (a cache on the device: the session's own, or a segment)."""
@@ -273,11 +275,11 @@ class RemoteMoves:
             return None
         return HeldIds(tuple(held.token_ids), held.cache.frozen, held.prefix_tokens)
 
-    def adopt(self, session_id: str, outcome: FetchOutcome, held: CacheEntry | None) -> CacheEntry | None:
-        """Copy what a fetch brought into the arena, after the positions `held` keeps (the session's own older copy,
-        continued in place, or the segment the new cache starts with); None when nothing was fetched to continue
-        what is held, or `held` no longer holds what the fetch counted on (then the turn recomputes)."""
-        store, header, keep = self.store, outcome.header, outcome.keep
+    def prepare(self, session_id: str, outcome: FetchOutcome, held: CacheEntry | None) -> Adoption | None:
+        """What a fetch brought, on the device, ready to follow the positions `held` keeps (the session's own older
+        copy, continued in place, or the segment the new cache starts with); None when nothing was fetched to
+        continue what is held, or `held` no longer holds what the fetch counted on (then the turn recomputes)."""
+        keep = outcome.keep
         if keep:
             usable = held is not None and isinstance(held.cache, ArenaCache) and held.num_tokens >= keep \
                 and (not held.cache.frozen or held.num_tokens == keep) \
@@ -287,49 +289,31 @@ class RemoteMoves:
         held = held if keep else None
         if not outcome.parts and (held is None or held.cache.frozen):  # nothing fetched to continue what is held
             return None
-        covered = outcome.covered
-        tensors = store.offloader.to_device([(part.tensors, part.scales) for part in outcome.parts],
-                                            store.layout.dtype)
-        own_bytes = (covered - (held.prefix_tokens if held is not None else 0)) * store.layout.token_bytes
-        keep_keys = [session_id, *(s.segment_key for s in chain.segments(held.cache))] if held is not None else []
+        tensors = self.offloader.to_device([(part.tensors, part.scales) for part in outcome.parts], self.layout.dtype)
+        own_bytes = (outcome.covered - (held.prefix_tokens if held is not None else 0)) * self.layout.token_bytes
+        kept = [session_id, *(s.segment_key for s in chain.segments(held.cache))] if held is not None else []
         if held is not None and held.cache.frozen:
-            keep_keys.append(held.cache.segment_key)
-        store.make_room(store.device.extra_bytes(session_id, own_bytes), keep=keep_keys or session_id)
-        copy_started = time.perf_counter()
+            kept.append(held.cache.segment_key)
+        return Adoption(outcome, held, tensors, own_bytes, kept or [session_id])
+
+    def adopt(self, session_id: str, adoption: Adoption) -> CacheEntry:
+        """Copy a prepared fetch into the arena: the session's older copy continued in place (the same entry), or a
+        new cache after the segment it starts with (the caller holds it)."""
+        outcome, held, header = adoption.outcome, adoption.held, adoption.outcome.header
+        covered = outcome.covered
         if held is not None and not held.cache.frozen:  # the session's own older copy: continued in place
-            held.crop(keep)
-            held.cache.append_parts(tensors)
-            held.token_ids[keep:] = outcome.token_ids[keep:covered]
+            held.crop(outcome.keep)
+            held.cache.append_parts(adoption.tensors)
+            held.token_ids[outcome.keep:] = outcome.token_ids[outcome.keep:covered]
             entry = held
         else:
-            entry = entry_from_parts(store.new_cache, tensors, outcome.token_ids[:covered], owned=True,
+            entry = entry_from_parts(self.new_cache, adoption.tensors, outcome.token_ids[:covered], owned=True,
                                      prefix=held.cache if held is not None else None)
         lossy = header.fingerprint.quantized or (held.quantized if held is not None else None)
         entry.fingerprint = dataclasses.replace(header.fingerprint, quantized=lossy)
         if covered < header.fingerprint.num_tokens:
-            entry.fingerprint = dataclasses.replace(fingerprint(entry, store.model_key, session_id, store.layout),
+            entry.fingerprint = dataclasses.replace(fingerprint(entry, self.model_key, session_id, self.layout),
                                                     quantized=lossy)
         entry.checksum = None  # (handed to a turn, which changes it at once: its write-back takes one)
         entry.session_version = header.session_version
-        store.device.put(session_id, entry, connected=session_id in store.connected)
-        store.on_copy("restore", "remote", outcome.fetched_s + time.perf_counter() - copy_started)
-        store.counters["remote_restores"] += 1
         return entry
-
-    def share_system_prompt(self, session_id: str, entry: CacheEntry, prompt_ids: Sequence[int], prefix_len: int,
-                    scope: str | None) -> None:
-        """After a restore from Redis, make the whole units of the prompt's system prompt a shared segment here
-        (nothing copied) when none holds it yet: the next session with that system prompt starts with it, and a later
-        restore from Redis fetches none of its chunks."""
-        store = self.store
-        tokens = prefix_len // UNIT * UNIT
-        key = segment_key(prompt_ids[:prefix_len], scope)
-        if (tokens < max(UNIT, store.min_shared_tokens) or not isinstance(entry.cache, ArenaCache)
-                or entry.prefix_tokens or entry.num_tokens <= tokens or key in store.device
-                or entry.token_ids[:prefix_len] != list(prompt_ids[:prefix_len])):
-            return
-        segment = CacheEntry(chain.split(entry.cache, tokens), entry.token_ids[:tokens])
-        segment.cache.segment_key = key
-        store.segments.stamp(key, segment)
-        store.device.put(key, segment)
-        store.counters["remote_policies_held"] += 1

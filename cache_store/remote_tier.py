@@ -3,7 +3,7 @@ recomputing its history, when fetching is cheaper than recomputing. What they lo
 
 A write renews the chunks Redis holds and sends only those it lacks, then the session's bytes, then its header, so
 a reader that finds a header finds its bytes unless they expired; one whose bytes are gone is deleted and counts as
-a miss, and a chunk gone or damaged ends what a reader takes from the chain there.
+a miss, and a chunk gone or damaged ends what a reader takes from the run there.
 
 No Redis call is made on the engine thread: fetches run on reader threads (the engine polls them), writes and
 deletes on writer threads, in order per key, from a queue bounded in bytes and in age (a session's newest snapshot
@@ -69,7 +69,7 @@ class _Pending:
 
 
 class RemoteTier:
-    """Caches in Redis as chains of chunks, shared by every worker. No call to Redis is made on the caller's thread:
+    """Caches in Redis as runs of chunks, shared by every worker. No call to Redis is made on the caller's thread:
     fetches (`submit`) and the memory figure run on reader threads, snapshots and deletes on a writer thread, from
     a queue bounded in bytes and age (what does not fit, or waits too long, is dropped and counted)."""
 
@@ -103,7 +103,7 @@ class RemoteTier:
         self._closing = False
         self._busy = [False] * WRITERS  # each writer: carrying out an op
         self._unwritten: set[str] = set()  # sessions with a snapshot queued or being written
-        self._held: dict[str, float] = {}  # chunk -> when this tier last wrote or renewed it in Redis
+        self._known: dict[str, float] = {}  # chunk -> when this tier last wrote or renewed it in Redis
         self._session_chunks: LRUCache[str, int] = LRUCache(CHUNKS_REMEMBERED)  # session -> chunks its last write named
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="chatd-remote-read")
         self._writers = [threading.Thread(target=self._write_loop, args=(shard,), name=f"chatd-remote-kv-{shard}",
@@ -142,7 +142,7 @@ class RemoteTier:
 
     def chunks_known(self) -> int:
         with self._lock:
-            return len(self._held)
+            return len(self._known)
 
     def pending(self) -> dict[str, int]:
         """Snapshots queued for writing and their bytes, deletes queued, and what was dropped (by why)."""
@@ -151,14 +151,14 @@ class RemoteTier:
                     "pending_deletes": self._deletes, **{f"dropped_{why}": n for why, n in self.dropped.items()}}
 
     def known_chunks(self, chunks: list[str]) -> int:
-        """How many leading chunks of a chain this tier wrote or renewed in Redis within half their retention, so that a
+        """How many leading chunks of a run this tier wrote or renewed in Redis within half their retention, so that a
         snapshot need not carry them (every write renews the chunks it names; Redis may still have lost one, or
         another worker deleted one that failed its checks: the writer finds out and sends it again next time)."""
         deadline = time.monotonic() - self.ttl_s / 2
         with self._lock:
             count = 0
             for name in chunks:
-                if self._held.get(name, float("-inf")) < deadline:
+                if self._known.get(name, float("-inf")) < deadline:
                     break
                 count += 1
             return count
@@ -251,7 +251,7 @@ class RemoteTier:
         """A chunk failed its checks: queue its deletion from Redis, so that the next writer that has it sends it
         again."""
         with self._lock:
-            self._held.pop(name, None)
+            self._known.pop(name, None)
             self._queue_delete("delete_chunk", name)
 
     def usage(self) -> tuple[int, int]:
@@ -389,7 +389,7 @@ class RemoteTier:
         started = time.perf_counter()
         with self._lock:
             ahead = snapshot.start >= self._session_chunks.get(session_id, len(snapshot.chunks) + 1)
-        held = None if ahead else self._holding(snapshot.chunks)
+        in_redis = None if ahead else self._renew_known(snapshot.chunks)
         pieces = split(snapshot, self.chunk_tokens)
         tail = pieces.pop()
         write = self._redis.pipeline(transaction=False)
@@ -401,7 +401,7 @@ class RemoteTier:
             piece = pieces[index - snapshot.start] if index >= snapshot.start else None
             blob = encode_chunk(name, piece) if piece is not None else None
             chunk_nbytes = len(blob) if blob is not None else chunk_nbytes
-            if held is not None and held[index]:
+            if in_redis is not None and in_redis[index]:
                 counts["chunks_renewed"] += 1
                 if blob is not None:
                     counts["chunk_bytes_not_sent"] += len(blob)  # another session or worker wrote it
@@ -409,7 +409,7 @@ class RemoteTier:
                 write.set(chunk_key(name), blob, ex=self.ttl_s)
                 sent += len(blob)
                 counts["chunks_written"] += 1
-            elif held is not None:
+            elif in_redis is not None:
                 lost.append(name)  # gone from Redis, and this snapshot does not carry it: the next one will
         blob, meta = session_bytes(snapshot, tail, self.chunk_tokens, chunk_nbytes)
         write.execute_command("EVAL", WRITE_SESSION, 2, redis_key(session_id, "kv"), redis_key(session_id, "kvmeta"),
@@ -421,27 +421,27 @@ class RemoteTier:
         lost += [name for name, found in zip(renewing, renewed, strict=True) if not found]
         counts["chunk_bytes_written"] += sent
         self.throughput.record(sent + len(blob), time.perf_counter() - started)
-        self._written_chain(session_id, snapshot.chunks, lost, counts)
+        self._written_run(session_id, snapshot.chunks, lost, counts)
 
-    def _holding(self, chunks: list[str]) -> list[bool]:
+    def _renew_known(self, chunks: list[str]) -> list[bool]:
         """Which of `chunks` Redis holds, each renewed (one round trip)."""
         renew = self._redis.pipeline(transaction=False)
         for name in chunks:
             renew.expire(chunk_key(name), self.ttl_s)
         return [bool(found) for found in renew.execute()]
 
-    def _written_chain(self, session_id: str, chunks: list[str], lost: list[str], counts: Counter[str]) -> None:
-        """Remember the chunks a write left in Redis (all but those found `lost`), and the session's chain length."""
+    def _written_run(self, session_id: str, chunks: list[str], lost: list[str], counts: Counter[str]) -> None:
+        """Remember the chunks a write left in Redis (all but those found `lost`), and the session's run length."""
         now = time.monotonic()
         with self._lock:
             for name, count in counts.items():
                 self.counters[name] += count
-            if len(self._held) >= CHUNKS_REMEMBERED:  # the oldest have expired or soon will
-                for old in sorted(self._held, key=self._held.get)[:CHUNKS_REMEMBERED // 2]:
-                    del self._held[old]
+            if len(self._known) >= CHUNKS_REMEMBERED:  # the oldest have expired or soon will
+                for old in sorted(self._known, key=self._known.get)[:CHUNKS_REMEMBERED // 2]:
+                    del self._known[old]
             for name in chunks:
-                self._held[name] = now
+                self._known[name] = now
             for name in lost:
-                self._held.pop(name, None)
+                self._known.pop(name, None)
                 self.counters["chunks_lost"] += 1
             self._session_chunks[session_id] = len(chunks)

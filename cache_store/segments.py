@@ -4,10 +4,10 @@ once in the arena under a key, with its own fingerprint and checksum.
 A segment's key is a hash of its token ids seeded with its scope (the owner: another key never finds it,
 not even by timing); a warm prompt (`--warm-prompt`) is pinned, never evicted, and found by every owner, since
 the operator made it public. A segment lives in the device tier like any cache (counted once in its budget);
-it is not evictable while any cache starts with it (`chain.users`) or while it is pinned. Every reuse of a
-cache checks each segment of its chain as a cache is checked: the fingerprint (model, owner = its key, the
-digest of its ids), its shapes and lengths, the checksum of its bytes; a segment that fails is dropped
-together with every resident cache that starts with it.
+it is not evictable while any cache starts with it (`chain.users`, each one of its holders) or while it is
+pinned. Every reuse of a cache checks each segment of its chain as a cache is checked: the fingerprint (model,
+owner = its key, the digest of its ids), its shapes and lengths, the checksum of its bytes; a segment that fails
+is dropped together with every resident cache that starts with it.
 """
 
 from __future__ import annotations
@@ -41,21 +41,28 @@ class SharedSegments:
     def __init__(self, device: DeviceTier, model_key: str, layout: CacheLayout):
         self.device, self.model_key, self.layout = device, model_key, layout
 
-    def share(self, entry: CacheEntry, key: str, pinned: bool = False) -> CacheEntry | None:
-        """Make the whole units of `entry`'s own tokens (a system prompt just prefilled alone) a segment under
-        `key`, which `entry` then starts with; nothing is copied. The last tokens that do not fill a unit stay
-        in `entry`'s own region (a session that starts from the segment prefills them again: at most 15 tokens),
-        so that a segment's region holds no rounding. None when `key` is already held, `entry` is not in the
-        arena, or it holds less than a unit (it then keeps its tokens as its own)."""
-        tokens = entry.own_tokens // UNIT * UNIT
+    def share(self, entry: CacheEntry, key: str, pinned: bool = False, tokens: int | None = None
+              ) -> CacheEntry | None:
+        """Make the whole units of `entry`'s own tokens (a system prompt just prefilled alone; or of its first
+        `tokens`) a segment under `key`, which `entry` then starts with; nothing is copied. The last tokens that do
+        not fill a unit stay in `entry`'s own region (a session that starts from the segment prefills them again: at
+        most 15 tokens), so that a segment's region holds no rounding. None when `key` is already held, `entry` is
+        not in the arena, or it holds less than a unit (it then keeps its tokens as its own)."""
+        tokens = (entry.own_tokens if tokens is None else min(tokens, entry.own_tokens)) // UNIT * UNIT
         if key in self.device or not isinstance(entry.cache, ArenaCache) or tokens <= 0:
             return None
         token_ids = entry.token_ids[:entry.prefix_tokens + tokens]
         segment = CacheEntry(chain.split(entry.cache, tokens), token_ids)
+        self.keep(key, segment, pinned)
+        return segment
+
+    def keep(self, key: str, segment: CacheEntry, pinned: bool = False) -> None:
+        """Stamp a segment just split off a cache and make it resident under `key`: the device tier and the cache
+        it was split from hold it (the split's own reference is let go)."""
         segment.cache.segment_key = key
         self.stamp(key, segment)
         self.device.put(key, segment, pinned=pinned)
-        return segment
+        segment.release()
 
     def stamp(self, key: str, segment: CacheEntry) -> None:
         """The fingerprint and checksum a segment is checked against on every reuse."""
@@ -104,13 +111,13 @@ class SharedSegments:
     def drop(self, key: str) -> list[str]:
         """Drop the segment `key` and every resident cache that starts with it (their turns recompute, or
         find it again); return the keys of those caches."""
-        segment = self.device.pop(key)
+        segment = self.device.peek(key)
         if segment is None:
             return []
         dependents = [other for other in self.device
                       if (entry := self.device.peek(other)) is not None and _starts_with(entry, segment.cache)]
-        for other in dependents:
-            self.device.pop(other)
+        for other in [key, *dependents]:
+            self.device.discard(other)
         return dependents
 
     def keys(self) -> Iterator[str]:

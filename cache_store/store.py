@@ -17,6 +17,7 @@ from cachetools import LRUCache
 
 import cache_store.chain as chain
 from cache_store.arena import UNIT, ArenaCache, ArenaFull, TemporaryCache
+from cache_store.branches import fork
 from cache_store.cost_model import CostModel, RemoteDecision, Throughput
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry, NewCache
@@ -25,7 +26,7 @@ from cache_store.failure_log import log_failure
 from cache_store.host_pool import HostBufferPool
 from cache_store.host_tier import HostTier
 from cache_store.identity import CacheLayout
-from cache_store.integrity import Check, check_identity, check_tensors, checksum, fingerprint
+from cache_store.integrity import Check, checksum, fingerprint
 from cache_store.lookup import (
     CacheLookup,
     CacheSource,
@@ -37,15 +38,16 @@ from cache_store.lookup import (
 )
 from cache_store.offload import Offloader
 from cache_store.quantize import KVDtype
-from cache_store.remote_moves import FetchRequest, HeldIds, RemoteFetch, RemoteMoves, fetch_copy
+from cache_store.remote_lookup import RemoteLookup
+from cache_store.remote_moves import FetchRequest, RemoteFetch, RemoteMoves
 from cache_store.segments import SharedSegments, is_segment, segment_key
-from cache_store.sizing import layer_tokens_needed
+from cache_store.session_notes import REMEMBERED_SESSIONS, SessionNotes
 from cache_store.stage_faults import FaultPoints
+from cache_store.store_stats import store_stats
 from cache_store.tier_moves import TierMoves
+from cache_store.tiers import CacheTiers
 
 log = logging.getLogger(__name__)
-_REMEMBERED_LOSSES = 100_000
-_UNKNOWN = object()
 
 
 @dataclasses.dataclass
@@ -83,19 +85,28 @@ class CacheStore:
         self.new_cache = new_cache
         self.offloader = offloader
         self._clock = clock
-        self.on_copy = on_copy or (lambda direction, tier, seconds: None)  # for latency metrics
-        self.connected: set[str] = set()  # sessions with a client: evicted last
-        self._moves = TierMoves(self)
-        self._remote_moves = RemoteMoves(self)
-        self._lost: LRUCache[str, None] = LRUCache(_REMEMBERED_LOSSES)  # sessions whose cache was dropped
+        self.notes = SessionNotes()
+        moves = TierMoves(self.host, offloader, new_cache, layout, model_key, host_kv_dtype, self.faults)
+        self.tiers = CacheTiers(self.device, self.host, self.segments, moves, self.notes, remote, self.counters,
+                                on_copy or (lambda direction, tier, seconds: None))
+        self._remote = RemoteLookup(remote, RemoteMoves(remote, offloader, new_cache, layout, model_key,
+                                                        remote_kv_dtype), self.tiers, self.cost, min_shared_tokens,
+                                    pin=offloader.pins_memory) if remote is not None else None
         # A system prompt shorter than this is copied into each session that uses it, from a session's cache that
-        # holds it (`_holders`: prompt key -> the session and its cache, weakly: running or not, resident or gone),
-        # rather than attended as a segment (faster at every step when short).
+        # holds it (`_prompt_copies`: prompt key -> the session and its cache, weakly: a pointer, not a holder;
+        # running or not, resident or released), rather than attended as a segment (faster at every step when short).
         self.min_shared_tokens = min_shared_tokens
-        self._holders: LRUCache[str, tuple[str, weakref.ref[CacheEntry]]] = LRUCache(_REMEMBERED_LOSSES)
+        self._prompt_copies: LRUCache[str, tuple[str, weakref.ref[CacheEntry]]] = LRUCache(REMEMBERED_SESSIONS)
         self._turns: dict[str, object] = {}  # session id -> its running turn, from admit to put or abandon
-        # session id -> its owner and its system prompt's length, as its turns said
-        self._scopes: LRUCache[str, tuple[str | None, int]] = LRUCache(_REMEMBERED_LOSSES)
+
+    @property
+    def on_copy(self) -> CopyObserver:
+        """Told of every restore and offload (direction, tier, seconds): for latency metrics."""
+        return self.tiers.on_copy
+
+    @on_copy.setter
+    def on_copy(self, observer: CopyObserver) -> None:
+        self.tiers.on_copy = observer
 
     # ##### Public API #####
 
@@ -112,10 +123,9 @@ class CacheStore:
         if not fits and not alone:
             return False
         for key in victims:
-            self._evict(key)
-        while not fits and (rest := [k for k in self.device if k != session_id and self.device.is_evictable(k)]):
-            for key in rest:  # alone over the budget: every idle cache goes (segments once nothing starts with them)
-                self._evict(key)
+            self.tiers.evict(key)
+        if not fits:  # alone over the budget: every idle cache goes (segments once nothing starts with them)
+            self.tiers.evict_idle(keep=session_id)
         self.device.reserve(session_id, nbytes)
         self._turns[session_id] = turn
         return True
@@ -131,23 +141,16 @@ class CacheStore:
         own = self.device.peek(session_id) or self.host.get(session_id)
         if own is not None and own.session_version >= session_version:
             return None
-        self._remember_scope(session_id, scope, prefix_len)
-        if own is not None:
-            held = self._remote_moves.held_ids(own) if isinstance(own, CacheEntry) else \
-                HeldIds(tuple(own.token_ids), False, own.prefix_tokens)
-        else:  # (checked now, and brought back from the host tier if it must: what the fetch keeps is sound)
-            held = self._remote_moves.held_ids(self._segment_for(prompt_ids, prefix_len, scope))
-        return FetchRequest(session_id, session_version, self.scope_of(session_id), self.model_key, self.layout,
-                            self.remote_kv_dtype, held, pin=self.offloader.pins_memory)
+        self.notes.remember_scope(session_id, scope, prefix_len)
+        # (the segment checked now, and brought back from the host tier if it must: what the fetch keeps is sound)
+        segment = self._segment_for(prompt_ids, prefix_len, scope) if own is None else None
+        return self._remote.request(session_id, session_version, own, segment)
 
     def start_fetch(self, request: FetchRequest, prompt_tokens: int,
                     done: Callable[[], None] = lambda: None) -> RemoteFetch:
         """Fetch what `request` asks for on the remote tier's threads; `done` is called (on one of them) when it has
         finished. The turn waits for it at most as long as recomputing its `prompt_tokens` is estimated to take."""
-        job = self.remote.submit(lambda: fetch_copy(request, self.remote, self.cost))
-        job.add_done_callback(lambda _: done())
-        patience = self.cost.patience_s(prompt_tokens, self.remote.timeout_s)
-        return RemoteFetch(job, time.monotonic(), patience, self.cost.prefill_s(prompt_tokens))
+        return self._remote.start(request, prompt_tokens, done)
 
     def lookup(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int = 0,
                session_version: int = 0, turn: object | None = None, scope: str | None = None,
@@ -163,7 +166,7 @@ class CacheStore:
             self.admit(session_id, turn, 0, alone=True)
         if not self.enabled:
             return CacheLookup("miss", 0, miss_reason="disabled")
-        self._remember_scope(session_id, scope, prefix_len)
+        self.notes.remember_scope(session_id, scope, prefix_len)
         # Another worker completed turns of this session since this worker's copy was written: Redis, which that
         # worker wrote, may hold the newest, which continues this copy (or else this copy is of no use).
         stale = self._older_than(session_id, session_version)
@@ -188,17 +191,17 @@ class CacheStore:
     def _on_device(self, session_id: str) -> _Found | CacheLookup:
         """The session's resident cache (None: not resident), checked."""
         entry = self.device.get(session_id)
-        if entry is not None and (failed := self._check_resident(session_id, entry)):
+        if entry is not None and (failed := self.tiers.check_resident(session_id, entry)):
             return self.report_corruption(session_id, failed)
         return _Found(entry, "device")
 
     def _from_host(self, session_id: str) -> _Found | CacheLookup:
         """The session's offloaded cache copied back into place, up to its last good copy (None: the segment it
         starts with is gone, and it was dropped)."""
-        entry, cleared = self._moves.restore(session_id, for_turn=True)
+        entry, cleared = self.tiers.restore(session_id, for_turn=True)
         if cleared and entry is None:
             return self.report_corruption(session_id, cleared)
-        self._count_corruption(cleared)  # (a later copy failed: the turn recomputes from the last good one)
+        self.tiers.count_corruption(cleared)  # (a later copy failed: the turn recomputes from the last good one)
         return _Found(entry, "host", cleared)
 
     def _from_redis(self, session_id: str, fetch: RemoteFetch, found: _Found, prompt_ids: Sequence[int],
@@ -213,13 +216,13 @@ class CacheStore:
         if outcome.header is None or decision.choice != "fetch":
             return found, decision
         held = found.entry or self._segment_for(prompt_ids, prefix_len, scope)
-        fetched = self._remote_moves.adopt(session_id, outcome, held)
+        fetched = self._remote.adopt(session_id, outcome, held)
         if outcome.failed and fetched is None:
             return self.report_corruption(session_id, outcome.failed), decision
-        self._count_corruption(outcome.failed)  # (a chunk failed: the turn recomputes from the last good one)
+        self.tiers.count_corruption(outcome.failed)  # (a chunk failed: the turn recomputes from the last good one)
         if fetched is None:
             return found, decision
-        self._remote_moves.share_system_prompt(session_id, fetched, prompt_ids, prefix_len, scope)
+        self._remote.share_system_prompt(fetched, prompt_ids, prefix_len, scope)
         return _Found(fetched, "remote", outcome.failed), decision
 
     def _resume(self, session_id: str, found: _Found, prompt_ids: Sequence[int],
@@ -234,11 +237,11 @@ class CacheStore:
         entry.checksum = None  # the turn changes it; write-back takes a new one
         if (kept := self.host.get(session_id)) is not None and len(kept.token_ids) > reusable:
             self.host.discard(session_id)  # positions it holds are computed again: its next offload is whole
-        return CacheLookup(found.source, reusable, entry, cleared=found.cleared, remote=decision)
+        return CacheLookup(found.source, reusable, entry.acquire(), cleared=found.cleared, remote=decision)
 
     def _discard_copies(self, session_id: str) -> None:
         """A stale session's copies on the device and the host are of no use."""
-        self.device.pop(session_id)
+        self.device.discard(session_id)
         self.host.discard(session_id)
 
     def put(self, session_id: str, entry: CacheEntry, session_version: int = 0) -> None:
@@ -249,30 +252,29 @@ class CacheStore:
         if not self.enabled or entry.num_tokens == 0 or self.segments.missing(entry) is not None:
             self.drop(session_id)  # (a segment it starts with was dropped while it ran: it recomputes)
             return
-        self.device.pop(session_id)
-        self._lost.pop(session_id, None)
+        self.device.discard(session_id)  # (the turn still holds `entry`: the tier takes it back below)
+        self.notes.found(session_id)
         if isinstance(entry.cache, ArenaCache):
             entry.cache.fit()  # its region shrinks to what it holds: the rest is free for others
         entry.fingerprint = fingerprint(entry, self.model_key, session_id, self.layout)
         entry.checksum = checksum(entry.tensors())
         entry.session_version = session_version
-        kept = self.host.get(session_id)  # (restored from the host tier: its next offload continues that chain)
-        _, base = self._moves.offload_base(session_id, entry, kept) if kept is not None else ([], None)
+        base = self.tiers.continued_copy(session_id, entry)
         if base is not None:  # that offload copies only the positions after `base`: they alone are checked then
             own = len(base.token_ids) - entry.prefix_tokens
             entry.suffix_checksum = (len(base.token_ids), checksum([(k[..., own:, :], v[..., own:, :])
                                                                    for k, v in entry.tensors()]), entry.checksum)
-        self.make_room(entry.nbytes())
-        self.device.put(session_id, entry, connected=session_id in self.connected)
+        self.tiers.make_room(entry.nbytes())
+        self.device.put(session_id, entry, connected=session_id in self.notes.connected)
         if self.remote is not None:
             try:
-                self._remote_moves.share(session_id, entry)
+                self.counters.update(self._remote.moves.share(session_id, entry, self.notes.scope_of(session_id)))
             except Exception as error:  # the turn is done and its cache is here: only other workers go without it
                 log_failure(log, error, "session %s: snapshotting its cache for Redis failed; Redis keeps the copy "
                                         "before", session_id)
                 self.counters["remote_snapshot_failures"] += 1
         if isinstance(entry.cache, TemporaryCache) or self.device.used_bytes() > self.device.budget_bytes:
-            self._moves.offload(session_id)  # longer than the whole arena, or alone larger than the budget
+            self.tiers.offload(session_id)  # longer than the whole arena, or alone larger than the budget
 
     def release(self, session_id: str) -> None:
         """The session's turn ended without touching its cache (cancelled before its lookup)."""
@@ -280,72 +282,34 @@ class CacheStore:
 
     def abandon(self, session_id: str) -> None:
         """The session's turn failed: drop its cache from every tier (it may be half-written) and end
-        the turn's hold on the budget."""
+        the turn's reservation of the budget."""
         self.drop(session_id)
         self._end_turn(session_id)
 
     def put_prefix(self, entry: CacheEntry, scope: str | None = None, pinned: bool = False,
-                   holder: str | None = None) -> bool:
-        """Share `entry`'s tokens (a system prompt just prefilled alone, in session `holder`'s cache) with every
+                   source: str | None = None) -> bool:
+        """Share `entry`'s tokens (a system prompt just prefilled alone, in session `source`'s cache) with every
         new session of `scope` (an owner: another never sees it, not even in timing) whose prompt begins with its
         ids: as a segment that they and `entry` start with, nothing copied; or, for a prompt shorter than
-        `min_shared_tokens`, by copying it from `holder`'s cache. `pinned` (a warm prompt): always a segment,
+        `min_shared_tokens`, by copying it from `source`'s cache. `pinned` (a warm prompt): always a segment,
         never evicted, and found by every owner. Whether `entry` now starts with a segment."""
         if not self.enabled:
             return False
         key = segment_key(entry.token_ids, None if pinned else scope)
         if not pinned and entry.own_tokens // UNIT * UNIT < self.min_shared_tokens:
-            if holder is not None:
-                self._holders[key] = (holder, weakref.ref(entry))
+            if source is not None:
+                self._prompt_copies[key] = (source, weakref.ref(entry))
             return False
         return self.segments.share(entry, key, pinned) is not None
 
     def fork(self, source: str, target: str, prompt_ids: Sequence[int]) -> int:
-        """Start `target`'s cache from the part of `source`'s device-resident cache that `prompt_ids` begins
-        with (a branch of a conversation: a regenerated reply, an edited message, a second tab): it starts
-        with the same shared segments, and the rest of that part is copied. The source, running or not, is
-        left as it is. Returns the positions it holds."""
-        entry = self.device.get(source) if self.enabled and target not in self.device else None
-        if entry is None or (entry.checksum is not None and self._check_resident(source, entry)):
-            return 0  # (a running source is checked at its write-back)
-        shared = min(common_prefix_length(entry.token_ids, prompt_ids), len(prompt_ids) - 1)
-        if shared <= 0:
-            return 0
-        self._share_history(source, entry, shared)
-        try:
-            copy = entry.clone(self.new_cache, shared)
-        except ArenaFull:
-            return 0  # no room for a copy now: the branch prefills from scratch
-        copy.fingerprint = fingerprint(copy, self.model_key, target, self.layout)
-        copy.checksum = checksum(copy.tensors())
-        self.make_room(copy.nbytes(), keep=source)
-        self.device.put(target, copy, connected=target in self.connected)
-        return shared
-
-    def _share_history(self, source: str, entry: CacheEntry, shared: int) -> None:
-        """Make the whole units of the history a branch shares with `source` (beyond the segments `source`
-        starts with) a segment of their own, which both start with: a branch of a conversation that itself
-        started from a shared prompt, one level deeper. Nothing is copied; the source's own checksum is taken
-        again over what it keeps."""
-        if not isinstance(entry.cache, ArenaCache):
-            return
-        tokens = (shared - entry.prefix_tokens) // UNIT * UNIT
-        if tokens <= 0:
-            return
-        token_ids = entry.token_ids[:entry.prefix_tokens + tokens]
-        key = segment_key(token_ids, f"branch:{source}")
-        if key in self.device:
-            return
-        segment = CacheEntry(chain.split(entry.cache, tokens), token_ids)
-        segment.cache.segment_key = key
-        self.segments.stamp(key, segment)
-        self.device.put(key, segment)
-        if entry.checksum is not None:
-            entry.checksum = checksum(entry.tensors())
+        """Start `target`'s cache from the part of `source`'s device-resident cache that `prompt_ids` begins with
+        (`branches.fork`). Returns the positions it holds."""
+        return fork(self.tiers, self.new_cache, source, target, prompt_ids) if self.enabled else 0
 
     def touch(self, session_id: str, connected: bool) -> None:
         """Record whether a client is connected to the session: connected caches are evicted last."""
-        (self.connected.add if connected else self.connected.discard)(session_id)
+        (self.notes.connected.add if connected else self.notes.connected.discard)(session_id)
         if (residency := self.device.residency(session_id)) is not None:
             residency.connected = connected
 
@@ -357,66 +321,38 @@ class CacheStore:
         if not self.device.can_fit(self.host.get(session_id).device_nbytes):
             return False
         try:
-            entry, failed = self._moves.restore(session_id)
+            entry, failed = self.tiers.restore(session_id)
         except ArenaFull:
             return False  # no room on the device after all; it stays in the host tier
         if failed and entry is None:
-            self.report_corruption(session_id, failed)
-        self._count_corruption(failed if entry is not None else ())
+            self.tiers.report_corruption(session_id, failed)
+        self.tiers.count_corruption(failed if entry is not None else ())
         return entry is not None
 
     def report_corruption(self, session_id: str, failed: tuple[Check, ...]) -> CacheLookup:
         """A check failed: clear the session's cache (or the shared segment's, and every resident cache that
         starts with it) in every tier; its turn recomputes."""
-        log.warning("%s: cache failed the %s check; cleared, recomputing",
-                    f"shared segment {session_id}" if is_segment(session_id) else f"session {session_id}",
-                    ", ".join(failed))
-        self.drop(session_id)
-        self._count_corruption(failed)
+        self.tiers.report_corruption(session_id, failed)
         return CacheLookup("miss", 0, miss_reason="corrupt", cleared=failed)
 
-    def _count_corruption(self, failed: tuple[Check, ...]) -> None:
-        for check in failed:
-            self.counters[f"corrupt_{check}"] += 1
-
     def drop(self, session_id: str) -> None:
-        """Drop a session's cache from every tier; its next turn recomputes. Dropping a shared segment drops
-        every resident cache that starts with it (a cache that names it in a lower tier finds it again, or
-        recomputes) and its host copy. A session's chunks in Redis stay for the sessions that share them (each is
-        checked on every fetch, and deleted when it fails)."""
-        if is_segment(session_id):
-            for dependent in self.segments.drop(session_id):
-                self.remember_loss(dependent)
-        self.device.pop(session_id)
-        self.host.discard(session_id)
-        if self.remote is not None and not is_segment(session_id):
-            self.remote.delete(session_id)
+        """Drop a session's cache (or a shared segment, with every resident cache that starts with it) from every
+        tier; its next turn recomputes."""
+        self.tiers.drop(session_id)
 
     def forget(self, session_id: str) -> None:
         """The session is closed: drop its cache and everything known about it."""
         self.drop(session_id)
-        self._lost.pop(session_id, None)
-        self._scopes.pop(session_id, None)
-        self.connected.discard(session_id)
+        self.notes.forget(session_id)
 
     def evict_one(self) -> bool:
         """Evict the idle cache the policy ranks lowest (to free a region of the arena); False if none is idle."""
-        victims = sorted((self.device.residency(key) for key in self.device if self.device.is_evictable(key)),
-                         key=self.device.policy.priority)
-        if not victims:
-            return False
-        self._evict(victims[0].key)
-        return True
+        return self.tiers.evict_one()
 
     def evict_idle(self) -> int:
         """Offload every cache that is not running (used when the device runs out of memory); shared segments
         go once nothing resident starts with them."""
-        moved = 0
-        while victims := [key for key in self.device if self.device.is_evictable(key)]:
-            for key in victims:
-                self._evict(key)
-            moved += len(victims)
-        return moved
+        return self.tiers.evict_idle()
 
     def expire(self) -> list[str]:
         """Drop the caches of disconnected sessions idle for longer than the TTL."""
@@ -426,48 +362,17 @@ class CacheStore:
         expired = [key for key in self.device if not is_segment(key) and self._idle_since(key) < deadline]
         named = {self.host.get(key).prefix_key for key in self.host.keys()}  # segments that host entries start with
         expired += [key for key in self.host.keys()
-                    if key not in self.connected and key not in named and self.host.put_at(key) < deadline]
+                    if key not in self.notes.connected and key not in named and self.host.put_at(key) < deadline]
         for key in expired:
-            self.device.pop(key)
+            self.device.discard(key)
             self.host.discard(key)
-            self.remember_loss(key)
+            self.notes.lost(key)
             self.counters["expired"] += 1
         return expired
 
     def stats(self) -> dict[str, int]:
         """Occupancy and cumulative counters, for metrics and `/v1/stats`."""
-        device_sessions = [key for key in self.device if not is_segment(key)]
-        cached = {*device_sessions, *(key for key in self.host.keys() if not is_segment(key))}
-        entries = [self.device.peek(key) for key in self.device]  # sessions' caches and shared segments
-        layer_token_bytes = self.layout.token_bytes // self.layout.layers
-        token_bytes = self.layout.token_bytes
-        shared = self.segments.stats()
-        stats = {
-            "device_bytes": self.device.used_bytes(), "device_budget_bytes": self.device.budget_bytes,
-            # the distinct keys and values resident caches hold (a shared segment once), the part of them their
-            # layers' windows need, and what the sessions' caches would hold as private copies
-            "device_kv_bytes": sum(entry.own_tokens for entry in entries) * token_bytes,
-            "device_window_bytes": sum(layer_tokens_needed(self.layer_windows, entry.num_tokens)
-                                       - layer_tokens_needed(self.layer_windows, entry.prefix_tokens)
-                                       for entry in entries) * layer_token_bytes,
-            "device_private_kv_bytes": shared["private_tokens"] * token_bytes,
-            "device_reserved_bytes": self.device.reserved_bytes(), "device_sessions": len(device_sessions),
-            "prefixes": shared["segments"], "segments_pinned": shared["segments_pinned"],
-            "segment_users": shared["segment_users"], "shared_sessions": shared["shared_sessions"],
-            "segment_bytes": shared["segment_tokens"] * token_bytes,
-            "host_bytes": self.host.used_bytes(), "host_budget_bytes": self.host.budget_bytes,
-            "host_free_bytes": self.host.pool.free_bytes, "host_segments": sum(map(is_segment, self.host.keys())),
-            "host_sessions": len(self.host) - sum(map(is_segment, self.host.keys())), **self.host.chunk_stats(),
-            "idle_sessions": len(cached - self.connected), **self.counters,
-        }
-        if self.remote is not None:
-            stats["remote_bytes"], stats["remote_budget_bytes"] = self.remote.usage()
-            stats["remote_read_errors"], stats["remote_write_errors"] = self.remote.errors, self.remote.write_errors
-            stats.update({f"remote_{name}": value for name, value in self.remote.counters.items()})
-            stats["remote_chunks_known"] = self.remote.chunks_known()
-            stats.update({f"remote_{name}": value for name, value in self.remote.pending().items()})
-            stats["remote_round_trip_ms"] = round(1000 * (self.remote.throughput.round_trip_s or 0.0), 3)
-        return stats
+        return store_stats(self.tiers, self.layer_windows)
 
     # ##### Helpers #####
 
@@ -475,48 +380,35 @@ class CacheStore:
                            scope: str | None) -> CacheLookup:
         """A new cache that starts with the resident segment holding the prompt's system prompt: nothing is
         copied."""
-        reason: MissReason = "evicted" if session_id in self._lost else "new"
+        reason: MissReason = "evicted" if self.notes.was_lost(session_id) else "new"
         if not 0 < prefix_len < len(prompt_ids):
             return CacheLookup("miss", 0, miss_reason=reason)
         segment = self._segment_for(prompt_ids, prefix_len, scope)
         if segment is None:
-            return self._copy_from_holder(session_id, prompt_ids[:prefix_len], scope) or \
+            return self._copy_from_session(session_id, prompt_ids[:prefix_len], scope) or \
                 CacheLookup("miss", 0, miss_reason=reason)
         entry = CacheEntry(self.new_cache(prefix_len), list(segment.token_ids))
         chain.attach(entry.cache, segment.cache)
-        self.device.put(session_id, entry, connected=session_id in self.connected)
+        self.device.put(session_id, entry, connected=session_id in self.notes.connected)
         return CacheLookup("prefix", segment.num_tokens, entry)
 
-    def _copy_from_holder(self, session_id: str, prompt: Sequence[int], scope: str | None) -> CacheLookup | None:
+    def _copy_from_session(self, session_id: str, prompt: Sequence[int], scope: str | None) -> CacheLookup | None:
         """A new cache holding a copy of a short system prompt, from the cache of the session that prefilled it
         (checked first, unless its turn is still running: then its write-back checks it)."""
-        holder, source = self._holders.get(segment_key(prompt, scope), (None, lambda: None))
-        source = source() if holder != session_id else None
-        if source is None or source.token_ids[:len(prompt)] != list(prompt):
+        owner, source = self._prompt_copies.get(segment_key(prompt, scope), (None, lambda: None))
+        source = source() if owner != session_id else None
+        if source is None or source.released or source.token_ids[:len(prompt)] != list(prompt):
             return None
-        if source.checksum is not None and (failed := self._check_resident(holder, source)):
-            self.report_corruption(holder, failed)
+        if source.checksum is not None and (failed := self.tiers.check_resident(owner, source)):
+            self.report_corruption(owner, failed)
             return None
         try:
             entry = source.clone(self.new_cache, len(prompt))
         except ArenaFull:
             return None
-        self.make_room(self.device.extra_bytes(session_id, entry.nbytes()), keep=holder)
-        self.device.put(session_id, entry, connected=session_id in self.connected)
+        self.tiers.make_room(self.device.extra_bytes(session_id, entry.nbytes()), keep=owner)
+        self.device.put(session_id, entry, connected=session_id in self.notes.connected)
         return CacheLookup("prefix", len(prompt), entry)
-
-    def scope_of(self, session_id: str) -> str:
-        """Whose chunks the session's cache is made of: its owner's (every owner's when the server has no keys);
-        a session never looked up here (no owner known) has chunks of its own."""
-        scope, _ = self._scopes.get(session_id, (_UNKNOWN, 0))
-        return f"session:{session_id}" if scope is _UNKNOWN else f"owner:{scope or '*'}"
-
-    def prompt_tokens(self, session_id: str) -> int:
-        """The length of the session's system prompt, as its last turn said (0: none, or not known)."""
-        return self._scopes.get(session_id, (None, 0))[1]
-
-    def _remember_scope(self, session_id: str, scope: str | None, prefix_len: int) -> None:
-        self._scopes[session_id] = (scope, prefix_len)
 
     def _segment_for(self, prompt_ids: Sequence[int], prefix_len: int, scope: str | None) -> CacheEntry | None:
         """The checked segment holding the prompt's first `prefix_len` ids: the owner's own, or a warm prompt
@@ -525,46 +417,11 @@ class CacheStore:
             return None
         ids = list(prompt_ids[:prefix_len])
         warm = segment_key(ids, None)
-        return self._moves.find_segment(warm if self.device.is_pinned(warm) else segment_key(ids, scope), ids)
+        return self.tiers.find_segment(warm if self.device.is_pinned(warm) else segment_key(ids, scope), ids)
 
     def _older_than(self, session_id: str, session_version: int) -> bool:
         entry = self.device.get(session_id) or self.host.get(session_id)
         return entry is not None and entry.session_version < session_version
-
-    def _check_resident(self, owner: str, entry: CacheEntry) -> tuple[Check, ...]:
-        """Every check of a device-resident cache, its checksum included, and of every shared segment it starts
-        with: a cache is only ever reused with the bytes it was written back with. A failed segment is dropped
-        with every cache that starts with it."""
-        key, failed_segment = self.segments.check_chain(entry)
-        if key is not None:
-            if key in self.device:  # (counted once, as the session's corruption, by the caller)
-                log.warning("shared segment %s failed the %s check; dropped", key, ", ".join(failed_segment))
-                self.drop(key)
-            return failed_segment
-        failed = (check_identity(entry.fingerprint, self.model_key, owner, entry.token_ids, self.layout)
-                  or check_tensors(entry.tensors(), entry.own_tokens, self.layout)
-                  or (checksum(entry.tensors()) != entry.checksum and "checksum"))
-        return (failed,) if failed else ()
-
-    def make_room(self, need_bytes: int, keep: str | Sequence[str] = ()) -> None:
-        """Evict, in the policy's order, what `need_bytes` more on the device need (never `keep`)."""
-        for key in self.device.plan_room(need_bytes, keep=keep)[0]:
-            if key in self.device:
-                self._evict(key)
-
-    def _evict(self, key: str) -> None:
-        if is_segment(key) and (key in self.host
-                                or not any(self.host.get(other).prefix_key == key for other in self.host.keys())):
-            # A shared segment already in the host tier (it never changes), or that nothing there names: dropped
-            # from the device without a copy.
-            self.device.pop(key)
-            self.counters["prefix_evictions"] += 1
-            return
-        self._moves.offload(key)
-
-    def remember_loss(self, session_id: str) -> None:
-        """The session's cache is gone from every tier: its next turn is an `evicted` miss."""
-        self._lost[session_id] = None
 
     def _end_turn(self, session_id: str) -> None:
         self.device.unreserve(session_id)

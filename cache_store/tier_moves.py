@@ -1,9 +1,11 @@
-"""Moving caches between the device and the host tier, checked both ways: an evicted cache offloaded (exact or
-int8; a shared segment once, exact; a session's continuing the copy of its system prompt its owner's sessions
-share, or its own chain), a host copy checked and restored onto the device, starting with the shared segment it
-names (resident, or restored first), so that a segment is never copied twice. (Redis: `remote_moves.py`.)
+"""Copies between the device and the host tier, checked both ways: a device cache offloaded (exact or int8; a
+shared segment once, exact; a session's continuing the copy of its system prompt its owner's sessions share, or
+its own stack), and a host copy checked and copied back into a new device cache, after the shared segment it names
+(so that a segment is never copied twice). (Redis: `remote_moves.py`.)
 
-Part of the cache store (`CacheStore` decides what moves; this does the moving), in the engine thread.
+Plain transfers: a move takes what it needs and returns what it did (`Moved`: the check a copy failed, the
+sessions whose host copies went to make room, bytes, seconds); it never decides what moves and never calls the
+tiers it works for (`CacheTiers` decides and records). In the engine thread.
 """
 
 from __future__ import annotations
@@ -12,15 +14,12 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass, field
 
 import torch
 
-import cache_store.chain as chain
 from cache_store.arena import ArenaCache
-from cache_store.chunks import CHUNK_TOKENS, chain_hashes, chunk_identity
-from cache_store.device_tier import DeviceTier
+from cache_store.chunks import CHUNK_TOKENS, chunk_identity, chunk_names
 from cache_store.entry import CacheEntry, NewCache
 from cache_store.failure_log import log_failure
 from cache_store.host_tier import HostTier
@@ -35,254 +34,156 @@ from cache_store.integrity import (
     fingerprint,
     token_digest,
 )
-from cache_store.lookup import CopyObserver
 from cache_store.offload import HostEntry, Offloader, host_nbytes
 from cache_store.quantize import KVDtype
-from cache_store.segments import SharedSegments, is_segment
+from cache_store.segments import is_segment
 from cache_store.stage_faults import FaultPoints
 
 log = logging.getLogger(__name__)
-# A chain of host copies is restored copy by copy (each checked, each copied into place): past this many, an
+# A stack of host copies is restored copy by copy (each checked, each copied into place): past this many, an
 # offload copies again all that follows the system prompt's named copy, so that a restore stays fast
 # (docs/benchmarks.md).
 MAX_HOST_COPIES = 5
 
 
-class TierOwner(Protocol):
-    """What the moves need of the cache store they work for (`CacheStore`)."""
+@dataclass
+class Moved:
+    """What a move did, for the tiers to record."""
 
-    device: DeviceTier
-    host: HostTier
-    segments: SharedSegments
-    offloader: Offloader
-    new_cache: NewCache
-    layout: CacheLayout
-    model_key: str
-    host_kv_dtype: KVDtype
-    faults: FaultPoints
-    counters: Counter[str]
-    connected: set[str]
-    on_copy: CopyObserver
-
-    def make_room(self, need_bytes: int, keep: str | Sequence[str] = ()) -> None: ...
-
-    def remember_loss(self, session_id: str) -> None: ...
-
-    def scope_of(self, session_id: str) -> str: ...
-
-    def prompt_tokens(self, session_id: str) -> int: ...
-
-    def report_corruption(self, session_id: str, failed: tuple[Check, ...]) -> object: ...
-
-    def drop(self, session_id: str) -> None: ...
+    failed: tuple[Check, ...] = ()  # the check a copy failed (an offload: the cache changed while resident)
+    lost: list[str] = field(default_factory=list)  # sessions whose cache is gone from the host tier (room, failure)
+    counters: Counter[str] = field(default_factory=Counter)
+    seconds: float | None = None  # the copy's time, for latency metrics (None: nothing was moved)
+    dropped: bool = False  # the offload failed: the cache is gone, and the tiers drop it everywhere
 
 
 class TierMoves:
-    """Offload and restore for one cache store."""
+    """Offload and restore copies between device caches and the host tier."""
 
-    def __init__(self, store: TierOwner):
-        self.store = store
+    def __init__(self, host: HostTier, offloader: Offloader, new_cache: NewCache, layout: CacheLayout,
+                 model_key: str, host_kv_dtype: KVDtype, faults: FaultPoints):
+        self.host, self.offloader, self.new_cache = host, offloader, new_cache
+        self.layout, self.model_key, self.host_kv_dtype, self.faults = layout, model_key, host_kv_dtype, faults
 
-    def find_segment(self, key: str, token_ids: list[int]) -> CacheEntry | None:
-        """The segment `key` holding exactly `token_ids`: on the device (checked), or brought back from the host
-        tier (checked); a segment that fails a check is dropped with what starts with it."""
-        store = self.store
-        segment, failed = store.segments.find(key, token_ids)
-        held = store.host.get(key)
-        if segment is None and not failed and held is not None and held.token_ids == token_ids[:len(held.token_ids)]:
-            segment, failed = self.restore(key)
-        if failed:
-            store.report_corruption(key, failed)
-        return segment
-
-    def restore(self, key: str, for_turn: bool = False) -> tuple[CacheEntry | None, tuple[Check, ...]]:
-        """Bring a host entry (a session's, or a shared segment's) back to the device once it passes every
-        check, starting with the segment it names (resident, or restored first); else report what failed. None
-        without a failure when that segment is gone: the entry is dropped and its turn recomputes. A chain of
-        copies whose later copy fails is restored up to its last good copy (with the failure: the turn
-        recomputes only the rest). `for_turn`: handed to a turn at once, which changes it (and its write-back
-        takes its checksum), so none is taken now."""
-        store = self.store
-        started = time.perf_counter()
-        if is_segment(key):  # A segment never changes: its host copy stays, so letting it go again copies nothing.
-            entry, failed, _ = self._bring_back(key, store.host.get(key), started)
-            if entry is None and failed:
-                store.host.discard(key)
-            elif entry is not None:
-                entry.cache.frozen, entry.cache.segment_key = True, key
-                store.host.touch(key)
-                store.counters["segment_restores"] += 1
-            return entry, failed
-        chain = store.host.take(key)  # (ours while it is read: room made meanwhile never drops a copy of it)
-        try:
-            entry, failed, kept = self._bring_back(key, chain, started, stamp=not for_turn)
-            if entry is not None:
-                store.host.put(key, kept, first_to_go=True)  # the session's next offload continues it
-        except BaseException:  # no room (ArenaFull), or a copy that failed: the host copy is as it was
-            store.host.put(key, chain)  # kept where it was, for when there is room
-            raise
-        finally:
-            store.host.release(chain)  # (what the tier keeps of it stays)
-        if entry is None:
-            return None, failed
-        store.counters["restores"] += 1
-        return entry, failed
-
-    def _bring_back(self, key: str, chain: HostEntry, started: float, stamp: bool = True
-                    ) -> tuple[CacheEntry | None, tuple[Check, ...], HostEntry | None]:
-        """`restore`'s checks and copy: the device entry, the failed check, and the copy of the chain it was
-        restored up to."""
-        store = self.store
-        good, failed = self._last_good(key, chain)
-        if failed:  # no later offload continues the copy that failed (every chain that includes it checks it too)
-            pieces = chain.pieces()
-            store.host.forget(pieces[next(i + 1 for i, piece in enumerate(pieces) if piece is good)
-                                     if good is not None else 0])
-        if good is None:
-            return None, failed, None
-        if failed:
-            log.warning("session %s: a host copy of its cache failed the %s check; restoring the copies before it",
-                        key, ", ".join(failed))
-        segment = None
-        if good.prefix_key is not None:
-            segment = self.find_segment(good.prefix_key, good.token_ids[:good.prefix_tokens])
-            if segment is None or segment.num_tokens != good.prefix_tokens:
-                store.remember_loss(key)
-                return None, (), None
-        entry = self.adopt(key, good, started, segment, stamp)
-        if good.name is not None:  # (a named copy's fingerprint is its owner's: the cache is the session's)
-            entry.fingerprint = fingerprint(entry, store.model_key, key, store.layout)
-        return entry, failed, good
-
-    def _last_good(self, owner: str, host_entry: HostEntry) -> tuple[HostEntry | None, tuple[Check, ...]]:
-        """The newest copy of the chain whose copies all pass every check (None: not even the first), and the
-        failure of the copy after it."""
-        good = None
-        for piece in host_entry.pieces():
-            if failed := self._check_piece(owner, piece):
+    def last_good(self, owner: str, stack: HostEntry, scope: str) -> tuple[HostEntry | None, tuple[Check, ...]]:
+        """The newest copy of `owner`'s stack whose copies all pass every check (None: not even the first), and the
+        failure of the copy after it, which is forgotten (no later offload continues it; every stack that includes
+        it checks it too). `scope`: whose chunks `owner`'s named copies may be."""
+        pieces, good = stack.pieces(), None
+        for index, piece in enumerate(pieces):
+            if failed := self._check_piece(owner, piece, scope):
+                self.host.forget(pieces[index])
                 return good, (failed,)
             good = piece
         return good, ()
 
-    def _check_piece(self, owner: str, host_entry: HostEntry) -> Check | None:
-        """Every check of one copy of a chain; a named copy belongs to the owner whose chunks it holds, which must
+    def _check_piece(self, owner: str, host_entry: HostEntry, scope: str) -> Check | None:
+        """Every check of one copy of a stack; a named copy belongs to the owner whose chunks it holds, which must
         be `owner`'s."""
-        store = self.store
         if host_entry.name is not None:
-            if host_entry.scope not in (store.scope_of(owner), f"session:{owner}"):  # (the latter: its own alone)
+            if host_entry.scope not in (scope, f"session:{owner}"):  # (the latter: its own alone)
                 return "fingerprint"
             owner = host_entry.scope
         tokens, quantized = host_entry.own_tokens, host_entry.scales is not None
-        stored_layout = dataclasses.replace(store.layout, dtype=torch.int8) if quantized else store.layout
-        return (check_identity(host_entry.fingerprint, store.model_key, owner, host_entry.token_ids, store.layout)
+        stored_layout = dataclasses.replace(self.layout, dtype=torch.int8) if quantized else self.layout
+        return (check_identity(host_entry.fingerprint, self.model_key, owner, host_entry.token_ids, self.layout)
                 or (quantized and host_entry.fingerprint.quantized != "int8" and "fingerprint")
                 or check_tensors(host_entry.tensors, tokens, stored_layout)
-                or (quantized and check_scales(host_entry.scales, tokens, store.layout))
+                or (quantized and check_scales(host_entry.scales, tokens, self.layout))
                 or (checksum(host_entry.stored) != host_entry.checksum and "checksum")
                 or check_finite(host_entry.scales if quantized else host_entry.tensors))
 
-    def _segment_needed(self, key: str) -> bool:
+    def segment_needed(self, key: str) -> bool:
         """Whether a shared segment's host copy is needed: a host copy of a session's cache starts with it (one
         still on the device keeps its own; a new session finds it on the device, or recomputes it)."""
-        host = self.store.host
-        return any(host.get(other).prefix_key == key for other in host.keys())
+        return any(self.host.get(other).prefix_key == key for other in self.host.keys())
 
-    def adopt(self, session_id: str, host_entry: HostEntry, started: float, segment: CacheEntry | None = None,
-              stamp: bool = True) -> CacheEntry:
-        """Put a checked host entry back on the device, starting with `segment` when it names one. Its restore
-        time, observed from `started`, counts the fetch, the checks and the copy, not the evictions that made
-        room for it."""
-        store = self.store
-        fetched_s = time.perf_counter() - started
-        if host_entry.device_nbytes <= store.device.budget_bytes:  # else it is restored outside the arena
-            # (the segments it will start with stay: nothing starts with them until it does)
-            keep = [session_id, *(s.segment_key for s in chain.segments(segment.cache) + [segment.cache])] \
-                if segment is not None else [session_id]
-            store.make_room(store.device.extra_bytes(session_id, host_entry.device_nbytes), keep=keep)
-        copy_started = time.perf_counter()
-        entry, copied = store.offloader.restore(host_entry, store.new_cache, segment.cache if segment else None)
-        for piece in host_entry.pieces():  # (a host copy stays: see `restore`)
+    def copy_in(self, key: str, good: HostEntry, segment: CacheEntry | None, stamp: bool = True) -> CacheEntry:
+        """A new device cache (the caller holds it) holding the checked copy `good`, starting with `segment` when
+        the copy names one. `stamp`: take its checksum now (not for a turn, which changes it at once: its
+        write-back takes one)."""
+        entry, copied = self.offloader.restore(good, self.new_cache, segment.cache if segment else None)
+        for piece in good.pieces():  # (a host copy stays until the restore has read it)
             piece.restoring = copied
-        store.faults.check("restore", session_id)  # (a copy that fails once it has begun, for tests and drills)
+        try:
+            self.faults.check("restore", key)  # (a copy that fails once it has begun, for tests and drills)
+        except BaseException:
+            entry.release()
+            raise
         # The checksum verified on the host is the device's when both are read the same way (on a CPU, at
         # full precision, one copy); a GPU reads the device copy with its own kind, and a dequantised copy or a
-        # chain of copies is new bytes.
-        same_bytes = entry.tensors()[0][0].device.type == "cpu" and host_entry.scales is None \
-            and host_entry.base is None
-        entry.checksum = host_entry.checksum if same_bytes else checksum(entry.tensors()) if stamp else None
-        store.device.put(session_id, entry, connected=session_id in store.connected)
-        store.on_copy("restore", "host", fetched_s + time.perf_counter() - copy_started)
+        # stack of copies is new bytes.
+        same_bytes = entry.tensors()[0][0].device.type == "cpu" and good.scales is None and good.base is None
+        entry.checksum = good.checksum if same_bytes else checksum(entry.tensors()) if stamp else None
+        if good.name is not None:  # (a named copy's fingerprint is its owner's: the cache is the session's)
+            entry.fingerprint = fingerprint(entry, self.model_key, key, self.layout)
         return entry
 
-    def offload(self, session_id: str) -> None:
-        """Move a device cache to the host tier, whose oldest entries make room; a cache that does not
-        fit there, or whose offload fails, is lost (its next turn recomputes) and nothing else fails. A session's
-        cache continues its own chain (kept since its restore) or the copy of its system prompt's chunks its
-        owner's sessions share (named, held once): only the positions after it are copied (`offload_base`)."""
-        store = self.store
-        entry = store.device.pop(session_id)
-        store.counters["segment_offloads" if is_segment(session_id) else "device_evictions"] += 1
-        kv_dtype = "same" if is_segment(session_id) else store.host_kv_dtype  # a segment is held once: exact
-        kept = None if is_segment(session_id) else store.host.take(session_id)  # kept from its restore: ours
+    def offload(self, session_id: str, entry: CacheEntry, scope: str, prompt_tokens: int) -> Moved:
+        """Copy a device cache (which the caller holds) to the host tier, whose oldest entries make room; a cache
+        that does not fit there, or whose offload fails, is lost (`Moved.lost`, `dropped`). A session's cache
+        continues its own stack (kept since its restore) or the copy of its system prompt's chunks its owner's
+        sessions share (named, held once): only the positions after it are copied (`offload_base`)."""
+        moved = Moved()
+        moved.counters["segment_offloads" if is_segment(session_id) else "device_evictions"] += 1
+        kv_dtype = "same" if is_segment(session_id) else self.host_kv_dtype  # a segment is held once: exact
+        kept = None if is_segment(session_id) else self.host.take(session_id)  # kept from its restore: ours
         started = time.perf_counter()
         if kept is not None and len(kept.token_ids) == entry.num_tokens and _continued_by(kept, entry, kv_dtype):
-            store.host.put(session_id, kept)  # nothing added since it was restored
-            store.host.release(kept)
-            store.counters["host_offload_bytes_skipped"] += _stored_bytes(kept)
-            store.on_copy("offload", "host", time.perf_counter() - started)
-            return
-        scope = store.scope_of(session_id)
-        names, base = self.offload_base(session_id, entry, kept)
+            self.host.put(session_id, kept)  # nothing added since it was restored
+            self.host.release(kept)
+            moved.counters["host_offload_bytes_skipped"] += _stored_bytes(kept)
+            moved.seconds = time.perf_counter() - started
+            return moved
+        names, base = self.offload_base(session_id, entry, kept, scope, prompt_tokens)
         if base is not None:
-            store.host.acquire(base)  # (ours while room is made: never the first to go)
+            self.host.acquire(base)  # (ours while room is made: never the first to go)
         if kept is not None:
-            store.host.release(kept)  # (what the new copy continues stays)
+            self.host.release(kept)  # (what the new copy continues stays)
         start = len(base.token_ids) if base is not None else entry.prefix_tokens
         ends: list[tuple[int, str | None]] = []
         if names and len(names) * CHUNK_TOKENS > start and (base is None or base.name is not None):
             # its system prompt's chunks, named: its owner's (never on top of a copy of this session's alone)
             ends.append((len(names) * CHUNK_TOKENS, names[-1]))
         ends.append((entry.num_tokens, None))  # the rest, its own
-        copied = self._copy_out(session_id, entry, ends, base, kv_dtype, scope)
-        if copied is None:
-            return
-        host_entry, written = copied
-        store.on_copy("offload", "host", time.perf_counter() - started)
-        store.counters["host_offload_bytes"] += written
-        store.counters["host_offload_bytes_skipped"] += _stored_bytes(base) if base is not None else 0
+        host_entry = self._copy_out(session_id, entry, ends, base, kv_dtype, scope, moved)
+        if host_entry is None:
+            return moved
+        moved.seconds = time.perf_counter() - started
+        moved.counters["host_offload_bytes_skipped"] += _stored_bytes(base) if base is not None else 0
         if not _left_intact(entry, host_entry, start):  # changed while resident: never launder it into the host tier
-            store.host.release(host_entry)
-            store.report_corruption(session_id, ("checksum",))
-            return
-        store.host.put(session_id, host_entry)
-        store.host.release(host_entry)
+            self.host.release(host_entry)
+            moved.failed = ("checksum",)
+            return moved
+        self.host.put(session_id, host_entry)
+        self.host.release(host_entry)
+        return moved
 
     def _copy_out(self, session_id: str, entry: CacheEntry, ends: list[tuple[int, str | None]],
-                  base: HostEntry | None, kv_dtype: KVDtype, scope: str) -> tuple[HostEntry, int] | None:
+                  base: HostEntry | None, kv_dtype: KVDtype, scope: str, moved: Moved) -> HostEntry | None:
         """Copy the cache's positions after `base` (which the caller holds) to the host tier, one copy up to each of
         `ends` (a named one: its owner's system prompt's chunks); the last copy, which the caller then holds
-        instead of `base`, and the bytes written. None: it did not fit, or the copy failed, and the cache is
-        lost."""
-        store = self.store
-        host_entry, written, buffer = base, 0, None
+        instead of `base`. None: it did not fit, or the copy failed, and the cache is lost."""
+        host_entry, buffer = base, None
         try:
-            store.faults.check("offload", session_id)
+            self.faults.check("offload", session_id)
             for end, name in ends:
                 first = len(host_entry.token_ids) if host_entry is not None else entry.prefix_tokens
                 need = host_nbytes(entry, kv_dtype, first - entry.prefix_tokens, end - entry.prefix_tokens)
-                dropped, fits = store.host.make_room(need, needed=self._segment_needed)
-                for key in dropped:
-                    store.remember_loss(key)
-                    store.counters["host_evictions"] += 1
+                dropped, fits = self.host.make_room(need, needed=self.segment_needed)
+                moved.lost += dropped
+                moved.counters["host_evictions"] += len(dropped)
                 if not fits:
-                    self._abandon_offload(session_id, host_entry, lost=True)
+                    self._abandon(session_id, host_entry, moved)
+                    moved.counters["host_evictions"] += 1
                     return None
-                buffer = store.host.pool.take(need) if need else None
-                built = store.offloader.offload(entry, buffer, kv_dtype, base=host_entry, end=end)
-                buffer, written = None, written + need  # (the copy holds it now)
-                store.host.acquire(built)  # (the longer chain is ours; the shorter, in it, is let go)
+                buffer = self.host.pool.take(need) if need else None
+                built = self.offloader.offload(entry, buffer, kv_dtype, base=host_entry, end=end)
+                buffer = None  # (the copy holds it now)
+                moved.counters["host_offload_bytes"] += need
+                self.host.acquire(built)  # (the longer stack is ours; the shorter, in it, is let go)
                 if host_entry is not None:
-                    store.host.release(host_entry)
+                    self.host.release(host_entry)
                 host_entry = built
                 if name is not None:  # others of this owner continue it: it is theirs as much as this session's
                     host_entry.name, host_entry.scope = name, scope
@@ -293,55 +194,50 @@ class TierMoves:
             log_failure(log, error, "offloading session %s's cache failed; it is dropped and its next turn "
                                     "recomputes", session_id)
             if buffer is not None:
-                store.host.pool.give(buffer)
-            self._abandon_offload(session_id, host_entry, lost=False)
-            store.counters["offload_failures"] += 1
-            store.drop(session_id)
+                self.host.pool.give(buffer)
+            self._abandon(session_id, host_entry, moved)
+            moved.counters["offload_failures"] += 1
+            moved.dropped = True
             return None
-        return host_entry, written
+        return host_entry
 
-    def offload_base(self, session_id: str, entry: CacheEntry, kept: HostEntry | None
-                     ) -> tuple[list[str], HostEntry | None]:
-        """The chunk names of a session's system prompt in the host tier, and the copy its offload continues: the
-        longer of its own chain `kept` and the named copy of its system prompt's chunks its owner holds (then with
-        one copy of the rest, as its own); at most `MAX_HOST_COPIES` copies in the chain it makes."""
+    def offload_base(self, session_id: str, entry: CacheEntry, kept: HostEntry | None, scope: str,
+                     prompt_tokens: int) -> tuple[list[str], HostEntry | None]:
+        """The chunk names of a session's system prompt (`prompt_tokens` long) in the host tier, and the copy its
+        offload continues: the longer of its own stack `kept` and the named copy of its system prompt's chunks its
+        owner holds (then with one copy of the rest, as its own); at most `MAX_HOST_COPIES` copies in the stack it
+        makes."""
         if is_segment(session_id):
             return [], None
-        store = self.store
-        prompt = min(entry.num_tokens, store.prompt_tokens(session_id)) // CHUNK_TOKENS * CHUNK_TOKENS
-        names = chain_hashes(entry.token_ids[:prompt],
-                             self._host_identity(session_id, entry, store.host_kv_dtype)) if prompt else []
+        prompt = min(entry.num_tokens, prompt_tokens) // CHUNK_TOKENS * CHUNK_TOKENS
+        names = chunk_names(entry.token_ids[:prompt], self._host_identity(entry, scope)) if prompt else []
 
         def usable(candidate: HostEntry | None) -> bool:  # (one copy more stays within the bound)
             return candidate is not None and len(candidate.pieces()) < MAX_HOST_COPIES \
-                and _continued_by(candidate, entry, store.host_kv_dtype)
+                and _continued_by(candidate, entry, self.host_kv_dtype)
 
-        candidates = [candidate for candidate in (kept, store.host.named(names, usable)) if usable(candidate)]
+        candidates = [candidate for candidate in (kept, self.host.named(names, usable)) if usable(candidate)]
         return names, max(candidates, key=lambda candidate: len(candidate.token_ids), default=None)
 
-    def _host_identity(self, session_id: str, entry: CacheEntry, kv_dtype: KVDtype) -> str:
+    def _host_identity(self, entry: CacheEntry, scope: str) -> str:
         """What makes two sessions' host copies interchangeable: their owner, how the copy is stored, and the
         shared segment it starts with (whose positions are not in it)."""
-        store = self.store
-        kind = "int8" if kv_dtype == "int8" else "from-int8" if entry.quantized else "exact"
+        kind = "int8" if self.host_kv_dtype == "int8" else "from-int8" if entry.quantized else "exact"
         prefix = entry.cache.prefix.segment_key if isinstance(entry.cache, ArenaCache) and entry.cache.prefix else ""
-        return chunk_identity(store.model_key, store.scope_of(session_id), store.layout,
+        return chunk_identity(self.model_key, scope, self.layout,
                               f"host {kind} after {prefix or 'nothing'}:{entry.prefix_tokens}")
 
-    def _abandon_offload(self, session_id: str, held: HostEntry | None, lost: bool) -> None:
-        """An offload that cannot finish: the chain it held is let go (the copies it made go back to the pool),
+    def _abandon(self, session_id: str, held: HostEntry | None, moved: Moved) -> None:
+        """An offload that cannot finish: the stack it held is let go (the copies it made go back to the pool),
         the cache is lost."""
-        store = self.store
         if held is not None:
-            store.host.release(held)
-        store.faults.disarm(session_id)
-        if lost:
-            store.counters["host_evictions"] += 1
-        store.remember_loss(session_id)
+            self.host.release(held)
+        self.faults.disarm(session_id)
+        moved.lost.append(session_id)
 
 
 def _stored_bytes(entry: HostEntry) -> int:
-    """The host bytes of a chain of copies: what an offload that continues it did not write again."""
+    """The host bytes of a stack of copies: what an offload that continues it did not write again."""
     return sum(piece.nbytes for piece in entry.pieces())
 
 

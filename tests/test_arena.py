@@ -3,6 +3,7 @@ that keeps every cache's bytes, and no region ever overlapping another, over ran
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from cache_store import chain
 from cache_store.allocator import RunAllocator
-from cache_store.arena import UNIT, ArenaCache, ArenaFull, KVArena
+from cache_store.arena import UNIT, ArenaCache, ArenaFull, KVArena, ReleasedCache
 from cache_store.integrity import checksum
 from sessions import Session
 from tests.support import kv_budget_mb, run_together, running_engine
@@ -131,8 +132,27 @@ def test_a_region_is_what_the_cache_holds_rounded_to_a_unit_and_shrinks_at_write
     assert cache.region.capacity == 32 and kv_arena.allocator.free_units() * UNIT == 256 - 32
     stats = kv_arena.stats()
     assert (stats["arena_used_tokens"], stats["arena_reserved_tokens"], stats["arena_free_tokens"]) == (20, 12, 224)
-    del cache
+    cache.release()
     assert kv_arena.allocator.free_units() * UNIT == 256 and kv_arena.stats()["arena_used_tokens"] == 0
+    with pytest.raises(ReleasedCache):
+        cache.reserve(16)  # a released cache is never written again
+
+
+def test_a_region_is_freed_by_its_last_holder_and_a_dropped_cache_is_a_counted_leak():
+    kv_arena = arena(256)
+    cache = filled(kv_arena, 20)
+    cache.acquire()
+    cache.release()
+    assert kv_arena.allocator.free_units() * UNIT == 256 - 32, "a holder is left: the region stays"
+    cache.release()
+    assert kv_arena.allocator.free_units() * UNIT == 256
+    with pytest.raises(ReleasedCache):
+        cache.release()
+    forgotten = filled(kv_arena, 20)
+    del forgotten
+    gc.collect()
+    assert kv_arena.stats()["arena_leaked_regions"] == 1, "nothing frees a region but its last release"
+    assert kv_arena.allocator.free_units() * UNIT == 256 - 32
 
 
 def test_growth_is_in_place_when_the_next_run_is_free_and_one_move_otherwise():
@@ -155,7 +175,8 @@ def test_compaction_slides_caches_together_before_anyone_is_evicted_and_keeps_th
     kv_arena = arena(16 * UNIT, asked)
     caches = [filled(kv_arena, 2 * UNIT - 3) for _ in range(8)]  # 8 regions of 2 units: full
     for index in (1, 3, 5, 6):
-        caches[index] = None  # four holes of 2 units, the longest run 4 units
+        caches[index].release()  # four holes of 2 units, the longest run 4 units
+        caches[index] = None
     kept = [c for c in caches if c is not None]
     digests = [checksum(tensors(c)) for c in kept]
     first_start, last_start = kept[0].region.start, kept[-1].region.start
@@ -177,14 +198,15 @@ def test_a_copy_of_a_cache_survives_the_compaction_its_own_region_triggers():
     source = filled(kv_arena, 2 * UNIT)  # units 2-3
     rest = [filled(kv_arena, UNIT) for _ in range(4)]  # units 4-7
     expected = [t.clone() for pair in tensors(source) for t in pair]
-    first = rest[0] = None  # one free unit before the source, one after: no run of 2
+    first.release()  # one free unit before the source, one after: no run of 2
+    rest[0].release()
     copy = ArenaCache(kv_arena)
     chain.start_from(copy, source, 2 * UNIT)  # compaction slides `second` and the source down (overlapping the source)
     assert kv_arena.compactions == 1 and source.region.start == UNIT and copy.region.start == 3 * UNIT
     for cache in (source, copy):
         for got, want in zip([t for pair in tensors(cache) for t in pair], expected, strict=True):
             assert torch.equal(got, want)
-    assert second.get_seq_length() == UNIT and first is None
+    assert second.get_seq_length() == UNIT and first.refs == 0
 
 
 class Resident:
@@ -201,7 +223,7 @@ class Resident:
         victims = [key for key in self.live if key != self.busy]
         if not victims:
             return False
-        del self.live[victims[-1]]
+        self.live.pop(victims[-1])[0].release()
         self.evictions += 1
         return True
 
@@ -230,10 +252,11 @@ class Resident:
             try:
                 chain.start_from(copy, cache, tokens)
             except ArenaFull:
+                copy.release()
                 return
             self.live[-key] = (copy, [t[..., :tokens, :].clone() for t in expected])
         else:
-            del self.live[self.busy]
+            self.live.pop(self.busy)[0].release()
         self.busy = None
 
     def check(self) -> None:

@@ -3,8 +3,6 @@ rules for segments, and the exact merge of partial attentions. No model needed."
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
@@ -67,9 +65,10 @@ def test_start_from_shares_every_segment_within_the_tokens_and_copies_only_the_r
     assert chain.start_from(shallow, conversation, UNIT + 5) == 5 and shallow.prefix is policy
     assert same(positions(branch), expected, 3 * UNIT + 2) and same(positions(shallow), expected, UNIT + 5)
     assert (chain.users(policy), chain.users(branch_point)) == (2, 2)
-    del branch, shallow
-    gc.collect()
-    assert (chain.users(policy), chain.users(branch_point)) == (1, 1), "a dropped cache stops counting at once"
+    branch.release()
+    shallow.release()
+    assert (chain.users(policy), chain.users(branch_point)) == (1, 1), "a released cache stops counting at once"
+    assert (policy.refs, branch_point.refs) == (2, 2), "each held by whoever split it and by its one user"
 
 
 def test_a_crop_into_the_chain_copies_what_it_keeps_and_leaves_the_segments_alone():
@@ -98,8 +97,7 @@ def test_compaction_moves_a_segment_for_every_cache_that_starts_with_it():
         users.append(user)
     expected = [positions(cache) for cache in (source, *users)]
     start = segment.region.start
-    del spacer
-    gc.collect()
+    spacer.release()
     assert kv_arena.compact(4) and segment.region.start != start
     for cache, wanted in zip((source, *users), expected, strict=True):
         assert same(positions(cache), wanted)
@@ -114,14 +112,13 @@ def test_the_device_tier_keeps_a_segment_while_anything_starts_with_it_and_a_pin
     tier.put("prefix:a", CacheEntry(segment, list(range(UNIT))))
     tier.put("prefix:warm", CacheEntry(pinned, list(range(UNIT))), pinned=True)
     tier.put("s1", CacheEntry(system, list(range(UNIT))))
-    del warm
-    gc.collect()
+    warm.release()
     assert not tier.is_evictable("prefix:a") and not tier.is_evictable("prefix:warm") and tier.is_evictable("s1")
     victims, fits = tier.plan_room(tier.budget_bytes)  # everything that can go
     assert victims == ["s1", "prefix:a"] and not fits, "a segment goes after the caches that start with it"
-    tier.pop("s1")
-    del system
-    gc.collect()
+    tier.discard("s1")
+    assert system.refs == 1 and not tier.is_evictable("prefix:a"), "its maker still holds s1, which starts with it"
+    system.release()
     assert tier.is_evictable("prefix:a") and not tier.is_evictable("prefix:warm")
 
 

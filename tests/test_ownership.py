@@ -1,7 +1,8 @@
 """Every region of the KV arena, every host copy and every shared segment a scenario takes is given back: after
-turns that share a policy, drafts, evictions to the host tier (exact and int8) and restores, a branch, a cancel
-and a failed turn, closing every session and dropping the segments leaves the arena, the host tier and the device
-tier empty, with the garbage collector off (a reference cycle that held a region or a copy would show here)."""
+turns that share a policy, drafts, deep checks, evictions to the host tier (exact and int8) and restores, a
+branch, a cancel and a failed turn, closing every session and dropping the segments leaves the arena, the host tier
+and the device tier empty, with the garbage collector off (a reference cycle that held a region or a copy would
+show here), and no cache was collected with its region unreleased."""
 
 import gc
 
@@ -22,7 +23,8 @@ def close_everything(store, arena) -> dict[str, int]:
     return {"device_entries": len(list(store.device)), "host_entries": len(store.host),
             "host_bytes_held": store.host.used_bytes() - store.host.pool.free_bytes,
             "segments": store.segments.stats()["segments"], "arena_regions": len(arena._regions),
-            "arena_units_taken": arena.allocator.units - arena.allocator.free_units()}
+            "arena_units_taken": arena.allocator.units - arena.allocator.free_units(),
+            "arena_leaked_regions": arena.stats()["arena_leaked_regions"]}
 
 
 @pytest.mark.parametrize("kv_dtype", ["same", "int8"])
@@ -31,7 +33,7 @@ def test_every_region_copy_and_segment_comes_back_after_the_scenarios(tiny, kv_d
     gc.disable()
     try:
         with running_engine(tiny, max_batch=4, shared_prompt_min_tokens=16, host_kv_dtype=kv_dtype,
-                            device_cache_mb=kv_budget_mb(tiny, 600)) as engine:
+                            device_cache_mb=kv_budget_mb(tiny, 600), verify_sample_rate=0.5) as engine:
             sessions = [Session(f"s{i}", system=POLICY) for i in range(6)]
             for round_index in range(2):  # six sessions on a budget for about four: evictions and restores
                 run_together(engine, sessions[:4], [QUESTIONS[(i + round_index) % 8] for i in range(4)], [8] * 4)
@@ -49,4 +51,4 @@ def test_every_region_copy_and_segment_comes_back_after_the_scenarios(tiny, kv_d
         gc.enable()
     assert again.cache_source == "host" and cancelled.finish_reason == "cancelled" and failed.code == "internal"
     assert held == {"device_entries": 0, "host_entries": 0, "host_bytes_held": 0, "segments": 0,
-                    "arena_regions": 0, "arena_units_taken": 0}
+                    "arena_regions": 0, "arena_units_taken": 0, "arena_leaked_regions": 0}

@@ -1,4 +1,4 @@
-"""Caches in Redis as chains of chunks, between two cache stores (two workers) on a real redis-server: a prefix
+"""Caches in Redis as runs of chunks, between two cache stores (two workers) on a real redis-server: a prefix
 shared by an owner's sessions is stored once, a turn writes only its new chunks, a worker fetches only the chunks
 it lacks, and a chunk that is damaged, gone or another owner's ends what is restored at the chunk before it."""
 
@@ -9,9 +9,10 @@ import pytest
 import safetensors.torch
 import torch
 
+import cache_store.chunks as chunks
 from cache_store import CacheEntry, CacheStore, Offloader
 from cache_store.arena import ArenaCache, KVArena
-from cache_store.chunks import chain_hashes, chunk_identity
+from cache_store.chunks import chunk_identity
 from cache_store.remote_format import FORMAT_VERSION, chunk_key
 from cache_store.remote_tier import RemoteTier
 from tests.support import lookup_through_redis
@@ -61,7 +62,7 @@ def keyed_entry(token_ids: list[int]) -> CacheEntry:
 
 
 def chunk_names(token_ids: list[int], scope: str = "owner:*", kind: str = "exact") -> list[str]:
-    return chain_hashes(token_ids, chunk_identity("test-model", scope, LAYOUT, kind), CHUNK)
+    return chunks.chunk_names(token_ids, chunk_identity("test-model", scope, LAYOUT, kind), CHUNK)
 
 
 def same_tensors(entry: CacheEntry, expected: CacheEntry, tokens: int) -> bool:

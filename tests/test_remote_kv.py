@@ -14,7 +14,7 @@ from transformers import DynamicCache
 from websockets.asyncio.client import connect
 
 from cache_store import CacheEntry, CacheLayout, Offloader
-from cache_store.chunks import chain_hashes, chunk_identity
+from cache_store.chunks import chunk_identity, chunk_names
 from cache_store.cost_model import CostModel, Throughput
 from cache_store.integrity import fingerprint
 from cache_store.remote_format import RemoteSnapshot, chunk_key
@@ -157,7 +157,7 @@ def snapshot(tokens: int) -> RemoteSnapshot:
     entry = CacheEntry(cache, list(range(tokens)))
     layout = CacheLayout(2, 2, 8, torch.float32)
     entry.fingerprint = fingerprint(entry, "model", "owner", layout)
-    chunks = chain_hashes(entry.token_ids, chunk_identity("model", "owner:*", layout, "exact"))
+    chunks = chunk_names(entry.token_ids, chunk_identity("model", "owner:*", layout, "exact"))
     tensors, scales = Offloader(torch.device("cpu")).snapshot(entry, 0)
     return RemoteSnapshot(entry.token_ids, entry.fingerprint, 0, "exact", chunks, 0, tensors, scales)
 

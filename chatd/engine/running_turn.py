@@ -34,7 +34,7 @@ class RunningTurn:
     fetch: RemoteFetch | None = None  # its cache on its way from Redis (asked once, before its lookup)
     lookup: CacheLookup | None = None
     deep_check: DeepCheck | None = None  # a sampled reuse's deep check, run in chunks before its prefill
-    entry: CacheEntry | None = None
+    entry: CacheEntry | None = None  # its cache, which it holds (a reference of its own) from its lookup to its end
     rollback_to: int = 0  # the cache's length before this turn fed it: a cancel crops it back to this
     pending: list[int] = field(default_factory=list)  # prompt ids still to prefill
     share_prefix: bool = False  # prefill the system prompt alone first, and share it
@@ -45,6 +45,19 @@ class RunningTurn:
     next_input: int | None = None  # the token to feed at the next decode step
     grammar: ReplyGrammar | None = None  # what the reply must follow, if anything
     drafts: RowDrafts | None = None  # its speculative drafting, from its first decode step (None: off)
+
+    def hold(self, entry: CacheEntry) -> None:
+        """Take `entry` (a lookup's reference, or a new cache) as the turn's cache, letting go of the one before (a
+        lookup that passed its deep check hands back the cache the turn holds already: still one reference)."""
+        if entry is not self.entry:
+            self.let_go()
+            self.entry = entry
+
+    def let_go(self) -> None:
+        """The turn is done with its cache: its reference is released (after a write-back the device tier holds it)."""
+        if self.entry is not None:
+            self.entry.release()
+            self.entry = None
 
     def accept(self, token: int, stop_token_ids: frozenset[int]) -> FinishReason | None:
         """Take one sampled token: stream its text and say whether the turn ends here."""

@@ -448,6 +448,7 @@ class Engine(CacheCommands):
         if running.entry is not None:
             running.entry.crop(running.rollback_to)
             self.cache.put(session_id, running.entry, running.turn.session_version)
+            running.let_go()
         else:
             self.cache.release(session_id)
         self._end(running.turn, TurnFailed("busy", "the device has no room for this conversation's cache right "
@@ -520,7 +521,7 @@ class Engine(CacheCommands):
         if running.share_prefix and running.entry.num_tokens == running.prefix_len:
             # The system prompt's tokens become a shared segment that the turn's cache starts with; its region
             # gave them up, so it is made whole again before the next chunk.
-            if self.cache.put_prefix(running.entry, running.turn.owner, holder=running.turn.session_id):
+            if self.cache.put_prefix(running.entry, running.turn.owner, source=running.turn.session_id):
                 running.has_room = False
             running.share_prefix, running.rollback_to = False, running.prefix_len
         self.prefill_chunks += 1
@@ -622,6 +623,8 @@ class Engine(CacheCommands):
         self.faults.disarm(turn.session_id)
         if isinstance(failed, RunningTurn) or not self.cache.device.is_running(turn.session_id):
             self.cache.abandon(turn.session_id)  # never another turn's running cache
+        if isinstance(failed, RunningTurn):
+            failed.let_go()
         self._end(turn, TurnFailed("internal", f"the turn failed at the {stage} stage: {type(error).__name__}"))
 
     def _prepare(self, loaded: LoadedModel) -> None:
@@ -645,7 +648,7 @@ class Engine(CacheCommands):
     def _begin_prefill(self, running: RunningTurn, lookup: CacheLookup) -> None:
         """Take the cache the lookup found (or a new one) and line up the prompt tokens it does not cover."""
         running.lookup = lookup
-        running.entry = lookup.entry or CacheEntry(self.runner.new_cache())
+        running.hold(lookup.entry or CacheEntry(self.runner.new_cache()))
         running.has_room = False
         running.rollback_to = lookup.cached_tokens
         running.pending = running.prompt_ids[lookup.cached_tokens:]
@@ -663,6 +666,7 @@ class Engine(CacheCommands):
                 self.speculator.finished(turn.owner or "", running.prompt_ids, running.generated)
             with torch.inference_mode():
                 self.cache.put(turn.session_id, entry, turn.session_version + (finish != "cancelled"))
+            running.let_go()
         except Exception as error:
             self._fail(running, error, "write-back")
             return

@@ -13,7 +13,7 @@ from collections import deque
 import torch
 
 from cache_store import CacheEntry, CacheLookup, CacheStore, kv_bytes_per_token
-from cache_store.arena import KVArena
+from cache_store.arena import KVArena, TemporaryCache
 from cache_store.remote_moves import FetchRequest
 from chatd.config import Settings
 from chatd.engine.deep_check import DEEP_CHECK_TOLERANCE, DEEP_CHECK_TOLERANCE_INT8, DeepCheck
@@ -110,7 +110,7 @@ class CacheFinder:
                 and self._sampling.random() < self._settings.verify_sample_rate):
             # The check feeds the last cached token again; a cache that holds no tokens of its own beyond the shared
             # segments it starts with is checked on a copy, so that the crop into a segment does not unshare it.
-            checked = lookup.entry if lookup.entry.own_tokens else lookup.entry.clone(self._runner.new_cache)
+            checked = lookup.entry if lookup.entry.own_tokens else lookup.entry.clone(lambda tokens: TemporaryCache())
             running.deep_check = DeepCheck(checked, CacheEntry(self._runner.scratch_cache()))
         return lookup
 

@@ -9,6 +9,7 @@ import torch
 
 from cache_store import CacheEntry, CacheLayout, CacheStore, KVGeometry, Offloader, kv_bytes_per_token
 from cache_store.arena import KVArena
+from cache_store.entry import holding
 from cache_store.lookup import CopyObserver
 from cache_store.remote_tier import RemoteTier
 from cache_store.stage_faults import FaultPoints
@@ -61,9 +62,9 @@ def _measure_prefill(loaded: LoadedModel, runner: ModelRunner, max_context: int,
 def warm_prompt(runner: ModelRunner, store: CacheStore, token_ids: list[int]) -> None:
     """Prefill a system prompt (--warm-prompt) into a pinned shared segment: resident through any eviction, so
     that the first session that uses it pays no prefill for it, and counted in the device budget."""
-    entry = CacheEntry(runner.new_cache(len(token_ids)))
-    with torch.inference_mode():
+    with holding(CacheEntry(runner.new_cache(len(token_ids)))) as entry, torch.inference_mode():
         runner.forward(entry, token_ids)
-    if not store.put_prefix(entry, pinned=True):
+        shared = store.put_prefix(entry, pinned=True)  # (the segment it held is the device tier's now)
+    if not shared:
         raise ValueError(f"a warm prompt of {len(token_ids)} tokens cannot be held on the device (--device-cache-mb)")
     log.info("warm prompt of %d tokens resident on the device", len(token_ids))

@@ -1,0 +1,215 @@
+"""The tiers a cache lives in, and the decisions that move it between them: room on the device (evicting in the
+policy's order, offloading to the host tier), a host copy restored (after the shared segment it names, found or
+restored first), a shared segment found, a resident cache checked, a cache dropped from every tier, a failed check
+reported.
+
+The moves themselves (`TierMoves`) are plain transfers that return what they did; this records it (counters,
+losses, copy timings). Below the cache store (`CacheStore`, which serves the turns), above the moves and the tiers
+(`DeviceTier`, `HostTier`, Redis for deletes). In the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import cache_store.chain as chain
+from cache_store.device_tier import DeviceTier
+from cache_store.entry import CacheEntry, holding
+from cache_store.host_tier import HostTier
+from cache_store.integrity import Check, check_identity, check_tensors, checksum
+from cache_store.lookup import CopyObserver, RemoteCaches
+from cache_store.offload import HostEntry
+from cache_store.segments import SharedSegments, is_segment
+from cache_store.session_notes import SessionNotes
+from cache_store.tier_moves import Moved, TierMoves
+
+log = logging.getLogger(__name__)
+
+
+class CacheTiers:
+    """Device, host and (for deletes) Redis, with the moves between them and what they record."""
+
+    def __init__(self, device: DeviceTier, host: HostTier, segments: SharedSegments, moves: TierMoves,
+                 notes: SessionNotes, remote: RemoteCaches | None, counters: Counter[str], on_copy: CopyObserver):
+        self.device, self.host, self.segments, self.moves = device, host, segments, moves
+        self.notes, self.remote, self.counters, self.on_copy = notes, remote, counters, on_copy
+
+    # ##### Room on the device #####
+
+    def make_room(self, need_bytes: int, keep: str | Sequence[str] = ()) -> None:
+        """Evict, in the policy's order, what `need_bytes` more on the device need (never `keep`)."""
+        for key in self.device.plan_room(need_bytes, keep=keep)[0]:
+            if key in self.device:
+                self.evict(key)
+
+    def evict(self, key: str) -> None:
+        """Take a cache off the device: to the host tier, or, for a shared segment already there (it never changes)
+        or that nothing there names, dropped without a copy."""
+        if is_segment(key) and (key in self.host or not self.moves.segment_needed(key)):
+            self.device.discard(key)
+            self.counters["prefix_evictions"] += 1
+            return
+        self.offload(key)
+
+    def evict_one(self) -> bool:
+        """Evict the idle cache the policy ranks lowest (to free a region of the arena); False if none is idle."""
+        victims = sorted((self.device.residency(key) for key in self.device if self.device.is_evictable(key)),
+                         key=self.device.policy.priority)
+        if not victims:
+            return False
+        self.evict(victims[0].key)
+        return True
+
+    def evict_idle(self, keep: str | None = None) -> int:
+        """Evict every cache that is not running (nor `keep`); shared segments go once nothing resident starts
+        with them. Returns how many went."""
+        moved = 0
+        while victims := [key for key in self.device if key != keep and self.device.is_evictable(key)]:
+            for key in victims:
+                self.evict(key)
+            moved += len(victims)
+        return moved
+
+    def offload(self, key: str) -> None:
+        """Move a device cache to the host tier; one that does not fit there, or whose copy fails or finds it changed
+        while resident, is lost (its next turn recomputes) and nothing else fails."""
+        with holding(self.device.pop(key)) as entry:  # (the tier's reference, let go once copied)
+            moved = self.moves.offload(key, entry, self.notes.scope_of(key), self.notes.prompt_tokens(key))
+        self._record(moved, "offload")
+        if moved.failed:
+            self.report_corruption(key, moved.failed)
+        elif moved.dropped:
+            self.drop(key)
+
+    def continued_copy(self, key: str, entry: CacheEntry) -> HostEntry | None:
+        """The host copy the next offload of a session's `entry` continues (the stack it was restored from, or its
+        owner's named copy of its system prompt), if it has one: only the positions after it are copied then."""
+        if self.host.get(key) is None:
+            return None
+        return self.moves.offload_base(key, entry, self.host.get(key), self.notes.scope_of(key),
+                                       self.notes.prompt_tokens(key))[1]
+
+    # ##### Back onto the device #####
+
+    def restore(self, key: str, for_turn: bool = False) -> tuple[CacheEntry | None, tuple[Check, ...]]:
+        """Bring a host copy (a session's, or a shared segment's) back to the device once it passes every check,
+        up to its last good copy (with the failure: the turn recomputes only the rest); None when not even its first
+        copy passes, or the segment it names is gone (then it is dropped and its turn recomputes). `for_turn`:
+        handed to a turn at once, which changes it, so no checksum is taken now. The device holds what it returns."""
+        started = time.perf_counter()
+        if is_segment(key):  # A segment never changes: its host copy stays, so letting it go again copies nothing.
+            return self._restore_segment(key, started)
+        whole = self.host.take(key)  # (ours while it is read: room made meanwhile never drops a copy of it)
+        try:
+            good, failed = self.moves.last_good(key, whole, self.notes.scope_of(key))
+            if failed and good is not None:
+                log.warning("session %s: a host copy of its cache failed the %s check; restoring the copies before "
+                            "it", key, ", ".join(failed))
+            entry = self._bring_back(key, good, started, stamp=not for_turn) if good is not None else None
+            if entry is not None:
+                self.host.put(key, good, first_to_go=True)  # the session's next offload continues it
+        except BaseException:  # no room (ArenaFull), or a copy that failed: the host copy is as it was
+            self.host.put(key, whole)
+            raise
+        finally:
+            self.host.release(whole)  # (what the tier keeps of it stays)
+        if entry is not None:
+            self.counters["restores"] += 1
+        return entry, failed
+
+    def _restore_segment(self, key: str, started: float) -> tuple[CacheEntry | None, tuple[Check, ...]]:
+        good, failed = self.moves.last_good(key, self.host.get(key), self.notes.scope_of(key))
+        entry = self._bring_back(key, good, started) if good is not None else None
+        if entry is None and failed:
+            self.host.discard(key)
+        elif entry is not None:
+            entry.cache.frozen, entry.cache.segment_key = True, key
+            self.host.touch(key)
+            self.counters["segment_restores"] += 1
+        return entry, failed
+
+    def _bring_back(self, key: str, good: HostEntry, started: float, stamp: bool = True) -> CacheEntry | None:
+        """The checked copy `good` on the device, after the segment it names (found, or restored first); None when
+        that segment is gone (the cache is lost). Its restore time counts the checks and the copy, not the
+        evictions that made room for it."""
+        segment = None
+        if good.prefix_key is not None:
+            segment = self.find_segment(good.prefix_key, good.token_ids[:good.prefix_tokens])
+            if segment is None or segment.num_tokens != good.prefix_tokens:
+                self.notes.lost(key)
+                return None
+        checked_s = time.perf_counter() - started
+        if good.device_nbytes <= self.device.budget_bytes:  # else it is restored outside the arena
+            # (the segments it will start with stay: nothing starts with them until it does)
+            keep = [key, *(piece.segment_key for piece in [*chain.segments(segment.cache), segment.cache])] \
+                if segment is not None else [key]
+            self.make_room(self.device.extra_bytes(key, good.device_nbytes), keep=keep)
+        copy_started = time.perf_counter()
+        with holding(self.moves.copy_in(key, good, segment, stamp)) as entry:
+            self.device.put(key, entry, connected=key in self.notes.connected)
+        self.on_copy("restore", "host", checked_s + time.perf_counter() - copy_started)
+        return entry
+
+    def find_segment(self, key: str, token_ids: list[int]) -> CacheEntry | None:
+        """The segment `key` holding exactly `token_ids`: on the device (checked), or brought back from the host
+        tier (checked); a segment that fails a check is dropped with what starts with it."""
+        segment, failed = self.segments.find(key, token_ids)
+        held = self.host.get(key)
+        if segment is None and not failed and held is not None and held.token_ids == token_ids[:len(held.token_ids)]:
+            segment, failed = self.restore(key)
+        if failed:
+            self.report_corruption(key, failed)
+        return segment
+
+    def check_resident(self, owner: str, entry: CacheEntry) -> tuple[Check, ...]:
+        """Every check of a device-resident cache, its checksum included, and of every shared segment it starts
+        with: a cache is only ever reused with the bytes it was written back with. A failed segment is dropped
+        with every cache that starts with it."""
+        key, failed_segment = self.segments.check_chain(entry)
+        if key is not None:
+            if key in self.device:  # (counted once, as the session's corruption, by the caller)
+                log.warning("shared segment %s failed the %s check; dropped", key, ", ".join(failed_segment))
+                self.drop(key)
+            return failed_segment
+        model_key, layout = self.segments.model_key, self.segments.layout
+        failed = (check_identity(entry.fingerprint, model_key, owner, entry.token_ids, layout)
+                  or check_tensors(entry.tensors(), entry.own_tokens, layout)
+                  or (checksum(entry.tensors()) != entry.checksum and "checksum"))
+        return (failed,) if failed else ()
+
+    # ##### Gone #####
+
+    def report_corruption(self, key: str, failed: tuple[Check, ...]) -> None:
+        """A check failed: clear the session's cache (or the shared segment's, and every resident cache that
+        starts with it) in every tier, and count it."""
+        log.warning("%s: cache failed the %s check; cleared, recomputing",
+                    f"shared segment {key}" if is_segment(key) else f"session {key}", ", ".join(failed))
+        self.drop(key)
+        self.count_corruption(failed)
+
+    def count_corruption(self, failed: tuple[Check, ...]) -> None:
+        for check in failed:
+            self.counters[f"corrupt_{check}"] += 1
+
+    def drop(self, key: str) -> None:
+        """Drop a session's cache from every tier; its next turn recomputes. Dropping a shared segment drops
+        every resident cache that starts with it (a cache that names it in a lower tier finds it again, or
+        recomputes) and its host copy. A session's chunks in Redis stay for the sessions that share them (each is
+        checked on every fetch, and deleted when it fails)."""
+        if is_segment(key):
+            for dependent in self.segments.drop(key):
+                self.notes.lost(dependent)
+        self.device.discard(key)
+        self.host.discard(key)
+        if self.remote is not None and not is_segment(key):
+            self.remote.delete(key)
+
+    def _record(self, moved: Moved, direction: str) -> None:
+        self.counters.update(+moved.counters)
+        for key in moved.lost:
+            self.notes.lost(key)
+        if moved.seconds is not None:
+            self.on_copy(direction, "host", moved.seconds)
