@@ -32,11 +32,11 @@ test-deps:
 # cores (tests/conftest.py); TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 test: $(INSTALLED) test-deps
-	$(BIN)/ruff check chatd cache_store sessions tests bench
+	$(BIN)/ruff check chatd cache_store sessions tests bench examples
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)  # where the time goes, in every CI log
 
 lint: $(INSTALLED)
-	$(BIN)/ruff check chatd cache_store sessions tests bench
+	$(BIN)/ruff check chatd cache_store sessions tests bench examples
 
 bench: $(INSTALLED)
 	$(BIN)/python bench/session_cache_ttft.py $(ARGS)

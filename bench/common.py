@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from chatd.model.prompt import PromptRenderer
@@ -68,3 +70,76 @@ def median_ms(action: Callable[[], object], repeats: int) -> float:
         action()
         samples.append(time.perf_counter() - started)
     return 1000 * statistics.median(samples)
+
+
+# One turn of a client: (its history, with the new user message) -> (TTFT ms, the reply, prompt tokens, cached).
+TtftTurn = Callable[[object, list[dict]], tuple[float, str, int, int]]
+
+
+def alternate_conversations(clients: dict[str, object], contents: list[str], first: list[dict], repeats: int,
+                            turn: TtftTurn) -> list[list[dict]]:
+    """Play the same conversation on every client (`cached`, `uncached`), turn by turn alternating, `repeats` times,
+    resending the whole history each turn as a stateless client does: per turn, one row per repeat."""
+    rows: list[list[dict]] = [[] for _ in contents]
+    for _ in range(repeats):
+        histories = {name: list(first) for name in clients}
+        for index, content in enumerate(contents):
+            row = {}
+            for name, client in clients.items():
+                histories[name].append({"role": "user", "content": content})
+                ttft_ms, reply, prompt, cached = turn(client, histories[name])
+                histories[name].append({"role": "assistant", "content": reply})
+                row.update({f"{name}_ttft_ms": ttft_ms, f"{name}_reply": reply, "prompt_tokens": prompt,
+                            f"{name}_cached_tokens": cached})
+            rows[index].append(row)
+    return rows
+
+
+def report_ttft(rows: list[list[dict]], scenario: str, repeats: int, output: Path) -> None:
+    """Print each turn's median TTFT cached and uncached (and whether the replies were the same), and write them."""
+    table = []
+    print(f"{'turn':>4} {'prompt':>6} {'cached':>6} {'ttft cached':>11} {'ttft uncached':>13} {'ratio':>6} {'same':>5}")
+    for index, runs in enumerate(rows):
+        cached = statistics.median(r["cached_ttft_ms"] for r in runs)
+        uncached = statistics.median(r["uncached_ttft_ms"] for r in runs)
+        same = all(r["cached_reply"] == r["uncached_reply"] for r in runs)
+        table.append({"turn": index + 1, "prompt_tokens": runs[0]["prompt_tokens"],
+                      "cached_tokens": runs[0]["cached_cached_tokens"], "ttft_cached_ms": cached,
+                      "ttft_uncached_ms": uncached, "ratio": uncached / cached, "same_reply": same})
+        print(f"{index + 1:>4} {runs[0]['prompt_tokens']:>6} {runs[0]['cached_cached_tokens']:>6} {cached:>11.1f} "
+              f"{uncached:>13.1f} {uncached / cached:>5.1f}x {str(same):>5}")
+    late = [row for row in table if row["turn"] >= 5]
+    if late:
+        ratio = sum(r["ttft_uncached_ms"] for r in late) / sum(r["ttft_cached_ms"] for r in late)
+        print(f"turns 5-{len(table)}: TTFT {ratio:.1f}x lower with the session cache")
+    write_result(output, {"scenario": scenario, "repeats": repeats, "turns": table})
+
+
+def ttft_arguments(doc: str, output: str) -> tuple[argparse.Namespace, dict, list[str]]:
+    """The flags of a cached-against-uncached TTFT benchmark: (the flags, the scenario, the turns' messages)."""
+    here = Path(__file__).parent
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--scenario", type=Path, default=here / "scenarios" / "internet_support.json")
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2, help="conversations per server; medians are reported")
+    parser.add_argument("--output", type=Path, default=here / "results" / output)
+    args = parser.parse_args()
+    scenario = json.loads(args.scenario.read_text())
+    return args, scenario, [scenario["turns"][i % len(scenario["turns"])] for i in range(args.turns)]
+
+
+@contextlib.contextmanager
+def cached_and_uncached() -> Iterator[tuple[dict[str, str], str]]:
+    """Two `chatd serve` processes, with the session cache and with --no-session-cache: their HTTP base URLs (by
+    name: `cached`, `uncached`) and the served model's name; both stopped at the end."""
+    from chatd.cli.bench import openai_url, served_model
+    from chatd.cli.server_process import ServerProcess
+
+    servers = {"cached": ServerProcess(""), "uncached": ServerProcess("--no-session-cache")}
+    try:
+        urls = {name: openai_url(server.url).removesuffix("/v1") for name, server in servers.items()}
+        yield urls, served_model(urls["cached"] + "/v1", None)
+    finally:
+        for server in servers.values():
+            server.stop()

@@ -109,19 +109,18 @@ class DeviceTier:
         chosen: list[str] = []
         leaving: Counter[int] = Counter()  # id of a segment -> how many of its users are chosen
         while over > 0:
-            candidates = sorted((r for r in self._residency.values()
-                                 if r.key not in keep and r.key not in chosen and self._evictable_with(r.key, leaving)),
-                                key=self.policy.priority)
+            # One at a time: a segment whose last user was just chosen competes with the rest from then on, so a
+            # cache kept ahead of LRU outlasts the segments of the caches evicted before it.
+            candidates = [r for r in self._residency.values()
+                          if r.key not in keep and r.key not in chosen and self._evictable_with(r.key, leaving)]
             if not candidates:
                 break
-            for residency in candidates:
-                if over <= 0:
-                    break
-                chosen.append(residency.key)
-                cache = self._entries[residency.key].cache
-                if isinstance(cache, ArenaCache) and cache.prefix is not None:
-                    leaving[id(cache.prefix)] += 1
-                over -= self._entries[residency.key].nbytes()
+            victim = min(candidates, key=self.policy.priority).key
+            chosen.append(victim)
+            cache = self._entries[victim].cache
+            if isinstance(cache, ArenaCache) and cache.prefix is not None:
+                leaving[id(cache.prefix)] += 1
+            over -= self._entries[victim].nbytes()
         return chosen, over <= 0
 
     def can_fit(self, need_bytes: int) -> bool:

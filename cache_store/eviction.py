@@ -5,6 +5,7 @@ Keeping the policy a single function lets a deployment swap it without touching 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,7 +34,11 @@ class LRUPolicy:
 
 
 class ConnectedLRUPolicy:
-    """Sessions whose client has left go before connected ones; least recently used first within each."""
+    """Caches kept resident (a cache breakpoint's ttl, `kept`) go after all others; then sessions whose client has
+    left before connected ones; least recently used first within each."""
+
+    def __init__(self, kept: Callable[[str], bool] = lambda key: False):
+        self.kept = kept
 
     def priority(self, residency: Residency) -> tuple:
-        return (residency.connected, residency.last_access)
+        return (self.kept(residency.key), residency.connected, residency.last_access)

@@ -23,8 +23,9 @@ class HostTier:
     offloads to continue after the last stack that included it has gone (then it is the first to go)."""
 
     def __init__(self, budget_bytes: int, pool: HostBufferPool | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, kept: Callable[[str], bool] = lambda key: False):
         self.budget_bytes = budget_bytes
+        self.kept = kept  # sessions kept resident for a cache breakpoint: their copies are dropped last
         self.pool = pool or HostBufferPool(pinned=False)
         self._clock = clock
         self._entries: OrderedDict[str, HostEntry] = OrderedDict()  # first offloaded first
@@ -50,7 +51,9 @@ class HostTier:
             if not self._entries:  # the rest is still being copied back to the device
                 return dropped, False
             # Then sessions' caches: dropping a shared segment would lose every cache that starts with it.
+            # (a session's copy kept resident for a cache breakpoint goes after every other session's)
             oldest = next((key for key in self._entries if is_segment(key) and not needed(key)), None) or \
+                next((key for key in self._entries if not is_segment(key) and not self.kept(key)), None) or \
                 next((key for key in self._entries if not is_segment(key)), next(iter(self._entries)))
             self.discard(oldest)
             dropped.append(oldest)

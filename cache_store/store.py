@@ -21,7 +21,7 @@ from cache_store.branches import fork
 from cache_store.cost_model import CostModel, RemoteDecision, Throughput
 from cache_store.device_tier import DeviceTier
 from cache_store.entry import CacheEntry, NewCache
-from cache_store.eviction import EvictionPolicy
+from cache_store.eviction import ConnectedLRUPolicy, EvictionPolicy
 from cache_store.failure_log import log_failure
 from cache_store.host_pool import HostBufferPool
 from cache_store.host_tier import HostTier
@@ -76,16 +76,16 @@ class CacheStore:
         self.layout = layout
         self.layer_windows = tuple(layer_windows) or (None,) * layout.layers  # per layer: sliding window or None
         self.model_key = model_key
-        self.device = DeviceTier(device_budget_bytes, policy, clock)
+        self.notes = SessionNotes(clock)
+        self.device = DeviceTier(device_budget_bytes, policy or ConnectedLRUPolicy(self.notes.kept), clock)
         self.segments = SharedSegments(self.device, model_key, layout)
-        self.host = HostTier(host_budget_bytes, HostBufferPool(pinned=offloader.pins_memory), clock)
+        self.host = HostTier(host_budget_bytes, HostBufferPool(pinned=offloader.pins_memory), clock, self.notes.kept)
         self.faults = faults or FaultPoints()
         self.ttl_s = ttl_s
         self.counters: Counter[str] = Counter()
         self.new_cache = new_cache
         self.offloader = offloader
         self._clock = clock
-        self.notes = SessionNotes()
         moves = TierMoves(self.host, offloader, new_cache, layout, model_key, host_kv_dtype, self.faults)
         self.tiers = CacheTiers(self.device, self.host, self.segments, moves, self.notes, remote, self.counters,
                                 on_copy or (lambda direction, tier, seconds: None))
@@ -244,11 +244,14 @@ class CacheStore:
         self.device.discard(session_id)
         self.host.discard(session_id)
 
-    def put(self, session_id: str, entry: CacheEntry, session_version: int = 0) -> None:
+    def put(self, session_id: str, entry: CacheEntry, session_version: int = 0,
+            keep_for_s: float | None = None) -> None:
         """Write a session's cache back after its turn, with the fingerprint and checksum that its next
         reuse verifies; it becomes evictable again. `session_version` counts the completed turns the
-        cache includes."""
+        cache includes; `keep_for_s` (a cache breakpoint's ttl) keeps it resident that long ahead of plain LRU."""
         self._end_turn(session_id)
+        if keep_for_s:
+            self.notes.keep(session_id, keep_for_s)
         if not self.enabled or entry.num_tokens == 0 or self.segments.missing(entry) is not None:
             self.drop(session_id)  # (a segment it starts with was dropped while it ran: it recomputes)
             return
@@ -355,14 +358,16 @@ class CacheStore:
         return self.tiers.evict_idle()
 
     def expire(self) -> list[str]:
-        """Drop the caches of disconnected sessions idle for longer than the TTL."""
+        """Drop the caches of disconnected sessions idle for longer than the TTL (not those kept resident for a
+        cache breakpoint, until its own ttl ends)."""
         if self.ttl_s is None:
             return []
         deadline = self._clock() - self.ttl_s
-        expired = [key for key in self.device if not is_segment(key) and self._idle_since(key) < deadline]
+        expired = [key for key in self.device if not is_segment(key) and self._idle_since(key) < deadline
+                   and not self.notes.kept(key)]
         named = {self.host.get(key).prefix_key for key in self.host.keys()}  # segments that host entries start with
-        expired += [key for key in self.host.keys()
-                    if key not in self.notes.connected and key not in named and self.host.put_at(key) < deadline]
+        expired += [key for key in self.host.keys() if key not in self.notes.connected and key not in named
+                    and self.host.put_at(key) < deadline and not self.notes.kept(key)]
         for key in expired:
             self.device.discard(key)
             self.host.discard(key)

@@ -34,7 +34,8 @@ def store_stats(tiers: CacheTiers, layer_windows: Sequence[int | None]) -> dict[
         "host_bytes": tiers.host.used_bytes(), "host_budget_bytes": tiers.host.budget_bytes,
         "host_free_bytes": tiers.host.pool.free_bytes, "host_segments": sum(map(is_segment, tiers.host.keys())),
         "host_sessions": len(tiers.host) - sum(map(is_segment, tiers.host.keys())), **tiers.host.chunk_stats(),
-        "idle_sessions": len(cached - tiers.notes.connected), **tiers.counters,
+        "idle_sessions": len(cached - tiers.notes.connected), "kept_sessions": tiers.notes.kept_sessions(),
+        **tiers.counters,
     }
     if tiers.remote is not None:
         stats["remote_bytes"], stats["remote_budget_bytes"] = tiers.remote.usage()

@@ -12,9 +12,12 @@ match.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 
 from cache_store.lookup import common_prefix_length
+from chatd.api.http_errors import ApiError
 from chatd.api.protocol import ErrorMessage
 from chatd.api.tool_calling import ToolFormat, ToolSetup, format_for
 from chatd.api.turns import StartedTurn, TurnRunner
@@ -23,7 +26,7 @@ from chatd.engine.sampling import SamplingParams
 from chatd.engine.scheduler import Engine
 from chatd.engine.turn import TurnFailed, TurnResult
 from chatd.model.prompt import PromptRenderer
-from sessions import Message, Session, SessionStore
+from sessions import Message, Session, SessionStore, StoreUnavailable
 from sessions.prefix_index import BLOCK
 from sessions.redis_store import RedisSessionStore
 from sessions.shared_prefix_index import SharedPrefixIndex
@@ -92,20 +95,66 @@ class Conversations:
         prompt_ids = self.render(system, spliced, content, setup)
         return await self.branch(owner, system, history, prompt_ids, [(source, spliced, prompt_ids)])
 
+    async def start(self, owner: str | None, client: str, system: str | None, history: list[Message],
+                    content: list[Message], hint: str | None, params: SamplingParams, turn_id: str, setup: ToolSetup,
+                    api: str, keep_for_s: float | None = None) -> tuple[Session, StartedTurn]:
+        """The request's session and its started turn: the session it continues, or a branch of its own when
+        another worker runs or ran a turn of the matched session meanwhile (an identical conversation elsewhere).
+        An `ApiError` when it cannot start. `keep_for_s`: how long the turn's cache stays resident ahead of LRU."""
+        try:
+            session, _, matched = await self.place(owner, system, history, content, hint, setup)
+            started = await self.begin(session, content, params, turn_id, owner, client, api=api,
+                                       expected_version=session.version if matched else None, setup=setup,
+                                       keep_for_s=keep_for_s)
+            if isinstance(started, ErrorMessage) and started.code in ("busy", "conflict") and matched:
+                session = await self.branch_from(owner, system, history, content, session, setup)
+                started = await self.begin(session, content, params, turn_id, owner, client, api=api, setup=setup,
+                                           keep_for_s=keep_for_s)
+        except StoreUnavailable as error:
+            raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
+        if isinstance(started, ErrorMessage):
+            raise ApiError.of(started)
+        return session, started
+
     async def begin(self, session: Session, content: str | list[Message], params: SamplingParams, turn_id: str,
                     owner: str | None, client: str, expected_version: int | None = None, api: str = "openai",
-                    setup: ToolSetup | None = None) -> StartedTurn | ErrorMessage:
+                    setup: ToolSetup | None = None, keep_for_s: float | None = None) -> StartedTurn | ErrorMessage:
         """`TurnRunner.begin_turn` for a claimed session; the claim is released when it does not start."""
         try:
             started = await self.turns.begin_turn(session, content, params, turn_id, owner, client, api=api,
                                                   expected_version=expected_version,
-                                                  tools=setup or ToolSetup(self.tool_format()))
+                                                  tools=setup or ToolSetup(self.tool_format()), keep_for_s=keep_for_s)
         except BaseException:
             self.turns.release_claim(session.session_id)
             raise
         if isinstance(started, ErrorMessage):
             self.turns.release_claim(session.session_id)
         return started
+
+    async def relay(self, owner: str | None, started: StartedTurn) -> tuple[str | TurnResult, asyncio.Queue]:
+        """Relay a started turn's events into a queue (the conversation it reaches indexed when it ends) and wait
+        for the first: text, or the result. A turn that fails before its first token is an `ApiError` with its own
+        status."""
+        events: asyncio.Queue[str | TurnResult | TurnFailed] = asyncio.Queue()
+
+        async def end(event: TurnResult | TurnFailed) -> None:
+            await self.ended(owner, started.session.session_id, event)
+            await events.put(event)
+
+        self.turns.forward(started, events.put, end)
+        first = await events.get()
+        if isinstance(first, TurnFailed):
+            raise ApiError.of(first)
+        return first, events
+
+    @staticmethod
+    async def result(first: str | TurnResult, events: asyncio.Queue) -> TurnResult:
+        """The turn's result, once its text has come (a non-streamed reply); an `ApiError` when it failed."""
+        while isinstance(first, str):  # the text comes whole with the result
+            first = await events.get()
+        if isinstance(first, TurnFailed):
+            raise ApiError.of(first)
+        return first
 
     async def ended(self, owner: str | None, session_id: str, event: TurnResult | TurnFailed) -> None:
         """A turn ended: index the conversation it reached, so that the next request that resends it finds it."""
@@ -154,3 +203,12 @@ def _ids_of(messages: list[Message]) -> list[tuple[int, ...] | None]:
 
 def _same(stored: list[Message], sent: list[Message]) -> bool:
     return [_key(m) for m in stored] == [_key(m) for m in sent]
+
+
+def salted(owner: str | None, cache_salt: str | None) -> str | None:
+    """The owner a request's conversations and caches belong to: its key's, or, with a `cache_salt` (vLLM's
+    field), a scope of that key for the salt alone, so that requests of one key with different salts never share a
+    session, a prefix match or a cache on any tier or worker. The salt itself is never stored."""
+    if cache_salt is None:
+        return owner
+    return f"{owner or '*'}#salt:{hashlib.sha256(cache_salt.encode()).hexdigest()[:32]}"

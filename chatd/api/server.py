@@ -1,6 +1,6 @@
 """The chatd server: one port, served by uvicorn, for the websocket protocol (/ws), the
-OpenAI-compatible API (/v1/models, /v1/chat/completions), the web pages (/ and /dashboard), metrics
-(/metrics, /v1/stats) and probes (/healthz)."""
+OpenAI-compatible API (/v1/models, /v1/chat/completions, /v1/responses), the Anthropic Messages API
+(/v1/messages), the web pages (/ and /dashboard), metrics (/metrics, /v1/stats) and probes (/healthz)."""
 
 from __future__ import annotations
 
@@ -22,14 +22,17 @@ from websockets.protocol import State
 
 from cache_store import KVGeometry, kv_bytes_per_token
 from chatd.api.admin import FaultRoutes
+from chatd.api.admission import Admission
+from chatd.api.anthropic.errors import anthropic_response
+from chatd.api.anthropic.messages import AnthropicApi
 from chatd.api.auth import KeyRing
 from chatd.api.client_socket import ClientSocket
 from chatd.api.conversations import Conversations
 from chatd.api.gateway import Gateway
+from chatd.api.http_errors import install_error_handlers
 from chatd.api.http_responses import json_response, static_response, text_response
-from chatd.api.openai.admission import OpenAIAdmission
 from chatd.api.openai.chat_completions import OpenAIApi
-from chatd.api.openai.errors import install_error_handlers
+from chatd.api.openai.errors import openai_response
 from chatd.api.openai.responses import ResponsesApi
 from chatd.api.protocol import ErrorCode
 from chatd.api.turns import TurnRunner
@@ -108,8 +111,9 @@ class ChatServer:
                                 on_request=self.metrics.observe_request)
         self.gateway = Gateway(self.turns, self.keys, on_error=self._error_sent)
         self.conversations = Conversations(self.engine, self.sessions, settings, self.turns)
-        admission = OpenAIAdmission(self.engine, settings, self.turns, self.keys)
+        admission = Admission(self.engine, settings, self.turns, self.keys)
         self.openai = OpenAIApi(admission, self.conversations, self.turns)
+        self.anthropic = AnthropicApi(admission, self.conversations, self.turns)
         retention_s = settings.session_retention_s
         responses = (RedisResponseStore(self.sessions, retention_s)
                      if isinstance(self.sessions, RedisSessionStore) else InMemoryResponseStore(retention_s))
@@ -230,8 +234,9 @@ class ChatServer:
                       redoc_url=None)
         app.include_router(self.openai.router)
         app.include_router(self.responses.router)
+        app.include_router(self.anthropic.router)
         app.include_router(self.faults.router)
-        install_error_handlers(app)
+        install_error_handlers(app, openai_response, {"/v1/messages": anthropic_response})
         app.add_api_websocket_route("/ws", self._websocket)
         app.add_api_route("/healthz", self._healthz, methods=["GET"])
         app.add_api_route("/metrics", self._metrics, methods=["GET"])

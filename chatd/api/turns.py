@@ -81,12 +81,14 @@ class TurnRunner:
 
     async def begin_turn(self, session: Session, new: str | Sequence[Message], params: SamplingParams, turn_id: str,
                          owner: str | None, client: str, api: str = "websocket",
-                         expected_version: int | None = None, tools=None) -> StartedTurn | ErrorMessage:
+                         expected_version: int | None = None, tools=None,
+                         keep_for_s: float | None = None) -> StartedTurn | ErrorMessage:
         """Start a turn of a claimed session in the engine (rate limit, lease, a fresh copy of the
         session), or say why not. Shared by the websocket and the OpenAI-compatible API. With
         `expected_version`, a session that another worker moved past it is `conflict` (a stateless request
         matched it at that version, and must run on exactly that history). `tools` (a `ToolSetup`) says how
-        the model sees the tools and how its reply is read."""
+        the model sees the tools and how its reply is read; `keep_for_s`, how long its cache stays resident ahead of
+        plain LRU (an Anthropic cache breakpoint's ttl)."""
         if (wait := self.rate_limit.acquire(client)) is not None:
             return ErrorMessage(turn_id=turn_id, code="rate_limited", retryable=True, retry_after_s=round(wait, 2),
                                 message=f"over {self.settings.rate_limit_per_min:g} turns per minute; "
@@ -121,6 +123,7 @@ class TurnRunner:
             emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
             session_version=session.version,
             dropped_turns=session.dropped_turns,
+            keep_for_s=keep_for_s,
         )
         self._turns[session.session_id] = turn
         self._on_request(api)

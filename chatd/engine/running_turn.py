@@ -97,6 +97,7 @@ class RunningTurn:
             token_times=list(self.token_times), dropped_turns=self.dropped_turns,
             reply_ids=list(generated) if self.stream.decode(generated) == self.stream.text else None,
             grammar_error=self.grammar.error if self.grammar is not None else None,
+            stop_sequence=self.stream.stop_sequence,
             draft_tokens=self.drafts.drafted if self.drafts else 0,
             accepted_tokens=self.drafts.accepted if self.drafts else 0,
             timings={

@@ -1,4 +1,4 @@
-"""Choose the next token from the logits: greedy at temperature 0, otherwise top-p sampling."""
+"""Choose the next token from the logits: greedy at temperature 0, otherwise top-k and top-p sampling."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from chatd.engine.grammar import CompiledGrammar
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one reply is sampled: length, temperature, top-p, seed, stop strings and the grammar it follows."""
+    """How one reply is sampled: length, temperature, top-k, top-p, seed, stop strings and the grammar it follows."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int | None = None  # sample among the k likeliest tokens only (None: all)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     grammar: CompiledGrammar | None = None
@@ -37,6 +38,10 @@ class TokenSampler:
         if self.params.temperature == 0:
             return int(torch.argmax(logits).item())
         probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
+        if self.params.top_k is not None and self.params.top_k < probs.shape[-1]:
+            kept = torch.zeros_like(probs)
+            top = torch.topk(probs, self.params.top_k)
+            probs = kept.scatter_(-1, top.indices, top.values)
         if self.params.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             # Keep the smallest head of the distribution whose mass reaches top_p (at least one token).

@@ -665,7 +665,8 @@ class Engine(CacheCommands):
             if finish in ("stop", "length"):
                 self.speculator.finished(turn.owner or "", running.prompt_ids, running.generated)
             with torch.inference_mode():
-                self.cache.put(turn.session_id, entry, turn.session_version + (finish != "cancelled"))
+                self.cache.put(turn.session_id, entry, turn.session_version + (finish != "cancelled"),
+                               keep_for_s=turn.keep_for_s)
             running.let_go()
         except Exception as error:
             self._fail(running, error, "write-back")

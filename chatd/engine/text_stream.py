@@ -25,6 +25,7 @@ class TextStream:
         self.text = ""
         self._released = 0
         self.stopped = False
+        self.stop_sequence: str | None = None  # the stop string that ended the text, once one did
 
     def push(self, token_id: int) -> str:
         """Add one generated token; return the text that may be shown now (possibly empty)."""
@@ -43,9 +44,10 @@ class TextStream:
     def _release(self, final: bool) -> str:
         if self._stop and not self.stopped:
             search_from = max(0, self._released - self._holdback)
-            hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
+            hits = [(at, stop) for stop in self._stop if (at := self.text.find(stop, search_from)) >= 0]
             if hits:
-                self.text = self.text[:min(hits)]
+                at, self.stop_sequence = min(hits)
+                self.text = self.text[:at]
                 self.stopped = True
         end = len(self.text) if final or self.stopped else max(self._released, len(self.text) - self._holdback)
         released, self._released = self.text[self._released:end], end

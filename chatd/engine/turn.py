@@ -43,6 +43,7 @@ class TurnResult:
     dropped_turns: int = 0  # oldest turns the prompt left out to fit the context
     reply_ids: list[int] | None = None  # `token_ids` when `content` decodes from exactly them
     grammar_error: str | None = None  # why the reply's grammar could not go on (finish reason "grammar")
+    stop_sequence: str | None = None  # the stop string that ended the reply, if one did
     draft_tokens: int = 0  # speculative draft tokens verified for this reply
     accepted_tokens: int = 0  # of those, the ones the model sampled too (each a decode step saved)
 
@@ -83,6 +84,7 @@ class Turn:
     tools: list[dict] | None = None  # function definitions, for a chat template that renders them
     session_version: int = 0  # completed turns the messages include; an older cache is stale
     dropped_turns: int = 0  # oldest turns the session's prompts already leave out
+    keep_for_s: float | None = None  # keep its cache resident this long ahead of plain LRU (a cache breakpoint)
     received_at: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 

@@ -20,7 +20,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()  # the *_created series only double the scrape
 TIERS = ("device", "host", "remote")
 FINISH_REASONS = ("stop", "length", "cancelled")
-APIS = ("websocket", "openai", "responses")
+APIS = ("websocket", "openai", "responses", "anthropic")
 
 # Chat latencies: milliseconds for a cached turn's first token, minutes for a long reply under load.
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 7.5,

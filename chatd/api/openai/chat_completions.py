@@ -18,9 +18,10 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from chatd.api.admission import Admission
 from chatd.api.constants import ARGUMENTS_FRAGMENT, SESSION_HEADER, WORKER, WORKER_HEADER
-from chatd.api.conversations import Conversations
-from chatd.api.openai.admission import OpenAIAdmission
+from chatd.api.conversations import Conversations, salted
+from chatd.api.http_errors import ApiError, refusals
 from chatd.api.openai.chat_schema import (
     AssistantMessage,
     ChatCompletion,
@@ -39,13 +40,12 @@ from chatd.api.openai.chat_schema import (
     ToolCallDelta,
     ToolCallOut,
 )
-from chatd.api.openai.errors import ApiError, refusals
-from chatd.api.protocol import ErrorMessage
+from chatd.api.openai.errors import openai_body
 from chatd.api.tool_calling import ToolSetup
 from chatd.api.turns import StartedTurn, TurnRunner
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed, TurnResult
-from sessions import StoreUnavailable, ToolCall
+from sessions import ToolCall
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 256
@@ -54,7 +54,7 @@ DEFAULT_MAX_TOKENS = 256
 class OpenAIApi:
     """The OpenAI-compatible chat routes over the turn runner."""
 
-    def __init__(self, admission: OpenAIAdmission, conversations: Conversations, turns: TurnRunner):
+    def __init__(self, admission: Admission, conversations: Conversations, turns: TurnRunner):
         self.admission, self.conversations, self.turns = admission, conversations, turns
         self.created = int(time.time())
         self.router = APIRouter(prefix="/v1")
@@ -82,55 +82,24 @@ class OpenAIApi:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
                                 seed=body.seed, stop=body.stop_list(), grammar=await self.admission.compile(setup))
         turn_id = "chatcmpl-" + secrets.token_urlsafe(12)
-        session, started = await self._start(owner, client, body, x_session_id, params, turn_id, setup)
-        events: asyncio.Queue[str | TurnResult | TurnFailed] = asyncio.Queue()
-        self.turns.forward(started, events.put, lambda event: self._ended(owner, started, event, events))
-        first = await events.get()
-        if isinstance(first, TurnFailed):
-            raise ApiError.of(first)
+        scope = salted(owner, body.cache_salt)
+        system, history, content = body.conversation()
+        session, started = await self.conversations.start(
+            scope, client, system, history, content, body.session_id or body.prompt_cache_key or x_session_id,
+            params, turn_id, setup, "openai")
+        first, events = await self.conversations.relay(scope, started)
         headers = {SESSION_HEADER: session.session_id, WORKER_HEADER: WORKER}
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self._stream(started, first, events, body.model, include_usage, setup),
                                      media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
-        result = first
-        while isinstance(result, str):  # the text comes whole with the result
-            result = await events.get()
-        if isinstance(result, TurnFailed):
-            raise ApiError.of(result)
+        result = await self.conversations.result(first, events)
         text, calls = started.reply
         message = AssistantMessage(content=text or None if calls else text,
                                    tool_calls=[_call_out(call) for call in calls] or None)
         completion = ChatCompletion(id=turn_id, created=int(time.time()), model=body.model, choices=[Choice(
             message=message, finish_reason=_finish(result, calls))], usage=_usage(result))
         return JSONResponse(completion.model_dump(), headers=headers)
-
-    async def _start(self, owner: str | None, client: str, body: ChatCompletionRequest, hint: str | None,
-                     params: SamplingParams, turn_id: str, setup: ToolSetup) -> tuple:
-        """The request's session and its started turn: the session it continues, or a branch of its own when
-        another worker runs or ran a turn of the matched session meanwhile (an identical conversation elsewhere)."""
-        system, history, content = body.conversation()
-        try:
-            session, _, matched = await self.conversations.place(
-                owner, system, history, content, body.session_id or body.prompt_cache_key or hint, setup)
-            started = await self.conversations.begin(session, content, params, turn_id, owner, client,
-                                                     expected_version=session.version if matched else None,
-                                                     setup=setup)
-            if isinstance(started, ErrorMessage) and started.code in ("busy", "conflict") and matched:
-                session = await self.conversations.branch_from(owner, system, history, content, session, setup)
-                started = await self.conversations.begin(session, content, params, turn_id, owner, client,
-                                                         setup=setup)
-        except StoreUnavailable as error:
-            raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
-        if isinstance(started, ErrorMessage):
-            raise ApiError.of(started)
-        return session, started
-
-    async def _ended(self, owner: str | None, started: StartedTurn, event: TurnResult | TurnFailed,
-                     events: asyncio.Queue) -> None:
-        """The turn is recorded (or failed): index the conversation it reached, then hand over the end."""
-        await self.conversations.ended(owner, started.session.session_id, event)
-        await events.put(event)
 
     async def _stream(self, started: StartedTurn, first: str | TurnResult, events: asyncio.Queue, model: str,
                       include_usage: bool, setup: ToolSetup) -> AsyncIterator[str]:
@@ -157,7 +126,7 @@ class OpenAIApi:
                     yield chunk(ChunkDelta(content=text))
                 event = await events.get()
             if isinstance(event, TurnFailed):
-                yield f"data: {ApiError.of(event).body().model_dump_json()}\n\n"
+                yield f"data: {openai_body(ApiError.of(event)).model_dump_json()}\n\n"
                 return
             text, calls = started.reply
             if rest := prose.rest(text, bool(calls)):

@@ -139,6 +139,7 @@ class ChatCompletionRequest(BaseModel):
     user: str | None = Field(None, max_length=256)
     session_id: str | None = Field(None, max_length=128)  # chatd's hint: continue this session
     prompt_cache_key: str | None = Field(None, max_length=128)  # OpenAI's name for the same hint
+    cache_salt: str | None = Field(None, max_length=256)  # vLLM's field: caches shared only among the same salt
     # Accepted at their neutral values only.
     n: int = 1
     frequency_penalty: float = 0.0

@@ -22,10 +22,10 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from chatd.api.admission import Admission
 from chatd.api.constants import ARGUMENTS_FRAGMENT, SESSION_HEADER, WORKER, WORKER_HEADER
-from chatd.api.conversations import Conversations
-from chatd.api.openai.admission import OpenAIAdmission
-from chatd.api.openai.errors import ApiError, refusals
+from chatd.api.conversations import Conversations, salted
+from chatd.api.http_errors import ApiError, refusals
 from chatd.api.openai.responses_schema import (
     ConversationCreate,
     ConversationDeleted,
@@ -59,7 +59,7 @@ DEFAULT_MAX_OUTPUT_TOKENS = 256
 class ResponsesApi:
     """The Responses and Conversations routes, sharing the OpenAI API's authentication, matching and turns."""
 
-    def __init__(self, admission: OpenAIAdmission, conversations: Conversations, store: ResponseStore):
+    def __init__(self, admission: Admission, conversations: Conversations, store: ResponseStore):
         self.admission, self.conversations, self.store = admission, conversations, store
         self.sessions, self.turns, self.engine = conversations.sessions, conversations.turns, conversations.engine
         errors = {code: {"model": dict} for code in (400, 401, 404, 409, 429, 503)}
@@ -87,6 +87,10 @@ class ResponsesApi:
                                                        "max_output_tokens")
         self.admission.refuse_when_unavailable()
         client = owner or (request.client.host if request.client else "unknown")
+        if body.cache_salt is not None and body.conversation_id():
+            raise ApiError(400, "cache_salt scopes stateless requests and previous_response_id chains; a conversation "
+                                "is one session already", param="cache_salt", code="bad_request")
+        owner = salted(owner, body.cache_salt)  # (after the rate limit's client: the salt scopes caches, not keys)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
                                 grammar=await self.admission.compile(setup, "text.format"))
         created = ResponseObject(id="resp_" + secrets.token_hex(16), created_at=int(time.time()), status="in_progress",

@@ -98,6 +98,7 @@ class ResponseRequest(BaseModel):
     conversation: str | dict[str, str] | None = None
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = Field(None, max_length=256)
+    cache_salt: str | None = Field(None, max_length=256)  # vLLM's field: caches shared only among the same salt
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)  # function tools; any other kind is refused
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -1,12 +1,13 @@
-"""What an OpenAI request must pass before any model work: its API key, the model it names, the tokens it asks
-for, the server's state (loaded, not draining, not at capacity) and its grammar; each refusal in OpenAI's shape."""
+"""What an HTTP API request must pass before any model work: its API key, the model it names, the tokens it asks
+for, the server's state (loaded, not draining, not at capacity) and its grammar. Each refusal is an `ApiError`,
+which each API writes in its own shape (OpenAI's, Anthropic's)."""
 
 from __future__ import annotations
 
 from fastapi import Request
 
 from chatd.api.auth import KeyRing
-from chatd.api.openai.errors import ApiError, refusals
+from chatd.api.http_errors import ApiError, refusals
 from chatd.api.tool_calling import ToolSetup, compile_grammar
 from chatd.api.turns import TurnRunner
 from chatd.config import Settings
@@ -14,20 +15,23 @@ from chatd.engine.grammar import CompiledGrammar
 from chatd.engine.scheduler import Engine
 
 
-class OpenAIAdmission:
-    """The checks the OpenAI routes share."""
+class Admission:
+    """The checks the HTTP APIs share."""
 
     def __init__(self, engine: Engine, settings: Settings, turns: TurnRunner, keys: KeyRing):
         self.engine, self.settings, self.turns, self.keys = engine, settings, turns, keys
 
     def authenticate(self, request: Request) -> str | None:
-        """The key's id; 401 for a missing or unknown key when the server has keys. Without keys any
-        bearer token is accepted (OpenAI's clients always send one)."""
+        """The key's id, from `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key` (Anthropic's); 401
+        for a missing or unknown key when the server has keys. Without keys any key is accepted (both clients
+        always send one)."""
         if not self.keys.required:
             return None
         _, owner = self.keys.bearer(request.headers)
+        if owner is None and (key := request.headers.get("x-api-key")) is not None:
+            owner = self.keys.identify(key.strip())
         if owner is None:
-            raise ApiError(401, "missing or unknown API key: send Authorization: Bearer <key>",
+            raise ApiError(401, "missing or unknown API key: send Authorization: Bearer <key> (or x-api-key: <key>)",
                            code="invalid_api_key")
         return owner
 

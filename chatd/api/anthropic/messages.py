@@ -1,0 +1,220 @@
+"""The Anthropic Messages API: `POST /v1/messages`, streamed (server-sent events) or not, and
+`POST /v1/messages/count_tokens`.
+
+Like OpenAI's clients, Anthropic's are stateless: each request carries the whole conversation. `Conversations`
+finds the session it continues (the same matching as chat completions, owner-scoped: a conversation sent through
+either API reaches the same session and cache), and the turn runs through the `TurnRunner` as every turn does.
+`cache_control` breakpoints keep the session's cache resident for their ttl ahead of plain LRU; the usage says
+which prompt tokens were read from a cache and which a breakpoint newly wrote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from cache_store.lookup import common_prefix_length
+from chatd.api.admission import Admission
+from chatd.api.anthropic.errors import anthropic_body
+from chatd.api.anthropic.messages_schema import (
+    CountTokensRequest,
+    ErrorOut,
+    MessageOut,
+    MessagesRequest,
+    StopReason,
+    TextOut,
+    TokenCount,
+    ToolUseOut,
+    Usage,
+)
+from chatd.api.constants import ARGUMENTS_FRAGMENT, SESSION_HEADER, WORKER, WORKER_HEADER
+from chatd.api.conversations import Conversations, salted
+from chatd.api.http_errors import ApiError, refusals
+from chatd.api.tool_calling import RequestRefused, ToolSetup
+from chatd.api.turns import StartedTurn, TurnRunner
+from chatd.engine.sampling import SamplingParams
+from chatd.engine.turn import TurnFailed, TurnResult
+from sessions import Message, ToolCall
+
+MAX_BREAKPOINTS = 4  # as Anthropic's API: at most four blocks with cache_control
+
+
+class AnthropicApi:
+    """The Messages routes over the turn runner."""
+
+    def __init__(self, admission: Admission, conversations: Conversations, turns: TurnRunner):
+        self.admission, self.conversations, self.turns = admission, conversations, turns
+        self.router = APIRouter(prefix="/v1")
+        errors = {code: {"model": ErrorOut} for code in (400, 401, 404, 429, 529)}
+        self.router.add_api_route("/messages", self.create, methods=["POST"], response_model=MessageOut,
+                                  responses=errors)
+        self.router.add_api_route("/messages/count_tokens", self.count_tokens, methods=["POST"],
+                                  response_model=TokenCount, responses=errors)
+
+    async def count_tokens(self, request: Request, body: CountTokensRequest) -> Response:
+        """The prompt's tokens, as `/v1/messages` renders the same conversation (tools included)."""
+        self.admission.authenticate(request)
+        with refusals():
+            body.refuse_unsupported()
+            setup = body.tool_setup(self.conversations.tool_format())
+        self.admission.check_model(body.model)
+        self.admission.refuse_when_unavailable()  # (the tokenizer comes with the model)
+        system, history, content = body.conversation()
+        ids = self.conversations.render(system, history, content, setup)
+        return JSONResponse(TokenCount(input_tokens=len(ids)).model_dump())
+
+    async def create(self, request: Request, body: MessagesRequest,
+                     x_session_id: Annotated[str | None, Header()] = None) -> Response:
+        owner = self.admission.authenticate(request)
+        with refusals():
+            body.refuse_unsupported()
+            setup = body.tool_setup(self.conversations.tool_format())
+            breakpoints = self._breakpoints(body, setup)
+        self.admission.check_model(body.model)
+        max_new_tokens = self.admission.max_new_tokens(body.max_tokens, body.max_tokens, "max_tokens")
+        self.admission.refuse_when_unavailable()
+        client = owner or (request.client.host if request.client else "unknown")
+        scope = salted(owner, body.cache_salt)
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature,
+                                top_p=body.top_p or 1.0, top_k=body.top_k, stop=list(body.stop_sequences or []),
+                                grammar=await self.admission.compile(setup, "output_config.format"))
+        message_id = "msg_" + secrets.token_hex(12)
+        system, history, content = body.conversation()
+        ttl = max((control.seconds for _, control in body.breakpoints()), default=None)
+        session, started = await self.conversations.start(
+            scope, client, system, history, content, body.session_id or x_session_id, params, message_id, setup,
+            "anthropic", keep_for_s=ttl)
+        started.parse = _anthropic_ids(started.parse)
+        first, events = await self.conversations.relay(scope, started)
+        headers = {SESSION_HEADER: session.session_id, WORKER_HEADER: WORKER}
+        reply = _Reply(message_id, body.model, breakpoints)
+        if body.stream:
+            return StreamingResponse(reply.stream(started, first, events, setup), media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        result = await self.conversations.result(first, events)
+        return JSONResponse(reply.message(result, *started.reply).model_dump(), headers=headers)
+
+    def _breakpoints(self, body: MessagesRequest, setup: ToolSetup) -> list[int]:
+        """The prompt position each `cache_control` breakpoint ends at: the length of what the prompt shares with
+        the conversation rendered up to its block (the tools and the system prompt, or a message)."""
+        marks = body.breakpoints()
+        if len(marks) > MAX_BREAKPOINTS:
+            raise RequestRefused("cache_control", f"at most {MAX_BREAKPOINTS} blocks may have cache_control, "
+                                                  f"not {len(marks)}")
+        if not marks:
+            return []
+        system, history, content = body.conversation()
+        prompt = self.conversations.render(system, history, content, setup)
+        messages = [param.messages() for param in body.messages]
+        positions = []
+        for index, _ in marks:
+            upto = [message for part in messages[:index + 1] for message in part] or [Message("user", "")]
+            ids = self.conversations.render(system, upto[:-1], upto[-1:], setup)
+            positions.append(common_prefix_length(prompt, ids))
+        return positions
+
+
+class _Reply:
+    """One reply in Anthropic's shapes: the message, or its stream of events."""
+
+    def __init__(self, message_id: str, model: str, breakpoints: list[int]):
+        self.message_id, self.model, self.breakpoints = message_id, model, breakpoints
+
+    def usage(self, result: TurnResult) -> Usage:
+        """The prompt's tokens read from a cache, newly written up to the last breakpoint, and the rest."""
+        read = result.cached_tokens
+        written = max(0, min(max(self.breakpoints, default=0), result.prompt_tokens) - read)
+        return Usage(input_tokens=result.prompt_tokens - read - written, output_tokens=result.completion_tokens,
+                     cache_read_input_tokens=read, cache_creation_input_tokens=written)
+
+    def message(self, result: TurnResult, text: str, calls: list[ToolCall]) -> MessageOut:
+        content: list[TextOut | ToolUseOut] = [TextOut(text=text)] if text or not calls else []
+        content += [ToolUseOut(id=call.id, name=call.name, input=_input(call)) for call in calls]
+        return MessageOut(id=self.message_id, model=self.model, content=content,
+                          stop_reason=_stop_reason(result, calls), stop_sequence=result.stop_sequence,
+                          usage=self.usage(result))
+
+    async def stream(self, started: StartedTurn, first: str | TurnResult, events: asyncio.Queue,
+                     setup: ToolSetup) -> AsyncIterator[str]:
+        """Anthropic's events: `message_start`, a text block (`content_block_start`, `text_delta`s,
+        `content_block_stop`), one block per call (its `input_json_delta`s), `message_delta` with the stop reason
+        and the usage, `message_stop`. Text from where the model opens a call on is held back and sent as calls
+        once the reply is read. A client that goes away cancels the turn."""
+        event, prose, index = first, setup.prose_stream(), 0
+        empty = MessageOut(id=self.message_id, model=self.model, content=[], stop_reason=None,
+                           usage=Usage(input_tokens=0, output_tokens=0))
+        try:
+            yield _sse("message_start", {"type": "message_start", "message": empty.model_dump()})
+            yield _sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                               "content_block": {"type": "text", "text": ""}})
+            yield _sse("ping", {"type": "ping"})
+            while isinstance(event, str):
+                if text := prose.push(event):
+                    yield _text_delta(text)
+                event = await events.get()
+            if isinstance(event, TurnFailed):
+                yield _sse("error", anthropic_body(ApiError.of(event)).model_dump())
+                return
+            text, calls = started.reply
+            if rest := prose.rest(text, bool(calls)):
+                yield _text_delta(rest)
+            yield _sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+            for index, call in enumerate(calls, start=1):
+                yield _sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": {
+                    "type": "tool_use", "id": call.id, "name": call.name, "input": {}}})
+                arguments = json.dumps(_input(call), ensure_ascii=False)
+                for start in range(0, len(arguments), ARGUMENTS_FRAGMENT):
+                    yield _sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": arguments[start:start + ARGUMENTS_FRAGMENT]}})
+                yield _sse("content_block_stop", {"type": "content_block_stop", "index": index})
+            yield _sse("message_delta", {"type": "message_delta", "delta": {
+                "stop_reason": _stop_reason(event, calls), "stop_sequence": event.stop_sequence},
+                "usage": self.usage(event).model_dump()})
+            yield _sse("message_stop", {"type": "message_stop"})
+        finally:
+            if isinstance(event, str):  # the client left mid-stream
+                started.turn.cancel()
+
+
+def _sse(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _text_delta(text: str) -> str:
+    return _sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                        "delta": {"type": "text_delta", "text": text}})
+
+
+def _stop_reason(result: TurnResult, calls: list[ToolCall]) -> StopReason:
+    if calls:
+        return "tool_use"
+    if result.finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if result.stop_sequence is not None else "end_turn"
+
+
+def _input(call: ToolCall) -> dict:
+    """A call's arguments as the object Anthropic's `input` is (the grammar held them to JSON)."""
+    try:
+        arguments = json.loads(call.arguments)
+    except ValueError:
+        return {}
+    return arguments if isinstance(arguments, dict) else {}
+
+
+def _anthropic_ids(parse):
+    """A reply's reader whose calls carry Anthropic's `toolu_` ids (recorded so: the client sends them back)."""
+
+    def read(text: str) -> tuple[str, list[ToolCall]]:
+        prose, calls = parse(text)
+        return prose, [ToolCall("toolu_" + call.id.removeprefix("call_"), call.name, call.arguments)
+                       for call in calls]
+
+    return read
+
