@@ -13,6 +13,7 @@ import json
 import anthropic
 import httpx
 import jsonschema
+import openai
 import pytest
 
 from chatd.api.server import ChatServer
@@ -242,6 +243,13 @@ async def test_cache_salt_isolates_caches_across_two_workers_on_redis(tiny, redi
             responses = {salt: await on_second.responses.create(model=MODEL, input=history, max_output_tokens=6,
                                                                 temperature=0, extra_body={"cache_salt": salt})
                          for salt in ("tenant-c", "tenant-a")}
+            salted = responses["tenant-a"]
+            assert (await on_first.responses.retrieve(salted.id)).id == salted.id, "a salted response is the key's"
+            follow = await on_first.responses.create(model=MODEL, previous_response_id=salted.id, input="Thanks.",
+                                                     max_output_tokens=4, extra_body={"cache_salt": "tenant-a"})
+            with pytest.raises(openai.NotFoundError):
+                await on_first.responses.create(model=MODEL, previous_response_id=salted.id, input="Thanks.",
+                                                max_output_tokens=4, extra_body={"cache_salt": "tenant-b"})
     assert other.usage.prompt_tokens_details.cached_tokens == 0, "another salt never shares a cache"
     assert unsalted.usage.prompt_tokens_details.cached_tokens == 0, "nor does no salt"
     assert same.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens, \
@@ -249,3 +257,4 @@ async def test_cache_salt_isolates_caches_across_two_workers_on_redis(tiny, redi
     assert other.choices[0].message.content == same.choices[0].message.content
     assert responses["tenant-c"].usage.input_tokens_details.cached_tokens == 0, "the Responses API too"
     assert responses["tenant-a"].usage.input_tokens_details.cached_tokens >= reply.usage.prompt_tokens
+    assert follow.usage.input_tokens_details.cached_tokens >= salted.usage.input_tokens, "continued from its cache"

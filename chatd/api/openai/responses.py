@@ -90,7 +90,7 @@ class ResponsesApi:
         if body.cache_salt is not None and body.conversation_id():
             raise ApiError(400, "cache_salt scopes stateless requests and previous_response_id chains; a conversation "
                                 "is one session already", param="cache_salt", code="bad_request")
-        owner = salted(owner, body.cache_salt)  # (after the rate limit's client: the salt scopes caches, not keys)
+        scope = salted(owner, body.cache_salt)  # whose sessions and caches (the stored response stays the key's)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
                                 grammar=await self.admission.compile(setup, "text.format"))
         created = ResponseObject(id="resp_" + secrets.token_hex(16), created_at=int(time.time()), status="in_progress",
@@ -104,7 +104,7 @@ class ResponsesApi:
                                  parallel_tool_calls=body.parallel_tool_calls is not False,
                                  text=body.text or {"format": {"type": "text"}})
         try:
-            session, started = await self._start(owner, body, params, created.id, client, setup)
+            session, started = await self._start(owner, scope, body, params, created.id, client, setup)
         except StoreUnavailable as error:
             raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
         if isinstance(started, ErrorMessage):
@@ -113,7 +113,7 @@ class ResponsesApi:
             raise ApiError.of(started)
         events: asyncio.Queue[str | TurnResult | TurnFailed] = asyncio.Queue()
         self.turns.forward(started, events.put,
-                           lambda event: self._ended(owner, body, created, started, event, events))
+                           lambda event: self._ended(owner, scope, body, created, started, event, events))
         event = await events.get()  # a turn that fails before its first token gets its own status code
         if isinstance(event, TurnFailed):
             raise ApiError.of(event)
@@ -178,9 +178,10 @@ class ResponsesApi:
 
     # ##### Where a response runs #####
 
-    async def _start(self, owner: str | None, body: ResponseRequest, params: SamplingParams, response_id: str,
-                     client: str, setup: ToolSetup) -> tuple[Session, StartedTurn | ErrorMessage]:
-        """The session the response runs in, claimed, and its turn started (or why not)."""
+    async def _start(self, owner: str | None, scope: str | None, body: ResponseRequest, params: SamplingParams,
+                     response_id: str, client: str, setup: ToolSetup) -> tuple[Session, StartedTurn | ErrorMessage]:
+        """The session the response runs in, claimed, and its turn started (or why not). `owner`: the key's id;
+        `scope`: whose sessions and caches (the key's, or its `cache_salt`'s)."""
         extra, new = body.split()
         if conversation_id := body.conversation_id():
             if extra or not body.store:
@@ -193,47 +194,48 @@ class ResponsesApi:
             if not self.turns.try_claim(session.session_id):
                 raise ApiError(409, f"a response of conversation {conversation_id!r} is running; wait for it",
                                param="conversation", code="conflict")
-            return session, await self.conversations.begin(session, new, params, response_id, owner, client,
+            return session, await self.conversations.begin(session, new, params, response_id, scope, client,
                                                     api="responses", setup=setup)
         system = body.instructions
         if body.previous_response_id:
-            session, fresh = await self._from_previous(owner, body, extra, new, setup)
+            session, fresh = await self._from_previous(owner, scope, body, extra, new, setup)
         else:
             if extra and extra[0].role == "system":
                 system, extra = (extra[0].content if system is None else system), extra[1:]
-            session, _, matched = await self.conversations.place(owner, system, extra, new, None, setup)
+            session, _, matched = await self.conversations.place(scope, system, extra, new, None, setup)
             fresh = not matched
         if not body.store and not fresh:
             # Nothing may be left behind: the turn runs in a session of its own, deleted after the reply.
             self.turns.release_claim(session.session_id)
-            session = await self.conversations.branch_from(owner, session.system, session.messages, new, session, setup)
+            session = await self.conversations.branch_from(scope, session.system, session.messages, new, session, setup)
             fresh = True
-        started = await self.conversations.begin(session, new, params, response_id, owner, client,
+        started = await self.conversations.begin(session, new, params, response_id, scope, client,
                                           expected_version=None if fresh else session.version, api="responses",
                                           setup=setup)
         if isinstance(started, ErrorMessage) and started.code in ("busy", "conflict") and not fresh:
             # Another worker runs or ran a turn of that session meanwhile: this response branches from its point.
             if body.previous_response_id:
-                session, _ = await self._from_previous(owner, body, extra, new, setup, branch=True)
+                session, _ = await self._from_previous(owner, scope, body, extra, new, setup, branch=True)
             else:
-                session = await self.conversations.branch_from(owner, system, extra, new, session, setup)
-            started = await self.conversations.begin(session, new, params, response_id, owner, client,
+                session = await self.conversations.branch_from(scope, system, extra, new, session, setup)
+            started = await self.conversations.begin(session, new, params, response_id, scope, client,
                                               api="responses", setup=setup)
         return session, started
 
-    async def _from_previous(self, owner: str | None, body: ResponseRequest, extra: list[Message],
+    async def _from_previous(self, owner: str | None, scope: str | None, body: ResponseRequest, extra: list[Message],
                              new: list[Message], setup: ToolSetup, branch: bool = False) -> tuple[Session, bool]:
         """The session that continues `previous_response_id`, claimed, and whether it is new: its own when
         that response is its latest point and nothing is added before the new input (unless `branch`);
-        otherwise a branch from that point."""
+        otherwise a branch from that point. A previous response of another `cache_salt` is not found."""
         previous = await self._call(self.store.get(body.previous_response_id))
         if previous is None or previous.owner != owner:
             raise ApiError(404, f"previous response {body.previous_response_id!r} not found",
                            param="previous_response_id", code="previous_response_not_found")
         session = await self._call(self.sessions.get(previous.session_id))
-        if session is None or session.owner != owner:
+        if session is None or session.owner != scope:
             raise ApiError(404, f"previous response {body.previous_response_id!r} not found (its conversation "
-                                "expired)", param="previous_response_id", code="previous_response_not_found")
+                                "expired, or it was made with another cache_salt)", param="previous_response_id",
+                           code="previous_response_not_found")
         with refusals():
             body.check_outputs(_call_ids(session.messages[:previous.messages]))
         system = body.instructions if body.instructions is not None else session.system
@@ -242,10 +244,10 @@ class ResponsesApi:
             return session, False
         history = session.messages[:previous.messages] + extra
         ids = self.conversations.render(system, history, new, setup)
-        return await self.conversations.branch(owner, system, history, ids, [(session, history, ids)]), True
+        return await self.conversations.branch(scope, system, history, ids, [(session, history, ids)]), True
 
-    async def _ended(self, owner: str | None, body: ResponseRequest, created: ResponseObject, started: StartedTurn,
-                     event: TurnResult | TurnFailed, events: asyncio.Queue) -> None:
+    async def _ended(self, owner: str | None, scope: str | None, body: ResponseRequest, created: ResponseObject,
+                     started: StartedTurn, event: TurnResult | TurnFailed, events: asyncio.Queue) -> None:
         """The turn is recorded (or failed): store the response and index the conversation (or, for
         `store: false`, forget its session), then hand over the end."""
         session = started.session
@@ -263,7 +265,7 @@ class ResponsesApi:
             except StoreUnavailable:
                 event = TurnFailed("unavailable", "the reply could not be stored; send the input again")
             else:
-                await self.conversations.ended(owner, session.session_id, event)
+                await self.conversations.ended(scope, session.session_id, event)
         await events.put(event)
 
     async def _forget(self, session_id: str) -> None:
