@@ -62,9 +62,10 @@ class AnthropicApi:
         self.admission.authenticate(request)
         with refusals():
             body.refuse_unsupported()
-            setup = body.tool_setup(self.conversations.tool_format())
         self.admission.check_model(body.model)
         self.admission.refuse_when_unavailable()  # (the tokenizer comes with the model)
+        with refusals():
+            setup = body.tool_setup(self.conversations.tool_format())
         system, history, content = body.conversation()
         ids = self.conversations.render(system, history, content, setup)
         return JSONResponse(TokenCount(input_tokens=len(ids)).model_dump())
@@ -74,11 +75,12 @@ class AnthropicApi:
         owner = self.admission.authenticate(request)
         with refusals():
             body.refuse_unsupported()
-            setup = body.tool_setup(self.conversations.tool_format())
-            breakpoints = self._breakpoints(body, setup)
         self.admission.check_model(body.model)
         max_new_tokens = self.admission.max_new_tokens(body.max_tokens, body.max_tokens, "max_tokens")
         self.admission.refuse_when_unavailable()
+        with refusals():
+            setup = body.tool_setup(self.conversations.tool_format())
+            breakpoints = self._breakpoints(body, setup)
         client = owner or (request.client.host if request.client else "unknown")
         scope = salted(owner, body.cache_salt)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature,
