@@ -250,6 +250,11 @@ async def test_cache_salt_isolates_caches_across_two_workers_on_redis(tiny, redi
             with pytest.raises(openai.NotFoundError):
                 await on_first.responses.create(model=MODEL, previous_response_id=salted.id, input="Thanks.",
                                                 max_output_tokens=4, extra_body={"cache_salt": "tenant-b"})
+            conversation = await on_first.conversations.create()
+            with pytest.raises(openai.BadRequestError) as refused:
+                await on_first.responses.create(model=MODEL, conversation=conversation.id, input="Hi",
+                                                max_output_tokens=4, extra_body={"cache_salt": "tenant-a"})
+            assert refused.value.body["param"] == "cache_salt"
     assert other.usage.prompt_tokens_details.cached_tokens == 0, "another salt never shares a cache"
     assert unsalted.usage.prompt_tokens_details.cached_tokens == 0, "nor does no salt"
     assert same.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens, \

@@ -87,9 +87,6 @@ class ResponsesApi:
                                                        "max_output_tokens")
         self.admission.refuse_when_unavailable()
         client = owner or (request.client.host if request.client else "unknown")
-        if body.cache_salt is not None and body.conversation_id():
-            raise ApiError(400, "cache_salt scopes stateless requests and previous_response_id chains; a conversation "
-                                "is one session already", param="cache_salt", code="bad_request")
         scope = salted(owner, body.cache_salt)  # whose sessions and caches (the stored response stays the key's)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
                                 grammar=await self.admission.compile(setup, "text.format"))

@@ -114,6 +114,9 @@ class ResponseRequest(BaseModel):
             raise RequestRefused("reasoning", "reasoning is not supported: the served model does not reason")
         if self.background:
             raise RequestRefused("background", "background responses are not supported")
+        if self.cache_salt is not None and self.conversation_id():
+            raise RequestRefused("cache_salt", "cache_salt scopes stateless requests and previous_response_id "
+                                               "chains; a conversation is one session already")
         for item in self.include or []:
             raise RequestRefused("include", f"include {item!r} is not supported")
         if (self.max_output_tokens or 0) > MAX_NEW_TOKENS_CAP:
