@@ -145,6 +145,20 @@ async def test_a_tool_round_trip_with_tool_choice_any(anthropic_pair):
         call.usage.output_tokens - 1, (answer.usage, call.usage)
 
 
+async def test_output_config_format_holds_the_reply_to_its_schema(anthropic_pair):
+    _, client, uncached = anthropic_pair
+    ticket = {"type": "object", "properties": {
+        "category": {"type": "string", "enum": ["billing", "outage", "hardware", "other"]},
+        "priority": {"type": "integer", "minimum": 1, "maximum": 4}},
+        "required": ["category", "priority"], "additionalProperties": False}
+    arguments = dict(model=MODEL, max_tokens=64, system="File the customer's problem as a ticket, in JSON.",
+                     messages=[{"role": "user", "content": "My router blinks red and nothing loads."}],
+                     output_config={"format": {"type": "json_schema", "schema": ticket}}, extra_body=GREEDY)
+    reply, expected = await client.messages.create(**arguments), await uncached.messages.create(**arguments)
+    assert reply.stop_reason == "end_turn" and text_of(reply) == text_of(expected)
+    jsonschema.validate(json.loads(text_of(reply)), ticket)
+
+
 async def test_bad_input_is_an_sdk_exception_of_its_class_and_nothing_is_kept(smollm2):
     user = [{"role": "user", "content": "Hi"}]
     marked = {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}
