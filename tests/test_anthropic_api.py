@@ -145,6 +145,24 @@ async def test_a_tool_round_trip_with_tool_choice_any(anthropic_pair):
         call.usage.output_tokens - 1, (answer.usage, call.usage)
 
 
+async def test_the_automatic_breakpoint_counts_the_whole_prompt_as_written_then_read(anthropic_pair):
+    """The current SDK's automatic form (a top-level `cache_control`: the last block) writes the whole prompt on the
+    first turn; the next turn reads it back and writes only what it added."""
+    _, client, _ = anthropic_pair
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    first = await client.messages.create(model=MODEL, max_tokens=4, system=SYSTEM, messages=messages,
+                                         cache_control={"type": "ephemeral"}, extra_body=GREEDY)
+    counted = await client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=messages)
+    assert (first.usage.input_tokens, first.usage.cache_creation_input_tokens) == (0, counted.input_tokens)
+    messages += [{"role": "assistant", "content": text_of(first)}, {"role": "user", "content": QUESTIONS[1]}]
+    second = await client.messages.create(model=MODEL, max_tokens=4, system=SYSTEM, messages=messages,
+                                          cache_control={"type": "ephemeral"}, extra_body=GREEDY)
+    usage = second.usage
+    assert usage.input_tokens == 0 and usage.cache_read_input_tokens >= counted.input_tokens
+    assert usage.cache_read_input_tokens + usage.cache_creation_input_tokens == \
+        (await client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=messages)).input_tokens
+
+
 async def test_output_config_format_holds_the_reply_to_its_schema(anthropic_pair):
     _, client, uncached = anthropic_pair
     ticket = {"type": "object", "properties": {

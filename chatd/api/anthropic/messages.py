@@ -23,6 +23,7 @@ from cache_store.lookup import common_prefix_length
 from chatd.api.admission import Admission
 from chatd.api.anthropic.errors import anthropic_body
 from chatd.api.anthropic.messages_schema import (
+    CacheControl,
     CountTokensRequest,
     ErrorOut,
     MessageOut,
@@ -80,7 +81,10 @@ class AnthropicApi:
         self.admission.refuse_when_unavailable()
         with refusals():
             setup = body.tool_setup(self.conversations.tool_format())
-            breakpoints = self._breakpoints(body, setup)
+            marks = body.breakpoints()
+            if len(marks) > MAX_BREAKPOINTS:
+                raise RequestRefused("cache_control", f"at most {MAX_BREAKPOINTS} blocks may have cache_control, "
+                                                      f"not {len(marks)}")
         client = owner or (request.client.host if request.client else "unknown")
         scope = salted(owner, body.cache_salt)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature,
@@ -88,50 +92,49 @@ class AnthropicApi:
                                 grammar=await self.admission.compile(setup, "output_config.format"))
         message_id = "msg_" + secrets.token_hex(12)
         system, history, content = body.conversation()
-        ttl = max((control.seconds for _, control in body.breakpoints()), default=None)
+        ttl = max((control.seconds for _, control in marks), default=None)
         session, started = await self.conversations.start(
             scope, client, system, history, content, body.session_id or x_session_id, params, message_id, setup,
             "anthropic", keep_for_s=ttl)
         started.parse = _anthropic_ids(started.parse)
         first, events = await self.conversations.relay(scope, started)
         headers = {SESSION_HEADER: session.session_id, WORKER_HEADER: WORKER}
-        reply = _Reply(message_id, body.model, breakpoints)
+        reply = _Reply(message_id, body.model, self._last_breakpoint(body, marks, setup))
         if body.stream:
             return StreamingResponse(reply.stream(started, first, events, setup), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         result = await self.conversations.result(first, events)
         return JSONResponse(reply.message(result, *started.reply).model_dump(), headers=headers)
 
-    def _breakpoints(self, body: MessagesRequest, setup: ToolSetup) -> list[int]:
-        """The prompt position each `cache_control` breakpoint ends at: the length of what the prompt shares with
-        the conversation rendered up to its block (the tools and the system prompt, or a message)."""
-        marks = body.breakpoints()
-        if len(marks) > MAX_BREAKPOINTS:
-            raise RequestRefused("cache_control", f"at most {MAX_BREAKPOINTS} blocks may have cache_control, "
-                                                  f"not {len(marks)}")
-        if not marks:
+    def _last_breakpoint(self, body: MessagesRequest, marks: list[tuple[int, CacheControl]], setup: ToolSetup
+                         ) -> list[int] | None:
+        """What `cache_creation_input_tokens` counts up to: the last breakpoint, the others being within it. None
+        when it ends the last message (the whole prompt; nothing to render); else the ids of the conversation up to
+        its block (the tools and the system prompt, or a message), as far as the prompt begins with them; [] without
+        a breakpoint."""
+        index = max((index for index, _ in marks), default=None)
+        if index is None:
             return []
-        system, history, content = body.conversation()
-        prompt = self.conversations.render(system, history, content, setup)
-        messages = [param.messages() for param in body.messages]
-        positions = []
-        for index, _ in marks:
-            upto = [message for part in messages[:index + 1] for message in part] or [Message("user", "")]
-            ids = self.conversations.render(system, upto[:-1], upto[-1:], setup)
-            positions.append(common_prefix_length(prompt, ids))
-        return positions
+        if index == len(body.messages) - 1:
+            return None
+        system = body.system_text()
+        upto = [message for param in body.messages[:index + 1] for message in param.messages()] or \
+            [Message("user", "")]
+        return self.conversations.render(system, upto[:-1], upto[-1:], setup)
 
 
 class _Reply:
     """One reply in Anthropic's shapes: the message, or its stream of events."""
 
-    def __init__(self, message_id: str, model: str, breakpoints: list[int]):
-        self.message_id, self.model, self.breakpoints = message_id, model, breakpoints
+    def __init__(self, message_id: str, model: str, breakpoint: list[int] | None):
+        self.message_id, self.model, self.breakpoint = message_id, model, breakpoint  # (`_last_breakpoint`)
 
     def usage(self, result: TurnResult) -> Usage:
         """The prompt's tokens read from a cache, newly written up to the last breakpoint, and the rest."""
         read = result.cached_tokens
-        written = max(0, min(max(self.breakpoints, default=0), result.prompt_tokens) - read)
+        through = result.prompt_tokens if self.breakpoint is None else \
+            common_prefix_length(result.conversation_ids[:result.prompt_tokens], self.breakpoint)
+        written = max(0, through - read)
         return Usage(input_tokens=result.prompt_tokens - read - written, output_tokens=result.completion_tokens,
                      cache_read_input_tokens=read, cache_creation_input_tokens=written)
 
