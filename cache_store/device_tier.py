@@ -7,6 +7,7 @@ the tier's reference to the caller, who releases it when done with the cache."""
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
@@ -103,24 +104,33 @@ class DeviceTier:
     def plan_room(self, need_bytes: int, keep: str | Collection[str] = ()) -> tuple[list[str], bool]:
         """Keys to evict, in eviction order, so that `need_bytes` more fit under the budget, and whether
         they suffice. Running caches, pinned ones and `keep` (a key or several) are never chosen; a segment is
-        chosen only once every cache that starts with it is (in a later pass over what is left)."""
+        chosen only once every cache that starts with it is (then it competes with what is left)."""
         keep = {keep} if isinstance(keep, str) else set(keep)
         over = self.used_bytes() + need_bytes - self.budget_bytes
         chosen: list[str] = []
+        if over <= 0:
+            return chosen, True
         leaving: Counter[int] = Counter()  # id of a segment -> how many of its users are chosen
-        while over > 0:
-            # One at a time: a segment whose last user was just chosen competes with the rest from then on, so a
-            # cache kept ahead of LRU outlasts the segments of the caches evicted before it.
-            candidates = [r for r in self._residency.values()
-                          if r.key not in keep and r.key not in chosen and self._evictable_with(r.key, leaving)]
-            if not candidates:
-                break
-            victim = min(candidates, key=self.policy.priority).key
+        # One at a time, in priority order (a heap: each cache ranked once): a segment joins the candidates when its
+        # last user is chosen and competes with the rest from then on, so a cache kept ahead of LRU outlasts the
+        # segments of the caches evicted before it.
+        heap = [(self.policy.priority(residency), order, residency.key)
+                for order, residency in enumerate(self._residency.values())
+                if residency.key not in keep and self._evictable_with(residency.key, leaving)]
+        heapq.heapify(heap)
+        segments = {id(entry.cache): key for key, entry in self._entries.items()
+                    if isinstance(entry.cache, ArenaCache) and entry.cache.frozen}
+        while over > 0 and heap:
+            _, _, victim = heapq.heappop(heap)
             chosen.append(victim)
-            cache = self._entries[victim].cache
-            if isinstance(cache, ArenaCache) and cache.prefix is not None:
-                leaving[id(cache.prefix)] += 1
             over -= self._entries[victim].nbytes()
+            prefix = self._entries[victim].cache.prefix if isinstance(self._entries[victim].cache, ArenaCache) \
+                else None
+            if prefix is not None:
+                leaving[id(prefix)] += 1
+                if (key := segments.get(id(prefix))) is not None and key not in keep \
+                        and self._evictable_with(key, leaving):
+                    heapq.heappush(heap, (self.policy.priority(self._residency[key]), len(self._residency), key))
         return chosen, over <= 0
 
     def can_fit(self, need_bytes: int) -> bool:
