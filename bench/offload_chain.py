@@ -4,7 +4,7 @@ restored for the next; per turn the bytes the offload wrote and its time, the by
 time. Run for this checkout and, with --a-checkout DIR, for another (the commit before, in a `git worktree`),
 one after the other, alone on the machine.
 
-    .venv/bin/python bench/offload_chain.py --a-checkout /tmp/w/old [--kv-dtype same int8]
+    .venv/bin/python bench/offload_chain.py --a-checkout /tmp/w/old [--kv-dtype same int8] [--rounds 4]
 """
 
 from __future__ import annotations
@@ -68,18 +68,31 @@ def _pieces(entry) -> list:
     return entry.pieces() if hasattr(entry, "pieces") else [entry]
 
 
+def rounds(compared: dict[str, Path], kv_dtype: str, count: int) -> dict:
+    """Each checkout's first run in full, and the means of every round: on a machine whose speed drifts, a
+    difference is believed only where it holds across rounds in which either checkout went first."""
+    runs: dict[str, list[dict]] = {label: [] for label in compared}
+    for index in range(count):
+        order = list(compared.items())
+        for label, checkout in order if index % 2 == 0 else reversed(order):
+            runs[label].append(in_checkout(HERE, checkout, kv_dtype))
+    return {label: {**results[0], "each round": [run["mean of turns 2-10"] for run in results]}
+            for label, results in runs.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--a-checkout", type=Path, help="also measure this checkout (the commit before)")
     parser.add_argument("--kv-dtype", nargs="+", default=["same", "int8"], choices=["same", "int8"])
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure each checkout this many times, alternating which goes first")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return
     compared = checkouts(HERE, args.a_checkout)
-    report = {kv_dtype: {label: in_checkout(HERE, checkout, kv_dtype) for label, checkout in compared.items()}
-              for kv_dtype in args.kv_dtype}
+    report = {kv_dtype: rounds(compared, kv_dtype, args.rounds) for kv_dtype in args.kv_dtype}
     print(json.dumps(report, indent=2))
     write_result(HERE.parent / "results" / "offload_chain.json", report)
 
