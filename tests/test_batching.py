@@ -77,11 +77,14 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_decode_steps(ti
     with running_engine(tiny, max_batch=4, prefill_chunk=8) as chunked, \
             running_engine(tiny, max_batch=1, prefill_chunk=10_000) as whole:
         pasted = "Here is the full text of my contract: " + "clause " * 150
-        streamed = []
+        streamed = []  # (each piece's turn, and the prompt chunks fed so far)
         short, long = run_together(chunked, [Session("short"), Session("long")], ["hi", pasted], [10, 5],
-                                   on_text=lambda turn, _: streamed.append(turn.turn_id))
+                                   on_text=lambda turn, _: streamed.append((turn.turn_id, chunked.prefill_chunks)))
         # (told by the order of the streamed pieces: the engine's steps, not the clocks of turns made at two moments)
-        assert streamed.index("t1") == streamed.count("t0") > 0, "the short reply streamed during the long prefill"
+        order = [turn_id for turn_id, _ in streamed]
+        assert order.index("t1") == order.count("t0") > 0, "the short reply streamed before the long one's first token"
+        short_chunks = [chunks for turn_id, chunks in streamed if turn_id == "t0"]
+        assert short_chunks[-1] - short_chunks[0] >= len(short_chunks) - 1, "a chunk of the long prompt each step"
         assert chunked.prefill_chunks >= long.prompt_tokens // 8
         for session, content, length, result in (("s", "hi", 10, short), ("l", pasted, 5, long)):
             expected, _ = run_turn(whole, Session(session), content, max_new_tokens=length)
