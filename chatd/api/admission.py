@@ -4,6 +4,8 @@ which each API writes in its own shape (OpenAI's, Anthropic's)."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from fastapi import Request
 
 from chatd.api.auth import KeyRing
@@ -13,6 +15,14 @@ from chatd.api.turns import TurnRunner
 from chatd.config import Settings
 from chatd.engine.grammar import CompiledGrammar
 from chatd.engine.scheduler import Engine
+
+
+class TurnRequest(Protocol):
+    """A request body that asks for a reply: the model it names, and what of it this server cannot do."""
+
+    model: str
+
+    def refuse_unsupported(self) -> None: ...
 
 
 class Admission:
@@ -34,6 +44,19 @@ class Admission:
             raise ApiError(401, "missing or unknown API key: send Authorization: Bearer <key> (or x-api-key: <key>)",
                            code="invalid_api_key")
         return owner
+
+    def open(self, request: Request, body: TurnRequest, requested: int | None, default: int, param: str
+             ) -> tuple[str | None, int]:
+        """A reply's opening checks, in the order a client learns of its mistakes (who it is, what the body asks
+        that cannot be done, the model, the tokens, then the server's state): the key's id and the reply's token
+        cap (`requested`, or `default`, named `param`)."""
+        owner = self.authenticate(request)
+        with refusals():
+            body.refuse_unsupported()
+        self.check_model(body.model)
+        max_new_tokens = self.max_new_tokens(requested, default, param)
+        self.refuse_when_unavailable()
+        return owner, max_new_tokens
 
     def model_names(self) -> set[str]:
         names = {self.settings.model}

@@ -73,12 +73,7 @@ class AnthropicApi:
 
     async def create(self, request: Request, body: MessagesRequest,
                      x_session_id: Annotated[str | None, Header()] = None) -> Response:
-        owner = self.admission.authenticate(request)
-        with refusals():
-            body.refuse_unsupported()
-        self.admission.check_model(body.model)
-        max_new_tokens = self.admission.max_new_tokens(body.max_tokens, body.max_tokens, "max_tokens")
-        self.admission.refuse_when_unavailable()
+        owner, max_new_tokens = self.admission.open(request, body, body.max_tokens, body.max_tokens, "max_tokens")
         with refusals():
             setup = body.tool_setup(self.conversations.tool_format())
             marks = body.breakpoints()

@@ -69,13 +69,8 @@ class OpenAIApi:
 
     async def chat_completions(self, request: Request, body: ChatCompletionRequest,
                                x_session_id: Annotated[str | None, Header()] = None) -> Response:
-        owner = self.admission.authenticate(request)
-        with refusals():
-            body.refuse_unsupported()
-        self.admission.check_model(body.model)
-        max_new_tokens = self.admission.max_new_tokens(body.max_completion_tokens or body.max_tokens,
-                                                       DEFAULT_MAX_TOKENS, "max_tokens")
-        self.admission.refuse_when_unavailable()
+        owner, max_new_tokens = self.admission.open(request, body, body.max_completion_tokens or body.max_tokens,
+                                                    DEFAULT_MAX_TOKENS, "max_tokens")
         with refusals():
             setup = body.tool_setup(self.conversations.tool_format())
         client = owner or (request.client.host if request.client else "unknown")
