@@ -51,10 +51,11 @@ class RedisClusterNodes:
                 [binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
                  "--cluster-config-file", str(folder / "nodes.conf"), "--dir", str(folder), "--save", "",
                  "--appendonly", "no", "--protected-mode", "no", "--cluster-node-timeout", "1500",
-                 "--repl-diskless-sync-delay", "0", "--repl-ping-replica-period", "1"],
+                 "--repl-diskless-sync-delay", "0", "--repl-ping-replica-period", "1",
+                 "--logfile", str(folder / "redis.log")],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        for port in self.ports:
-            self._wait(lambda port=port: _node(port).ping())
+        for port, process in zip(self.ports, self.processes, strict=True):
+            self._wait(lambda port=port, process=process: _answers(port, process))
         if join:
             subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{port}" for port in self.ports),
                             "--cluster-replicas", "1", "--cluster-yes"], check=True, capture_output=True, timeout=60)
@@ -117,10 +118,29 @@ def _node(port: int) -> redis.Redis:
     return redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
 
 
+def _answers(port: int, process: subprocess.Popen) -> bool:
+    """Whether the node on `port` answers; one that exited says why (its log's last lines) instead of being waited
+    for."""
+    if process.poll() is not None:
+        log = Path(process.args[process.args.index("--logfile") + 1])
+        tail = log.read_text(errors="replace").splitlines()[-5:] if log.exists() else []
+        raise RuntimeError(f"redis-server on port {port} exited ({process.returncode}): " + " | ".join(tail))
+    return _node(port).ping()
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out to outgoing connections: a node's ports stay below it, where no test's
+    client connection can take one between the check that it is free and the node's bind."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
 def _node_port() -> int:
-    """A free port whose cluster bus port is free too (and below 65536)."""
+    """A free port whose cluster bus port is free too, both below the ephemeral range."""
     while True:
-        port = random.randrange(20_000, 50_000)
+        port = random.randrange(10_000, _ephemeral_floor() - BUS_OFFSET)
         try:
             for candidate in (port, port + BUS_OFFSET):
                 with socket.socket() as probe:
