@@ -22,6 +22,7 @@ from common import write_result
 from transformers import DynamicCache
 
 from cache_store import CacheEntry, CacheLayout, CacheStore, Offloader
+from cache_store.remote_format import EVERY_VERSION
 from cache_store.remote_tier import RemoteTier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -72,7 +73,7 @@ def remote_round(kv_dtype: str, tokens: int, url: str) -> tuple[float, int]:
     lookup = store(kv_dtype, reader).lookup("s", list(range(tokens)) + [0])
     restore_s = time.perf_counter() - started
     assert lookup.source == "remote", lookup
-    reader.delete("s")
+    reader.delete("s", EVERY_VERSION)
     reader.close()
     return restore_s, nbytes
 

@@ -33,21 +33,32 @@ FORMAT_VERSION = 7
 _HEADER = struct.Struct("<Q")  # the length of a safetensors header, before it
 
 
-# The session's own bytes, then its header, unless Redis holds a copy of a later version (another worker's, written
-# first): a late write of an older turn never takes its place. KEYS kv, kvmeta; ARGV bytes, header, version, TTL.
-WRITE_SESSION = """
+# Every write and delete of a session's own keys is conditional, in one Lua call, on the version Redis holds: a late
+# write of an older turn never takes a newer copy's place, and a delete removes only the copies it means to (those
+# at most the version it names: a stale fetch that gave up never deletes the copy its turn wrote since). A header
+# that cannot be read has no version, and any delete removes it.
+_NEWER_HELD = """
 local current = redis.call('GET', KEYS[2])
 if current then
   local ok, meta = pcall(cjson.decode, current)
   if ok and type(meta) == 'table' and tonumber(meta['session_version']) and
-      tonumber(meta['session_version']) > tonumber(ARGV[3]) then
+      tonumber(meta['session_version']) > tonumber(ARGV[1]) then
     return 0
   end
 end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[4])
-redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
+"""
+# KEYS kv, kvmeta; ARGV version, bytes, header, TTL.
+WRITE_SESSION = _NEWER_HELD + """
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[4])
+redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
 return 1
 """
+# KEYS kv, kvmeta; ARGV the latest version the delete means to remove.
+DELETE_SESSION = _NEWER_HELD + """
+redis.call('DEL', KEYS[1], KEYS[2])
+return 1
+"""
+EVERY_VERSION = 2**53  # (a delete of whatever version Redis holds: the session is closed; Lua's numbers are doubles)
 
 
 def chunk_key(name: str) -> str:

@@ -139,7 +139,7 @@ def fetch_copy(request: FetchRequest, remote: RemoteCaches, cost: CostModel) -> 
     if header is not None and header.fingerprint.quantized and request.kv_dtype == "same":
         header = None  # a quantised copy never stands in for an exact one where exact ones are asked for
     if header is not None and header.session_version < request.session_version:
-        remote.delete(request.session_id)
+        remote.delete(request.session_id, header.session_version)  # (only this copy: never one written since)
         header = None
     if header is None:
         return FetchOutcome()

@@ -20,7 +20,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 import xxhash
 from cachetools import LRUCache
@@ -29,6 +29,7 @@ from redis.cluster import RedisCluster
 from cache_store.chunks import CHUNK_TOKENS
 from cache_store.cost_model import Throughput
 from cache_store.remote_format import (
+    DELETE_SESSION,
     WRITE_SESSION,
     RemoteCopy,
     RemoteHeader,
@@ -56,6 +57,16 @@ PENDING_BYTES = 256 * 2**20  # snapshots queued for writing, at most (while Redi
 PENDING_AGE_S = 30.0  # a snapshot queued longer is dropped unwritten (its turn stopped waiting long before)
 MAX_QUEUED_DELETES = 100_000
 DROP_REASONS = ("full", "expired", "deletes")  # why a queued write was not made: no room, too old, delete queue full
+
+
+class _Op(NamedTuple):
+    """A writer's op: `put` the session's snapshot queued with `ticket`, `delete` the session's copy if its version
+    is at most `version`, or `delete_chunk`."""
+
+    kind: Literal["put", "delete", "delete_chunk"]
+    key: str
+    ticket: int = 0
+    version: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,8 +105,8 @@ class RemoteTier:
         self._lock = threading.Lock()
         self._queued = [threading.Condition(self._lock) for _ in range(WRITERS)]  # each writer waits on its own
         self._written = threading.Condition(self._lock)  # `wait_written` waits on it
-        # Each writer's ops, in order: (put | delete | delete_chunk, key, ticket); a key's ops go to one writer.
-        self._ops: list[deque[tuple[str, str, int]]] = [deque() for _ in range(WRITERS)]
+        # Each writer's ops, in order (a key's ops go to one writer).
+        self._ops: list[deque[_Op]] = [deque() for _ in range(WRITERS)]
         self._latest: OrderedDict[str, _Pending] = OrderedDict()  # session -> its newest snapshot, oldest first
         self._pending_bytes = 0
         self._deletes = 0  # deletes queued
@@ -183,7 +194,7 @@ class RemoteTier:
             self._pending_bytes += nbytes
             self._unwritten.add(session_id)
             if previous is None:
-                self._queue_op("put", session_id, ticket)
+                self._queue_op(_Op("put", session_id, ticket))
 
     def wait_written(self, session_id: str, timeout_s: float) -> bool:
         """Wait until the session's newest snapshot has been written (or has failed, or was dropped); whether it was
@@ -214,7 +225,7 @@ class RemoteTier:
             return header_from(session_id, raw)
         except (KeyError, TypeError, ValueError, AttributeError):
             log.warning("session %s: unreadable remote cache header; deleting it", session_id)
-            self.delete(session_id)
+            self.delete(session_id, 0)  # (unless a readable one took its place meanwhile)
             return None
 
     def fetch(self, header: RemoteHeader, first: int = 0) -> RemoteCopy | None:
@@ -233,26 +244,28 @@ class RemoteTier:
             return None
         if blob is None:
             log.warning("session %s: remote cache header without bytes; deleting it", header.session_id)
-            self.delete(header.session_id)
+            self.delete(header.session_id, header.session_version)
             return None
         return copy_from(header, first, blob, chunks)
 
-    def delete(self, session_id: str) -> None:
-        """Queue the deletion of the session's own keys (a snapshot of it still queued is not written). Best effort:
-        a header left behind is refused later by its version or fingerprint. Its chunks stay for the other
-        sessions that start with them, until their retention runs out."""
+    def delete(self, session_id: str, up_to_version: int) -> None:
+        """Queue the deletion of the session's own keys, if the copy Redis holds then is of at most `up_to_version`
+        (the copy the caller found bad or of no use: never one written since); a snapshot of it still queued is not
+        written, unless it is newer. Best effort: a header left behind is refused later by its version or
+        fingerprint. Its chunks stay for the other sessions that start with them, until their retention runs out."""
         with self._lock:
-            if session_id in self._latest:
+            pending = self._latest.get(session_id)
+            if pending is not None and pending.snapshot.session_version <= up_to_version:
                 self._drop_pending(session_id)
             self._session_chunks.pop(session_id, None)
-            self._queue_delete("delete", session_id)
+            self._queue_delete(_Op("delete", session_id, version=up_to_version))
 
     def delete_chunk(self, name: str) -> None:
         """A chunk failed its checks: queue its deletion from Redis, so that the next writer that has it sends it
         again."""
         with self._lock:
             self._known.pop(name, None)
-            self._queue_delete("delete_chunk", name)
+            self._queue_delete(_Op("delete_chunk", name))
 
     def usage(self) -> tuple[int, int]:
         """Redis memory in use and its limit (`maxmemory`, or the machine's memory when unlimited; a cluster's:
@@ -296,19 +309,19 @@ class RemoteTier:
         self._down_until = time.monotonic() + BACK_OFF_S
         log.warning("remote KV tier: Redis unreachable; skipping it for %.0f s", BACK_OFF_S)
 
-    def _queue_delete(self, kind: str, key: str) -> None:
+    def _queue_delete(self, op: _Op) -> None:
         """(Under the lock.) Deletes are small; past `MAX_QUEUED_DELETES` they are dropped and counted (a copy left
         behind is refused by its checks, and expires)."""
         if self._deletes >= MAX_QUEUED_DELETES:
             self.dropped["deletes"] += 1
             return
         self._deletes += 1
-        self._queue_op(kind, key, 0)
+        self._queue_op(op)
 
-    def _queue_op(self, kind: str, key: str, ticket: int) -> None:
+    def _queue_op(self, op: _Op) -> None:
         """(Under the lock.) A key's ops all go to one writer, in order; different keys' to several at once."""
-        shard = xxhash.xxh3_64_intdigest(key.encode()) % WRITERS
-        self._ops[shard].append((kind, key, ticket))
+        shard = xxhash.xxh3_64_intdigest(op.key.encode()) % WRITERS
+        self._ops[shard].append(op)
         self._queued[shard].notify()
 
     def _drop_pending(self, session_id: str, reason: str | None = None) -> None:
@@ -325,7 +338,7 @@ class RemoteTier:
             self._unwritten.discard(session_id)
             self._written.notify_all()
 
-    def _next_op(self, shard: int) -> tuple[str, str, RemoteSnapshot | None] | None:
+    def _next_op(self, shard: int) -> tuple[_Op, RemoteSnapshot | None] | None:
         """The next op of writer `shard` (a snapshot taken out of the queue), or None once closed with nothing
         left."""
         ops = self._ops[shard]
@@ -337,13 +350,14 @@ class RemoteTier:
                     if self._closing:
                         return None
                     self._queued[shard].wait()
-                kind, key, ticket = ops.popleft()
-                if kind != "put":
+                op = ops.popleft()
+                key = op.key
+                if op.kind != "put":
                     self._deletes -= 1
                     self._busy[shard] = True
-                    return kind, key, None
+                    return op, None
                 pending = self._latest.get(key)
-                if pending is None or pending.ticket != ticket:
+                if pending is None or pending.ticket != op.ticket:
                     continue  # deleted or dropped since: a later op (if any) carries its newest snapshot
                 del self._latest[key]
                 self._pending_bytes -= pending.nbytes
@@ -352,18 +366,18 @@ class RemoteTier:
                     self._settled(key)
                     continue
                 self._busy[shard] = True
-                return kind, key, pending.snapshot
+                return op, pending.snapshot
 
     def _write_loop(self, shard: int) -> None:
         """Carry out the queued ops, in order, until closed. No error ends the thread: a failed write (Redis
         unreachable, out of memory, refused) is counted and logged once per back-off, and the next op goes on."""
-        while (op := self._next_op(shard)) is not None:
-            kind, key, snapshot = op
+        while (next_op := self._next_op(shard)) is not None:
+            (kind, key, _, version), snapshot = next_op
             try:
                 if snapshot is not None:
                     self._write(key, snapshot)
                 elif kind == "delete":
-                    self._redis.delete(redis_key(key, "kvmeta"), redis_key(key, "kv"))
+                    self._redis.eval(DELETE_SESSION, 2, redis_key(key, "kv"), redis_key(key, "kvmeta"), version)
                 else:
                     self._redis.delete(chunk_key(key))
             except Exception as error:
@@ -413,7 +427,7 @@ class RemoteTier:
                 lost.append(name)  # gone from Redis, and this snapshot does not carry it: the next one will
         blob, meta = session_bytes(snapshot, tail, self.chunk_tokens, chunk_nbytes)
         write.execute_command("EVAL", WRITE_SESSION, 2, redis_key(session_id, "kv"), redis_key(session_id, "kvmeta"),
-                              blob, meta, snapshot.session_version, self.ttl_s)  # (a cluster's pipeline too)
+                              snapshot.session_version, blob, meta, self.ttl_s)  # (a cluster's pipeline too)
         *answers, newest = write.execute()
         renewed = answers[:len(renewing)]
         counts["snapshots_superseded"] += not newest

@@ -38,6 +38,7 @@ from cache_store.lookup import (
 )
 from cache_store.offload import Offloader
 from cache_store.quantize import KVDtype
+from cache_store.remote_format import EVERY_VERSION
 from cache_store.remote_lookup import RemoteLookup
 from cache_store.remote_moves import FetchRequest, RemoteFetch, RemoteMoves
 from cache_store.segments import SharedSegments, is_segment, segment_key
@@ -218,7 +219,7 @@ class CacheStore:
         held = found.entry or self._segment_for(prompt_ids, prefix_len, scope)
         fetched = self._remote.adopt(session_id, outcome, held)
         if outcome.failed and fetched is None:
-            return self.report_corruption(session_id, outcome.failed), decision
+            return self.report_corruption(session_id, outcome.failed, outcome.header.session_version), decision
         self.tiers.count_corruption(outcome.failed)  # (a chunk failed: the turn recomputes from the last good one)
         if fetched is None:
             return found, decision
@@ -231,7 +232,7 @@ class CacheStore:
         entry = found.entry
         reusable = min(common_prefix_length(entry.token_ids, prompt_ids), len(prompt_ids) - 1)
         if reusable <= 0:
-            self.drop(session_id)  # nothing in it is of use, in any tier
+            self.drop(session_id, entry.session_version)  # nothing in it is of use, in any tier
             return CacheLookup("miss", 0, miss_reason="drift")
         entry.crop(reusable)
         entry.checksum = None  # the turn changes it; write-back takes a new one
@@ -284,8 +285,9 @@ class CacheStore:
         self._end_turn(session_id)
 
     def abandon(self, session_id: str) -> None:
-        """The session's turn failed: drop its cache from every tier (it may be half-written) and end
-        the turn's reservation of the budget."""
+        """The session's turn failed: drop its cache on this worker (it may be half-written) and end the turn's
+        reservation of the budget. Its copy in Redis, written by an earlier turn that completed, stays: the
+        session's next turn (on any worker) may still need it, and it is checked on every fetch."""
         self.drop(session_id)
         self._end_turn(session_id)
 
@@ -332,20 +334,23 @@ class CacheStore:
         self.tiers.count_corruption(failed if entry is not None else ())
         return entry is not None
 
-    def report_corruption(self, session_id: str, failed: tuple[Check, ...]) -> CacheLookup:
+    def report_corruption(self, session_id: str, failed: tuple[Check, ...],
+                          remote_up_to: int | None = None) -> CacheLookup:
         """A check failed: clear the session's cache (or the shared segment's, and every resident cache that
-        starts with it) in every tier; its turn recomputes."""
-        self.tiers.report_corruption(session_id, failed)
+        starts with it) on this worker, and in Redis up to version `remote_up_to` when that copy is suspect too;
+        its turn recomputes."""
+        self.tiers.report_corruption(session_id, failed, remote_up_to)
         return CacheLookup("miss", 0, miss_reason="corrupt", cleared=failed)
 
-    def drop(self, session_id: str) -> None:
-        """Drop a session's cache (or a shared segment, with every resident cache that starts with it) from every
-        tier; its next turn recomputes."""
-        self.tiers.drop(session_id)
+    def drop(self, session_id: str, remote_up_to: int | None = None) -> None:
+        """Drop a session's cache (or a shared segment, with every resident cache that starts with it) on this
+        worker, and in Redis when its copy there is of version `remote_up_to` or older (`CacheTiers.drop`)."""
+        self.tiers.drop(session_id, remote_up_to)
 
     def forget(self, session_id: str) -> None:
-        """The session is closed: drop its cache and everything known about it."""
-        self.drop(session_id)
+        """The session is closed: drop its cache (in Redis too, whatever its version) and everything known about
+        it."""
+        self.drop(session_id, EVERY_VERSION)
         self.notes.forget(session_id)
 
     def evict_one(self) -> bool:

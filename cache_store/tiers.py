@@ -182,30 +182,32 @@ class CacheTiers:
 
     # ##### Gone #####
 
-    def report_corruption(self, key: str, failed: tuple[Check, ...]) -> None:
+    def report_corruption(self, key: str, failed: tuple[Check, ...], remote_up_to: int | None = None) -> None:
         """A check failed: clear the session's cache (or the shared segment's, and every resident cache that
-        starts with it) in every tier, and count it."""
+        starts with it) on this worker, and count it; with `remote_up_to`, its copy in Redis too (`drop`)."""
         log.warning("%s: cache failed the %s check; cleared, recomputing",
                     f"shared segment {key}" if is_segment(key) else f"session {key}", ", ".join(failed))
-        self.drop(key)
+        self.drop(key, remote_up_to)
         self.count_corruption(failed)
 
     def count_corruption(self, failed: tuple[Check, ...]) -> None:
         for check in failed:
             self.counters[f"corrupt_{check}"] += 1
 
-    def drop(self, key: str) -> None:
-        """Drop a session's cache from every tier; its next turn recomputes. Dropping a shared segment drops
-        every resident cache that starts with it (a cache that names it in a lower tier finds it again, or
-        recomputes) and its host copy. A session's chunks in Redis stay for the sessions that share them (each is
-        checked on every fetch, and deleted when it fails)."""
+    def drop(self, key: str, remote_up_to: int | None = None) -> None:
+        """Drop a session's cache from this worker's tiers; its next turn here recomputes (or fetches it from Redis).
+        Dropping a shared segment drops every resident cache that starts with it (a cache that names it in a lower
+        tier finds it again, or recomputes) and its host copy. With `remote_up_to`, the session's copy in Redis is
+        deleted too if its version is at most that (the copy found bad or of no use: never one written since);
+        without, it stays for the session's next turn, here or on another worker (it is checked on every fetch). A
+        session's chunks in Redis stay for the sessions that share them (each is deleted when it fails a check)."""
         if is_segment(key):
             for dependent in self.segments.drop(key):
                 self.notes.lost(dependent)
         self.device.discard(key)
         self.host.discard(key)
-        if self.remote is not None and not is_segment(key):
-            self.remote.delete(key)
+        if self.remote is not None and remote_up_to is not None and not is_segment(key):
+            self.remote.delete(key, remote_up_to)
 
     def _record(self, moved: Moved, direction: str) -> None:
         self.counters.update(+moved.counters)

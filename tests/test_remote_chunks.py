@@ -4,6 +4,7 @@ it lacks, and a chunk that is damaged, gone or another owner's ends what is rest
 
 import json
 import struct
+import threading
 
 import pytest
 import safetensors.torch
@@ -13,7 +14,7 @@ import cache_store.chunks as chunks
 from cache_store import CacheEntry, CacheStore, Offloader
 from cache_store.arena import ArenaCache, KVArena
 from cache_store.chunks import chunk_identity
-from cache_store.remote_format import FORMAT_VERSION, chunk_key
+from cache_store.remote_format import FORMAT_VERSION, RemoteHeader, chunk_key
 from cache_store.remote_tier import RemoteTier
 from tests.support import lookup_through_redis
 from tests.test_cache_store import BYTES_PER_TOKEN, HEAD_DIM, HEADS, LAYERS, LAYOUT, Clock, make_entry
@@ -22,10 +23,11 @@ CHUNK = 16
 POLICY = list(range(1000, 1040))  # 40 tokens: two whole chunks, and part of a third
 
 
-def worker(url: str, tokens: int = 2000, **kwargs) -> tuple[CacheStore, RemoteTier]:
+def worker(url: str, tokens: int = 2000, tier: type[RemoteTier] = RemoteTier, **kwargs
+           ) -> tuple[CacheStore, RemoteTier]:
     """A cache store on a KV arena, with a remote tier of 16-token chunks."""
     arena = KVArena(LAYERS, HEADS, HEAD_DIM, torch.float32, torch.device("cpu"), tokens=tokens)
-    remote = RemoteTier(url, ttl_s=600, chunk_tokens=CHUNK)
+    remote = tier(url, ttl_s=600, chunk_tokens=CHUNK)
     store = CacheStore(new_cache=lambda n: ArenaCache(arena), offloader=Offloader(torch.device("cpu")), layout=LAYOUT,
                        model_key="test-model", device_budget_bytes=tokens * BYTES_PER_TOKEN,
                        host_budget_bytes=tokens * BYTES_PER_TOKEN, clock=Clock(), remote=remote,
@@ -269,3 +271,38 @@ def test_a_late_write_of_an_older_turn_never_replaces_a_newer_copy(workers):
     assert older_remote.counters["snapshots_superseded"] == 1
     found = lookup_through_redis(workers()[0], "s", [*history(0, 90), 7], session_version=3)
     assert (found.source, found.cached_tokens) == ("remote", 90)
+
+
+class LateReader(RemoteTier):
+    """A Redis reader that read a session's header long ago and answers only once told to (`answer`): the header
+    then returned is the one Redis held before (`stale`)."""
+
+    stale: RemoteHeader | None = None
+    answer = threading.Event()
+
+    def head(self, session_id: str) -> RemoteHeader | None:
+        assert self.answer.wait(10)
+        return self.stale
+
+
+def test_a_fetch_that_finishes_after_its_turn_gave_up_never_deletes_the_copy_written_since(workers):
+    """A turn of version 2 asks Redis, which held version 1; its fetch reads that header but answers only after the
+    turn stopped waiting, recomputed, and wrote version 3. The fetch then deletes the stale copy it read: only that
+    one (and not the queued or written version 3), so that the next worker continues from version 3."""
+    first, first_remote = workers()
+    write_turn(first, first_remote, "s", history(0, 40), 1)
+    LateReader.stale = first_remote.head("s")
+    late, late_remote = workers(tier=LateReader)
+    prompt = [*history(0, 70), 7]
+    fetch = late.start_fetch(late.remote_request("s", prompt, session_version=2), len(prompt))
+    gave_up = late.lookup("s", prompt, session_version=2, fetch=fetch)  # (its patience ran out: it recomputes)
+    assert gave_up.source == "miss" and gave_up.remote.choice == "timeout"
+    entry = CacheEntry(late.new_cache(70), history(0, 70))
+    entry.cache.load(keyed_entry(history(0, 70)).tensors())
+    late.put("s", entry, session_version=3)
+    LateReader.answer.set()
+    fetch.job.result(timeout=10)
+    assert late_remote.wait_written("s", 10) and late_remote.drain(10)
+    assert first_remote.head("s").session_version == 3, "the copy written since is still there"
+    found = lookup_through_redis(workers()[0], "s", [*history(0, 70), 7], session_version=3)
+    assert (found.source, found.cached_tokens) == ("remote", 70)

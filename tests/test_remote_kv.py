@@ -4,6 +4,7 @@ and passes every check; damaged blobs are caught and recomputed; the cost model 
 import asyncio
 import json
 import re
+import threading
 import time
 import urllib.request
 
@@ -22,7 +23,9 @@ from cache_store.remote_tier import RemoteTier
 from chatd.api.server import ChatServer
 from chatd.cli.client import ChatClient
 from chatd.config import Settings
-from tests.support import two_workers_and_a_reference
+from chatd.engine.turn import TurnResult
+from sessions import Session
+from tests.support import kv_budget_mb, run_turn, running_engine, two_workers_and_a_reference
 
 QUESTIONS = ["My parcel is late.", "It was sent on Monday.", "Where is it now?"]
 
@@ -376,7 +379,7 @@ def test_queued_writes_are_bounded_in_bytes_and_age_and_what_is_dropped_is_count
         for name in ("a", "b", "c"):
             tier.put(name, snapshot(64))
         assert tier.wait_written("a", 0), "dropped for a newer snapshot: nobody waits for it"
-        tier.delete("b")
+        tier.delete("b", snapshot(64).session_version)
         assert tier.pending() == {"pending_writes": 1, "pending_bytes": size, "pending_deletes": 1,
                                   "dropped_full": 1, "dropped_expired": 0, "dropped_deletes": 0}
         assert tier.wait_written("c", 5) and tier.drain(5)
@@ -384,3 +387,48 @@ def test_queued_writes_are_bounded_in_bytes_and_age_and_what_is_dropped_is_count
     finally:
         tier.close()
         silent.close()
+
+
+POLICY = ("You are the support desk of a parcel company. Answer in one short sentence, politely, and never promise "
+          "a delivery date. Refunds take five working days; a lost parcel is refunded in full once the carrier "
+          "confirms it.")  # (long enough to be held as a shared segment)
+
+
+def test_a_fetch_that_meets_a_full_arena_waits_for_room_and_keeps_the_copy_in_redis(tiny, redis_db):
+    """Worker B has no copy of a session that worker A served (Redis has one), its system prompt's segment went to
+    B's host tier, and one long decoding turn fills B's arena: bringing the segment back for the fetch finds no
+    room. The turn waits for the long one to end (never `internal`, never deleting the copy), then continues from
+    Redis, and its reply equals a no-cache engine's. (B's device budget is set above its arena, so that admission
+    lets the turn in while the arena is full: the way any turn meets a full arena after its admission.)"""
+    shared = dict(redis_url=redis_db.url, remote_kv=True, remote_kv_fetch="always", max_batch=4,
+                  verify_sample_rate=0)
+    with running_engine(tiny, **shared) as worker_a, \
+            running_engine(tiny, device_cache_mb=kv_budget_mb(tiny, 256), **shared) as worker_b, \
+            running_engine(tiny, session_cache=False) as uncached:
+        worker_b.call(lambda store: setattr(store.device, "budget_bytes", 2**40)).result()
+        session, reference = Session("moved", system=POLICY), Session("moved", system=POLICY)
+        for question in QUESTIONS[:2]:
+            run_turn(worker_a, session, question, max_new_tokens=4)
+            run_turn(uncached, reference, question, max_new_tokens=4)
+        assert worker_a.wait_shared(session.session_id, 10)
+        run_turn(worker_b, Session("other", system=POLICY), "Hello", max_new_tokens=4)  # B's segment of the policy
+        moved: dict[str, object] = {}
+
+        def while_it_decodes(turn, _text):  # (the engine thread: the long turn's region fills the arena now)
+            if "thread" not in moved:
+                held = worker_b.cache.host.keys()
+                moved["segment_on_host"] = any(key.startswith("prefix:") for key in held)
+                moved["thread"] = threading.Thread(target=lambda: moved.update(
+                    result=run_turn(worker_b, session, QUESTIONS[2], max_new_tokens=4)[0]))
+                moved["thread"].start()
+
+        run_turn(worker_b, Session("long", system="Tell a long story."), "Once upon a time", on_text=while_it_decodes,
+                 max_new_tokens=200)
+        moved["thread"].join(60)
+        expected, _ = run_turn(uncached, reference, QUESTIONS[2], max_new_tokens=4)
+        assert moved["segment_on_host"], "the long turn sent the policy's segment to the host tier"
+        done = moved["result"]
+        assert isinstance(done, TurnResult), done
+        assert worker_b.failures["lookup"] == 0
+        assert done.token_ids == expected.token_ids
+        assert done.cache_source == "remote" and done.cached_tokens > 64, "Redis's copy, not the segment alone"

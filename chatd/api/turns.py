@@ -180,17 +180,18 @@ class TurnRunner:
             await self.store.append_turn(session, started.inputs, content, result.conversation_ids, started.lease,
                                          dropped_turns=result.dropped_turns, reply_ids=result.reply_ids,
                                          tool_calls=calls)
-        except VersionConflict:
+        except VersionConflict:  # (Redis's copy of that version may be the other worker's: it stays)
             self.engine.drop_cache(session.session_id)
             return TurnFailed("conflict", "another worker recorded a turn of this session first; "
                                           "this reply was not recorded")
         except StoreUnavailable:  # (only where turns wait for replicas: otherwise a turn is queued in this worker)
-            self.engine.drop_cache(session.session_id)
+            # (in Redis: the copy its write-back made, never a later one)
+            self.engine.drop_cache(session.session_id, started.turn.session_version + 1)
             return TurnFailed("unavailable", "the session store (Redis) could not record this reply; send the "
                                              "message again shortly")
         except Exception:
             log.exception("recording a turn of session %s failed", session.session_id)
-            self.engine.drop_cache(session.session_id)
+            self.engine.drop_cache(session.session_id, started.turn.session_version + 1)
             return TurnFailed("internal", "the reply could not be recorded in the session; send the message again")
         return result
 

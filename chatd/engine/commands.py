@@ -46,10 +46,11 @@ class CacheCommands:
     def _publish(self) -> None:
         raise NotImplementedError
 
-    def drop_cache(self, session_id: str) -> None:
-        """Drop a session's cache from every tier (its next turn recomputes), once the turns queued
-        before this call have finished."""
-        self._commands.put(CacheCommand(lambda store: store.drop(session_id), session_id=session_id))
+    def drop_cache(self, session_id: str, remote_up_to: int | None = None) -> None:
+        """Drop a session's cache on this worker (its next turn recomputes, or fetches it from Redis), and in Redis
+        when its copy there is of version `remote_up_to` or older, once the turns queued before this call have
+        finished."""
+        self._commands.put(CacheCommand(lambda store: store.drop(session_id, remote_up_to), session_id=session_id))
 
     def close_session(self, session_id: str) -> None:
         """The session is closed: drop its cache and everything the cache store knows about it, once the

@@ -36,7 +36,7 @@ from cache_store.stage_faults import FaultPoints, Stage
 from chatd.config import Settings
 from chatd.engine.commands import CacheCommand, CacheCommands
 from chatd.engine.cpu_share import ThreadGovernor, usable_cpus
-from chatd.engine.drafts import Speculator
+from chatd.engine.drafts import ReplyBooks, Speculator
 from chatd.engine.fetching import FetchingTurns
 from chatd.engine.grammar import GrammarCompiler, fill_masks, masked_logits, masks_by_row
 from chatd.engine.model_runner import ModelRunner
@@ -84,7 +84,9 @@ class Engine(CacheCommands):
         self.runner: ModelRunner | None = None
         self.grammars: GrammarCompiler | None = None  # compiles what constrained replies follow, off this thread
         self.governor: ThreadGovernor | None = None  # fewer threads while other processes take this one's CPUs
-        self.speculator = Speculator(self.settings.speculation_tokens if self.settings.speculation == "on" else 0)
+        self.speculator = Speculator(self.settings.speculation_tokens if self.settings.speculation == "on" else 0,
+                                     ReplyBooks(budget_bytes=None if (mb := self.settings.speculation_books_mb) is None
+                                                else int(mb * 2**20)))
         self._queued: deque[Turn] = deque()  # submitted, not started: admitted oldest first
         self._head: RunningTurn | None = None  # the oldest, rendered, waiting for device memory
         self._live: dict[int, Turn] = {}  # every turn taken from the queue and not yet ended, by id
@@ -173,7 +175,7 @@ class Engine(CacheCommands):
                 self._decode_step()
             self._counted = {id(running.turn) for running in self._started()}
             self._active = len(self._counted)
-            self.governor.tick()
+            self.governor.tick(working=bool(self._decoding or self._prefilling))
             if time.monotonic() - expired_at >= EXPIRE_EVERY_S:
                 self._housekeep(CacheStore.expire)
                 expired_at = time.monotonic()
@@ -225,7 +227,7 @@ class Engine(CacheCommands):
                                 "fetching_turns": len(self._fetching),
                                 "decode_steps_beside_fetches": self.steps_beside_fetches, **self.governor.stats(),
                                 "riding_prefills": self.riding_prefills,
-                                "spec_max_tokens": self.speculator.max_tokens, **self.speculator.counters.published()}
+                                **self.speculator.published()}
         except Exception as error:  # figures for /metrics: never worth a turn, let alone the engine
             if is_fatal(error):
                 raise
@@ -364,11 +366,11 @@ class Engine(CacheCommands):
             with torch.inference_mode():
                 if running.lookup is None:  # as late as possible: turns ahead may have shared a prefix
                     self.faults.check("lookup", session_id)
-                    if running.fetch is None and self._fetch(running):
-                        return 0
                     try:
+                        if running.fetch is None and self._fetch(running):
+                            return 0
                         lookup = self._finder.find(running)
-                    except ArenaFull:  # no room on the device to restore its cache into
+                    except ArenaFull:  # no room on the device for its cache (restored, fetched, or its segment)
                         self._wait_for_room(running)
                         return 0
                     self._begin_prefill(running, lookup)
@@ -409,7 +411,8 @@ class Engine(CacheCommands):
         if running.lookup.cached_tokens and not bool(torch.isfinite(first_logits).all()):
             # A NaN or Inf anywhere in the reused keys and values reaches these logits: the cheapest
             # finite check there is, on every turn. Start over from scratch.
-            self._begin_prefill(running, self.cache.report_corruption(running.turn.session_id, ("finite",)))
+            self._begin_prefill(running, self.cache.report_corruption(running.turn.session_id, ("finite",),
+                                                                      running.turn.session_version))
             self._prefilling.appendleft(running)
             return
         running.first_token_at = time.perf_counter()
@@ -534,11 +537,12 @@ class Engine(CacheCommands):
         riders, self._riders = self._riders, []
         self.batch_sizes[len(batch)] += 1
         self.steps_beside_fetches += bool(self._fetching)
+        needed = self.speculator.cost.break_even(len(batch))
+        self.speculator.new_step()
+        drafts = {id(running): self._draft(running, needed) for running in batch}  # (checked against grammars first)
         # The constrained rows' masks are computed while the model computes the logits (llguidance frees the GIL).
         constrained = [r for r in batch if r.grammar is not None and r.grammar.active]
         masks = self.grammars.masks_ahead([r.grammar for r in constrained]) if constrained else None
-        needed = self.speculator.cost.break_even(len(batch))
-        drafts = {id(running): self._draft(running, needed) for running in batch}
         inputs = {id(running): [running.next_input, *drafts[id(running)]] for running in batch}
         inputs.update({id(running): running.pending for running in riders})
         everyone, riding = [*batch, *riders], {id(running) for running in riders}
@@ -584,7 +588,7 @@ class Engine(CacheCommands):
                                         running.max_new_tokens - len(running.generated) - 1, needed)
         if draft and running.grammar is not None and running.grammar.active:
             try:
-                draft = draft[:running.grammar.matcher.validate_tokens(draft)]
+                draft = draft[:running.grammar.accepted_prefix(draft)]
             except Exception as error:
                 # No draft then: a grammar that truly fails fails its turn when its mask is filled.
                 log_failure(log, error, "checking a draft against the grammar of session %s failed; no draft this "

@@ -100,7 +100,7 @@ class CacheFinder:
         covered (`truncated`)."""
         turn = running.turn
         if running.dropped_turns > turn.dropped_turns:
-            self._cache.drop(turn.session_id)
+            self._cache.drop(turn.session_id, turn.session_version)
             return CacheLookup("miss", 0, miss_reason="truncated")
         lookup = self._cache.lookup(turn.session_id, running.prompt_ids, running.prefix_len, turn.session_version,
                                     turn=turn, scope=turn.owner, fetch=running.fetch)
@@ -123,5 +123,5 @@ class CacheFinder:
         tolerance = DEEP_CHECK_TOLERANCE_INT8 if lookup.quantized else DEEP_CHECK_TOLERANCE.get(self._dtype, 5e-2)
         if distance > tolerance:
             log.warning("session %s: deep check distance %.3g over %.3g", turn.session_id, distance, tolerance)
-            return self._cache.report_corruption(turn.session_id, ("deep",))
+            return self._cache.report_corruption(turn.session_id, ("deep",), turn.session_version)
         return lookup
