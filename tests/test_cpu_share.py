@@ -8,7 +8,13 @@ import time
 
 import pytest
 
-from chatd.engine.cpu_share import AGREEING_SAMPLES, SAMPLE_EVERY_S, CpuWatch, ThreadGovernor, cgroup_cpu_limit
+from chatd.engine.cpu_share import (
+    HOLD_UP_S,
+    SAMPLE_EVERY_S,
+    CpuWatch,
+    ThreadGovernor,
+    cgroup_cpu_limit,
+)
 
 
 def test_the_cgroup_quota_is_the_tightest_on_the_way_to_the_root(tmp_path):
@@ -55,35 +61,77 @@ def test_a_busy_process_on_this_process_cpus_is_seen_and_its_end_too():
 
 
 class Stat:
-    """A /proc/stat and /proc/self/stat pair that a test advances: two CPUs, and what others used of them."""
+    """A /proc/stat and /proc/self/stat pair that a test advances: two CPUs, and what others used of them (at normal
+    priority, or niced)."""
 
     def __init__(self, folder):
-        self.system, self.own, self.busy, self.idle = folder / "stat", folder / "self-stat", 0, 0
+        self.system, self.own, self.busy, self.nice, self.idle = folder / "stat", folder / "self-stat", 0, 0, 0
         self.advance(0.0)
 
-    def advance(self, others: float, ticks: int = 50) -> None:
+    def advance(self, others: float, ticks: int = 50, nice: float = 0.0) -> None:
         self.busy += round(others * ticks)
-        self.idle += round((2 - others) * ticks)
-        lines = [f"cpu {self.busy} 0 0 {self.idle} 0 0 0 0 0 0"]
+        self.nice += round(nice * ticks)
+        self.idle += round((2 - others - nice) * ticks)
+        lines = [f"cpu {self.busy} {self.nice} 0 {self.idle} 0 0 0 0 0 0"]
         for cpu in range(2):
-            lines.append(f"cpu{cpu} {self.busy // 2 + cpu * (self.busy % 2)} 0 0 "
-                         f"{self.idle // 2 + cpu * (self.idle % 2)} 0 0 0 0 0 0")
+            lines.append(f"cpu{cpu} {self.busy // 2 + cpu * (self.busy % 2)} {self.nice // 2 + cpu * (self.nice % 2)} "
+                         f"0 {self.idle // 2 + cpu * (self.idle % 2)} 0 0 0 0 0 0")
         self.system.write_text("\n".join(lines) + "\n")
         self.own.write_text("1 (chatd serve) S " + " ".join(["0"] * 50) + "\n")  # this process: idle
 
 
+class Harness:
+    """A governor of two threads over a fake /proc that a test advances one look at a time."""
+
+    def __init__(self, folder):
+        self.stat, self.now, self.applied = Stat(folder), [0.0], []
+        self.governor = ThreadGovernor(2, CpuWatch({0, 1}, self.stat.system, self.stat.own, niced=False),
+                                       self.applied.append, lambda: self.now[0])
+
+    def look(self, others: float, nice: float = 0.0, working: bool = True) -> int:
+        self.stat.advance(others, nice=nice)
+        self.now[0] += SAMPLE_EVERY_S
+        self.governor.tick(working)
+        return self.governor.threads
+
+
 def test_the_governor_runs_fewer_threads_while_others_take_the_cpus_and_all_once_they_leave(tmp_path):
-    stat, now, applied = Stat(tmp_path), [0.0], []
-    governor = ThreadGovernor(2, CpuWatch({0, 1}, stat.system, stat.own), applied.append, lambda: now[0])
-
-    def look(others: float) -> int:
-        stat.advance(others)
-        now[0] += SAMPLE_EVERY_S
-        governor.tick()
-        return governor.threads
-
+    harness = Harness(tmp_path)
+    look, governor = harness.look, harness.governor
     assert look(0.9) == 2, "one look is not enough"
     assert look(0.9) == 1 and governor.changes == 1
-    assert [look(0.05) for _ in range(AGREEING_SAMPLES)] == [1, 2] and applied == [1, 2]
+    free_looks = round(HOLD_UP_S / SAMPLE_EVERY_S)
+    assert [look(0.05) for _ in range(free_looks + 1)][-2:] == [1, 2] and harness.applied == [1, 2]
     assert [look(others) for others in (0.9, 0.0, 0.9, 0.0)] == [2, 2, 2, 2], "no flapping on single looks"
     assert governor.others == pytest.approx(0.0, abs=0.05)
+
+
+def test_a_neighbour_whose_cpu_grows_with_the_engine_s_output_changes_the_threads_at_most_once_a_minute(tmp_path):
+    """A neighbour that takes 0.2 CPU per engine thread (an SSE proxy, the client): one change in 10 s, not ten.
+    One that takes 0.4 at two threads and almost nothing at one: the engine comes back up ever more slowly, at most
+    one change a minute in a steady state."""
+    harness = Harness(tmp_path)
+    for _ in range(round(10 / SAMPLE_EVERY_S)):
+        harness.look(0.2 * harness.governor.threads)
+    assert harness.governor.changes == 1 and harness.governor.threads == 1
+
+    (tmp_path / "harsh").mkdir()
+    harness = Harness(tmp_path / "harsh")
+    changes_at = []
+    for _ in range(round(20 * 60 / SAMPLE_EVERY_S)):
+        before = harness.governor.changes
+        harness.look(0.4 if harness.governor.threads == 2 else 0.02)
+        if harness.governor.changes > before:
+            changes_at.append(harness.now[0])
+    steady = [at for at in changes_at if at >= 10 * 60]
+    assert len(steady) <= 10, f"{len(steady)} changes in the last ten minutes: {changes_at}"
+
+
+def test_niced_neighbours_and_an_idle_engine_change_nothing(tmp_path):
+    harness = Harness(tmp_path)
+    for _ in range(40):
+        assert harness.look(0.0, nice=1.9) == 2, "a nice-19 background job competes with nothing"
+    for _ in range(40):
+        assert harness.look(1.9, working=False) == 2, "an idle engine does not look"
+    assert harness.look(0.0) == 2 and harness.look(0.0) == 2, "the first look after work comes back covers only it"
+    assert harness.governor.changes == 0
