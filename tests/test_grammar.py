@@ -93,3 +93,39 @@ def test_a_grammar_that_cannot_compile_is_refused_with_the_reason(tiny):
                 "a": {"$ref": "#/definitions/missing"}}}))).result()
         with pytest.raises(GrammarError, match="at most"):
             engine.grammars.compile(GrammarSpec("regex", "a" * 300_000)).result()
+
+
+def test_a_draft_checked_while_the_mask_thread_fills_the_same_grammar_never_collides(tiny):
+    """The engine checks a row's draft against its grammar while the mask thread may still fill that grammar's
+    mask (llguidance borrows the matcher for each and frees the GIL while it fills): one at a time, never an
+    "Already borrowed" error, and the fill's mask and the check's answer stay right."""
+    from chatd.engine.grammar import GrammarCompiler, fill_masks
+
+    with running_engine(tiny) as engine:
+        compiler: GrammarCompiler = engine.grammars
+        grammar = compiler.start(_compiled(engine))
+        opening = tiny.tokenizer.encode('{"category": "billing"', add_special_tokens=False)
+        wrong = tiny.tokenizer.encode('"nope"', add_special_tokens=False)
+        accepted = grammar.accepted_prefix(opening)  # (alone)
+        assert accepted > 0 and grammar.accepted_prefix(wrong) == 0
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def fill_on_and_on():
+            try:
+                while not stop.is_set():
+                    assert bool(fill_masks(compiler, [grammar]).ne(0).any())
+            except BaseException as error:  # noqa: BLE001 (reported by the test)
+                errors.append(error)
+
+        filler = threading.Thread(target=fill_on_and_on)
+        filler.start()
+        try:
+            for _ in range(2000):
+                assert grammar.accepted_prefix(opening) == accepted
+                assert grammar.accepted_prefix(wrong) == 0
+                assert not grammar.complete
+        finally:
+            stop.set()
+            filler.join(10)
+        assert not errors, errors

@@ -10,6 +10,7 @@ the model opens after some prose). Why llguidance and not xgrammar: docs/archite
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -133,10 +134,15 @@ class GrammarCompiler:
 
 
 class ReplyGrammar:
-    """One reply's place in its grammar: the mask of the tokens that may come next, and the tokens taken."""
+    """One reply's place in its grammar: the mask of the tokens that may come next, and the tokens taken.
+
+    llguidance borrows a matcher mutably for each call, and its mask fill releases the GIL while it borrows: a second
+    call on the same matcher meanwhile (a draft's check on the engine thread beside the fill on the mask thread)
+    raises "Already borrowed". So every use of the matcher holds `lock`: one thread at a time."""
 
     def __init__(self, compiler: GrammarCompiler, compiled: CompiledGrammar, session_id: str | None = None):
         self._compiler, self._compiled, self.session_id = compiler, compiled, session_id
+        self.lock = threading.Lock()
         self.trigger = compiled.spec.trigger
         self.matcher: llguidance.LLMatcher | None = None if self.trigger else self._new_matcher()
         self.error: str | None = None
@@ -150,15 +156,19 @@ class ReplyGrammar:
     @property
     def complete(self) -> bool:
         """The grammar is satisfied and allows nothing but the end of the reply."""
-        return self.matcher is not None and self.matcher.is_stopped() and not self.matcher.is_error()
+        if self.matcher is None:
+            return False
+        with self.lock:
+            return self.matcher.is_stopped() and not self.matcher.is_error()
 
     def accept(self, token: int, text: str) -> None:
         """Follow a sampled token (`text`: the reply's text so far, where a lazy grammar looks for its trigger)."""
         if self.error is not None:
             return
         if self.matcher is not None:
-            if not self.matcher.consume_token(token):
-                self.error = self.matcher.get_error() or "the sampled token is outside the grammar"
+            with self.lock:
+                if not self.matcher.consume_token(token):
+                    self.error = self.matcher.get_error() or "the sampled token is outside the grammar"
             return
         # Only the new text (and a trigger it may complete) is searched: once per token, never the whole reply.
         start = text.find(self.trigger, max(0, self._searched - len(self.trigger) + 1))
@@ -167,6 +177,11 @@ class ReplyGrammar:
             self.matcher = self._new_matcher()
             if not self.matcher.consume_tokens(self._compiler.tokenizer.tokenize_str(text[start:])):
                 self.error = self.matcher.get_error() or "the text after the trigger is outside the grammar"
+
+    def accepted_prefix(self, draft: list[int]) -> int:
+        """How many of `draft`'s first tokens the grammar accepts from here (nothing is consumed)."""
+        with self.lock:
+            return self.matcher.validate_tokens(draft)
 
     def _new_matcher(self) -> llguidance.LLMatcher:
         return llguidance.LLMatcher(self._compiler.tokenizer, self._compiled.grammar, log_level=0)
@@ -184,15 +199,18 @@ def fill_masks(compiler: GrammarCompiler, grammars: list[ReplyGrammar]) -> torch
     for grammar in grammars:
         compiler.faults.check("grammar", grammar.session_id)
     masks = allocate_masks(len(grammars), compiler.vocab_size)
-    if len(grammars) == 1:
-        row = masks[0]
-        grammars[0].matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-    elif grammars:
-        compiler.executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
-                                                  masks.data_ptr(), masks.shape[1] * 4, len(grammars))
-    for grammar in grammars:
-        if grammar.matcher.is_error():
-            grammar.error = grammar.matcher.get_error()
+    with contextlib.ExitStack() as holding:
+        for grammar in grammars:  # (each reply's grammar is in one batch at a time: no two fills wait on each other)
+            holding.enter_context(grammar.lock)
+        if len(grammars) == 1:
+            row = masks[0]
+            grammars[0].matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        elif grammars:
+            compiler.executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
+                                                      masks.data_ptr(), masks.shape[1] * 4, len(grammars))
+        for grammar in grammars:
+            if grammar.matcher.is_error():
+                grammar.error = grammar.matcher.get_error()
     compiler.stats.mask_ms.append((time.perf_counter() - started) * 1000.0)
     return masks
 
