@@ -66,6 +66,9 @@ class Settings(BaseSettings):
         "and its owner's recent replies, verified in the batched step (replies equal plain decoding's; a turn whose "
         "drafts are not accepted stops drafting)"))
     speculation_tokens: int = Field(6, ge=1, le=32, description="the longest draft a turn proposes in one step")
+    speculation_books_mb: float | None = Field(None, ge=0, description=(
+        "host memory for the owners' recent replies that drafts are found in (default: 1% of the host's memory, at "
+        "most 256); beyond it the least recently used owner's replies are forgotten (0: none kept)"))
     prefill_chunk: int = Field(256, ge=1, description="prompt tokens fed per engine step (across the turns "
                                                       "being prefilled), between decode steps of the others")
     max_waiting: int = Field(64, ge=1, description="turns waiting for the engine beyond which a new request is "

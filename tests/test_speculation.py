@@ -5,7 +5,15 @@ cancel in the middle of a verified draft leaves nothing of it."""
 
 import json
 
-from chatd.engine.drafts import NgramIndex, ReplyBooks, RowDrafts, Speculator
+from chatd.engine.drafts import (
+    BOOK_TOKEN_BYTES,
+    INDEX_STEP_TOKENS,
+    INDEXED_TOKENS,
+    NgramIndex,
+    ReplyBooks,
+    RowDrafts,
+    Speculator,
+)
 from chatd.engine.grammar import GrammarSpec
 from chatd.engine.step_cost import StepCost
 from sessions import Session
@@ -28,8 +36,33 @@ def test_the_longest_ngram_seen_before_proposes_what_followed_it():
     assert index.follow([1, 2, 3], 4) == []
 
 
+def test_a_prompt_is_indexed_a_little_each_step_newest_first_and_within_its_bound():
+    """A row's prompt is indexed by `index_back`, its newest positions first (the latest occurrence is the one found,
+    as when indexed whole), never further back than its bound; what it generates is indexed at once."""
+    ids = [7, 8, 9, 40, 50, 60, 70, 1, 2, 3, 41, 42, 43, 44]
+    index = NgramIndex(ids, newest=11)
+    assert index.unindexed == 11 and index.follow([1, 2, 3], 4) == [], "nothing indexed yet"
+    assert index.index_back(5) == 5 and index.follow([1, 2, 3], 4) == [41, 42, 43, 44]
+    assert index.index_back(100) == 6 and index.unindexed == 0
+    assert index.follow([1, 2, 3], 4) == [41, 42, 43, 44], "the latest occurrence stays the one found"
+    assert index.follow([9, 40], 2) == [50, 60]
+    assert index.follow([7, 8], 1) == [] and NgramIndex(ids).follow([7, 8], 1) == [9], "(7, 8) is past its bound"
+    index.extend([1, 2, 3, 99])
+    assert index.follow([1, 2, 3], 1) == [99], "what is generated is indexed at once, and is the latest"
+
+
+def test_the_rows_of_one_step_index_at_most_a_budget_of_positions_together():
+    speculator = Speculator(4)
+    rows = [speculator.start(list(range(row * 100_000, row * 100_000 + 20_000))) for row in range(3)]
+    speculator.new_step()
+    for row in rows:
+        speculator.propose(row, "owner", [], room=8)
+    assert rows[0].index.unindexed == INDEXED_TOKENS - INDEX_STEP_TOKENS, "no more than its bound is ever indexed"
+    assert sum(INDEXED_TOKENS - row.index.unindexed for row in rows) == INDEX_STEP_TOKENS, "the first row took it all"
+
+
 def test_reply_books_are_per_owner_and_bounded():
-    books = ReplyBooks(book_tokens=64, total_tokens=100)
+    books = ReplyBooks(book_tokens=64, budget_bytes=100 * BOOK_TOKEN_BYTES)
     books.add("alpha", [1, 2, 3], [10, 11, 12, 13])
     assert books.follow("alpha", [2, 3], 8) == [10, 11, 12, 13], "a reply found from the tokens before it"
     assert books.follow("beta", [2, 3], 8) == [], "never another owner's"

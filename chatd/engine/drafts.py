@@ -7,6 +7,10 @@ Two sources, looked up by the last few tokens of a row (its prompt and what it h
   asked the same. Kept per owner (API key), never across owners: another tenant's replies must not leak through a
   draft, nor through how fast a reply comes. Bounded in tokens, the least recently used owner dropped first.
 
+A row's index is built a little each step, its conversation's newest positions first (`INDEX_STEP_TOKENS` for the
+whole batch, `INDEXED_TOKENS` at most): a 32K-token prompt would take about 56 ms and 14 MB to index at once, on the
+engine thread, at the turn's first decode step, while the batch waits, even for a turn that never drafts.
+
 A draft is only a guess: the batched step verifies it, and only what the model itself would have sampled is kept
 (`Scheduler._advance`). Each row's draft length follows its acceptance, a row whose drafts are seldom accepted
 stops drafting for the rest of its turn, and a draft is proposed only when its expected acceptance (the row's own,
@@ -16,6 +20,7 @@ and that of drafts found by as long a match) is above what a step of this batch 
 
 from __future__ import annotations
 
+import os
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,8 +28,11 @@ from dataclasses import dataclass, field
 from chatd.engine.step_cost import StepCost
 
 NGRAMS = (8, 4, 2)  # the lengths of tail looked up, longest first (8: the customer's question, and the turn's start)
+INDEX_STEP_TOKENS = 512  # conversation positions indexed per decode step, all rows together (about 1 ms on a CPU)
+INDEXED_TOKENS = 16_384  # a conversation's newest positions that its drafts are looked up in, at most
 BOOK_TOKENS = 32_768  # an owner's recent replies, in tokens (with their contexts)
-BOOKS_TOKENS = 1_000_000  # every owner's together: beyond it, the least recently used owner's book is dropped
+BOOK_TOKEN_BYTES = 460  # host memory a book takes per token (its ids and the n-gram index; measured, tracemalloc)
+BOOKS_MAX_BYTES = 256 * 2**20  # every owner's books together by default: 1% of the host's memory, at most this
 TRIAL_DRAFTS = 4  # drafts a row tries before its acceptance decides whether it drafts on
 PAYING_ACCEPTANCE = 0.3  # accepted draft tokens per draft token below which a row stops drafting
 PRIOR_TOKENS = 4  # how many draft tokens the acceptance of drafts found by as long a match weighs in a row's estimate
@@ -32,12 +40,23 @@ _GAP = -1  # between two replies in a book: no n-gram spans it, no draft runs pa
 
 
 class NgramIndex:
-    """Where each n-gram of a growing token sequence was last followed by a token (for n in `NGRAMS`)."""
+    """Where each n-gram of a growing token sequence was last followed by a token (for n in `NGRAMS`). What it
+    starts with is indexed at once, or (`newest`) only its last `newest` positions, a few at a time (`index_back`)
+    newest first; what `extend` appends is indexed at once."""
 
-    def __init__(self, ids: Sequence[int] = ()):
+    def __init__(self, ids: Sequence[int] = (), newest: int | None = None):
         self.ids: list[int] = []
         self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAMS}
-        self.extend(ids)
+        self.extend(ids if newest is None else ())
+        if newest is not None:
+            self.ids.extend(ids)
+        self._back = len(self.ids)  # the positions before it are not indexed yet (down to `_floor`)
+        self._floor = max(0, self._back - newest) if newest is not None else self._back
+
+    @property
+    def unindexed(self) -> int:
+        """Positions it started with that `index_back` has still to index."""
+        return self._back - self._floor
 
     def extend(self, ids: Sequence[int]) -> None:
         """Append `ids`; every n-gram that now has a next token is indexed at its end (the latest wins)."""
@@ -49,6 +68,18 @@ class NgramIndex:
                 if _GAP not in gram:
                     ends[gram] = end
 
+    def index_back(self, budget: int) -> int:
+        """Index up to `budget` more of the positions it started with, the newest first (a later occurrence, already
+        indexed, stays the one found); returns how many."""
+        stop = max(self._floor, self._back - budget)
+        for n, ends in self._ends.items():
+            for end in range(self._back - 1, max(n, stop) - 1, -1):
+                gram = tuple(self.ids[end - n:end])
+                if _GAP not in gram:
+                    ends.setdefault(gram, end)
+        taken, self._back = self._back - stop, stop
+        return taken
+
     def follow(self, tail: Sequence[int], limit: int, n: int | None = None) -> list[int]:
         """Up to `limit` tokens that followed the last `n` tokens of `tail` where they last occurred (without `n`:
         the longest of `NGRAMS` that occurred)."""
@@ -59,13 +90,23 @@ class NgramIndex:
         return []
 
 
+def default_books_bytes() -> int:
+    """What every owner's books may take by default: 1% of the host's memory, at most `BOOKS_MAX_BYTES`."""
+    try:
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # (not POSIX)
+        return BOOKS_MAX_BYTES
+    return min(BOOKS_MAX_BYTES, host // 100)
+
+
 class ReplyBooks:
     """Each owner's recent replies, indexed by n-grams (a reply is kept with the tokens just before it, so that the
     start of a reply is found from the prompt's last tokens). Bounded: `book_tokens` per owner (the oldest replies
-    leave first), `total_tokens` for all (the least recently used owner leaves first)."""
+    leave first), `budget_bytes` for all (--speculation-books-mb; the least recently used owner leaves first)."""
 
-    def __init__(self, book_tokens: int = BOOK_TOKENS, total_tokens: int = BOOKS_TOKENS):
-        self.book_tokens, self.total_tokens = book_tokens, total_tokens
+    def __init__(self, book_tokens: int = BOOK_TOKENS, budget_bytes: int | None = None):
+        self.budget_bytes = default_books_bytes() if budget_bytes is None else budget_bytes
+        self.book_tokens, self.total_tokens = book_tokens, self.budget_bytes // BOOK_TOKEN_BYTES
         self._books: OrderedDict[str, tuple[deque[list[int]], NgramIndex]] = OrderedDict()
         self.tokens = 0
 
@@ -83,9 +124,14 @@ class ReplyBooks:
         else:
             index.extend(kept)
         self._books[owner] = (replies, index)
-        while self.tokens > self.total_tokens and len(self._books) > 1:
+        while self.tokens > self.total_tokens and self._books:
             _, (dropped, _) = self._books.popitem(last=False)
             self.tokens -= sum(map(len, dropped))
+
+    @property
+    def nbytes(self) -> int:
+        """The host memory the books take, as `BOOK_TOKEN_BYTES` estimates it."""
+        return self.tokens * BOOK_TOKEN_BYTES
 
     def follow(self, owner: str, tail: Sequence[int], limit: int, n: int | None = None) -> list[int]:
         book = self._books.get(owner)
@@ -142,6 +188,7 @@ class Speculator:
         self.max_tokens = max_tokens
         self.books = books or ReplyBooks()
         self.counters = SpeculationCounters()
+        self._index_budget = INDEX_STEP_TOKENS  # what the rows of this step may still index
         self.cost = StepCost()
         # The recent acceptance of drafts found by each length of match (hopeful at first: tried, then measured).
         self.acceptance = dict.fromkeys(NGRAMS, 1.0)
@@ -151,8 +198,17 @@ class Speculator:
         return self.max_tokens > 0
 
     def start(self, ids: Sequence[int]) -> RowDrafts | None:
-        """A turn's drafting, over its prompt `ids` (None with speculation off)."""
-        return RowDrafts(NgramIndex(ids), len(ids), self.max_tokens) if self.enabled else None
+        """A turn's drafting, over its prompt `ids` (None with speculation off): nothing is indexed yet."""
+        return RowDrafts(NgramIndex(ids, newest=INDEXED_TOKENS), len(ids), self.max_tokens) if self.enabled else None
+
+    def new_step(self) -> None:
+        """A decode step begins: its rows may index `INDEX_STEP_TOKENS` more positions of their prompts, together."""
+        self._index_budget = INDEX_STEP_TOKENS
+
+    def published(self) -> dict[str, int]:
+        """The counters and the books' size and bound, for /metrics and /v1/stats."""
+        return {**self.counters.published(), "spec_max_tokens": self.max_tokens, "spec_books_bytes": self.books.nbytes,
+                "spec_books_limit_bytes": self.books.budget_bytes}
 
     def propose(self, row: RowDrafts | None, owner: str, generated: Sequence[int], room: int, needed: float = 0.0
                 ) -> list[int]:
@@ -160,6 +216,8 @@ class Speculator:
         expected acceptance is at least `needed` (what the step's batch size needs for a draft to pay)."""
         if row is None or row.stopped or room <= 0:
             return []
+        if row.index.unindexed and self._index_budget > 0:
+            self._index_budget -= row.index.index_back(self._index_budget)
         row.index.extend(generated[len(row.index.ids) - row.prompt_len:])
         limit, tail = min(row.limit, room), row.index.ids
         for n in NGRAMS:  # the longest match, in the conversation first, then in the owner's replies

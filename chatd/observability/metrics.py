@@ -307,6 +307,10 @@ def _speculation_families(live: LiveState, name: list[str], label: list[str]):
         ("draft_tokens", "spec_draft_tokens", "Draft tokens verified."),
         ("accepted_tokens", "spec_accepted_tokens", "Draft tokens the model sampled too (each a decode step "
          "saved).")))
+    yield _single(GaugeMetricFamily, "chatd:spec_books_bytes", "Host memory the owners' recent replies take, that "
+                  "drafts are found in (estimated).", name, label, live.cache.get("spec_books_bytes", 0))
+    yield _single(GaugeMetricFamily, "chatd:spec_books_limit_bytes", "The most the owners' recent replies may take "
+                  "(--speculation-books-mb).", name, label, live.cache.get("spec_books_limit_bytes", 0))
     per_position = CounterMetricFamily("chatd:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
                                        "their position in the draft (0: its first).", labels=[*label, "position"])
     for key, count in sorted(live.cache.items()):
