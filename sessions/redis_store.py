@@ -5,7 +5,8 @@ session's keys share a Redis Cluster slot and one transaction can update them al
 the retention TTL.
 
 A completed turn is one Lua script (version and fence checked, messages, token ids and times written
-together: never half-applied), which a retry cannot apply twice (it names its write). With
+together: never half-applied, and the turn's lease let go in the same round trip), which a retry cannot
+apply twice (it names its write). With
 `wait_replicas` (where Redis has replicas: a cluster's failover), the script is followed on the same
 connection by `WAIT`, so that a turn is acknowledged once a replica holds it; Redis is then the only
 truth: a write that cannot reach its node is retried through a failover for up to `failover_s`, then
@@ -97,22 +98,28 @@ if #ARGV > 2 then
 end
 return 'ok'
 """
-# A completed turn: KEYS meta, messages, tokens, fence; ARGV expected version, fence ('' for none), retention (s),
-# updated_at, dropped_turns, this write's id, packed token ids, messages... Returns 'ok', 'done' (this write was
-# applied already: a retry), 'gone', 'fence' or 'version <stored>'.
+# A completed turn: KEYS meta, messages, tokens, fence, lease; ARGV expected version, fence ('' for none), retention
+# (s), updated_at, dropped_turns, this write's id, packed token ids, the lease's token ('' for none), messages...
+# Returns 'ok', 'done' (this write was applied already: a retry), 'gone', 'fence' or 'version <stored>'. Once the turn
+# is written the lease is let go in the same round trip (if it is still the writer's: never a newer holder's).
 _APPEND = _PUSH + """
+local function let_go()
+  if ARGV[8] ~= '' and redis.call('GET', KEYS[5]) == ARGV[8] then redis.call('DEL', KEYS[5]) end
+end
 local stored = redis.call('HGET', KEYS[1], 'version')
 if not stored then return 'gone' end
 if tonumber(stored) == tonumber(ARGV[1]) + 1 and redis.call('HGET', KEYS[1], 'write') == ARGV[6] then
+  let_go()
   return 'done'
 end
 if tonumber(stored) ~= tonumber(ARGV[1]) then return 'version ' .. stored end
 if ARGV[2] ~= '' and tonumber(redis.call('GET', KEYS[4]) or '0') ~= tonumber(ARGV[2]) then return 'fence' end
-push(KEYS[2], 8)
+push(KEYS[2], 9)
 redis.call('SET', KEYS[3], ARGV[7])
 redis.call('HSET', KEYS[1], 'version', tostring(tonumber(ARGV[1]) + 1), 'updated_at', ARGV[4],
            'dropped_turns', ARGV[5], 'write', ARGV[6])
 for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
+let_go()
 return 'ok'
 """
 
@@ -238,7 +245,7 @@ class RedisSessionStore:
                           reply_ids: Sequence[int] | None = None, tool_calls: Sequence[ToolCall] = ()) -> None:
         write = _Append(self, session.session_id, session.version, as_inputs(new) + [
             Message("assistant", reply, tuple(reply_ids) if reply_ids else None, tuple(tool_calls))],
-                        list(token_ids), time.time(), lease.fence if lease is not None else None,
+                        list(token_ids), time.time(), lease if isinstance(lease, _RedisLease) else None,
                         session.dropped_turns if dropped_turns is None else dropped_turns)
         if self.durable:
             try:
@@ -398,13 +405,17 @@ class _RedisLease:
                 self.store.errors += 1
                 self.store.events.error(error)
 
+    def let_go(self) -> None:
+        """The turn's write let the lease go in Redis (in its own round trip): nothing more to tell Redis."""
+        self._released = True
+        self._renewer.cancel()
+
     async def release(self) -> None:
         """Free the session (once: a second call does nothing); one Redis cannot be told of expires by itself, or
         this worker's next turn of the session takes it over."""
         if self._released:
             return
-        self._released = True
-        self._renewer.cancel()
+        self.let_go()
         if self.store._down():
             self.store._unreleased_lease(self.session_id, self.token)
             return
@@ -421,19 +432,23 @@ class _Append:
     another writer moved the version (or took the lease) first, and applied once however often it is retried."""
 
     def __init__(self, store: RedisSessionStore, session_id: str, version: int, messages: list[Message],
-                 token_ids: list[int], at: float, fence: int | None, dropped_turns: int):
-        self.store, self.session_id, self.version, self.fence = store, session_id, version, fence
+                 token_ids: list[int], at: float, lease: _RedisLease | None, dropped_turns: int):
+        self.store, self.session_id, self.version, self.lease = store, session_id, version, lease
+        self.fence = lease.fence if lease is not None else None
         self.dropped_turns = dropped_turns
         self.messages = [_encode_message(message) for message in messages]
         self.tokens, self.at = pack_ids(token_ids), at
         self.write_id = secrets.token_hex(8)
 
     async def __call__(self) -> None:
-        keys = [redis_key(self.session_id, part) for part in ("meta", "messages", "tokens", "fence")]
+        keys = [redis_key(self.session_id, part) for part in ("meta", "messages", "tokens", "fence", "lease")]
         outcome = await self.store.write(keys[0], (
             "EVAL", _APPEND, len(keys), *keys, self.version, "" if self.fence is None else self.fence,
-            self.store.retention_s, repr(self.at), self.dropped_turns, self.write_id, self.tokens, *self.messages))
+            self.store.retention_s, repr(self.at), self.dropped_turns, self.write_id, self.tokens,
+            "" if self.lease is None else self.lease.token, *self.messages))
         outcome = outcome.decode() if isinstance(outcome, bytes) else outcome
+        if outcome in ("ok", "done") and self.lease is not None:
+            self.lease.let_go()  # (the script let it go)
         if outcome == "fence":
             raise VersionConflict(f"session {self.session_id}: the lease was lost to a newer holder")
         if outcome not in ("ok", "done"):

@@ -169,3 +169,26 @@ async def test_a_queued_turn_that_conflicts_drops_the_local_copy(redis_server):
     assert [m.content for m in read.messages] == ["from another worker", "theirs"] and read.version == 1
     for each in (store, other):
         await each.close()
+
+
+async def test_a_recorded_turn_lets_its_lease_go_in_the_same_round_trip(redis_db):
+    """The turn's write lets its lease go (one round trip fewer per turn with Redis far away): the next worker takes
+    the session at once, and the holder's own release then asks Redis nothing. A write refused for a lost lease
+    leaves the newer holder's lease alone."""
+    first, second = (RedisSessionStore(redis_db.url, retention_s=3600) for _ in range(2))
+    client = redis.Redis.from_url(redis_db.url)
+    session = await first.create(None)
+    held = await first.lease(session.session_id)
+    await first.append_turn(await first.get(session.session_id), "hi", "hello", [1, 2], held)
+    assert not await client.exists(f"chatd:{{{session.session_id}}}:lease")
+    scripts_before = (await client.info("commandstats")).get("cmdstat_eval", {}).get("calls", 0)
+    await held.release()
+    assert (await client.info("commandstats")).get("cmdstat_eval", {}).get("calls", 0) == scripts_before
+    taken = await second.lease(session.session_id)
+    with pytest.raises(VersionConflict):  # (the first holder's lease, let go, written with again)
+        await first.append_turn(await first.get(session.session_id), "late", "write", [1], held)
+    assert await client.get(f"chatd:{{{session.session_id}}}:lease") is not None, "the new holder's lease stays"
+    await taken.release()
+    await client.aclose()
+    for store in (first, second):
+        await store.close()
