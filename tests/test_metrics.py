@@ -49,7 +49,8 @@ def moved(before: dict, after: dict, name: str, **labels) -> float:
 
 async def test_metrics_and_stats_move_by_exactly_what_the_run_did(tiny):
     # Every switch between A and B offloads the other one (the engine runs the offload before the turn).
-    settings = Settings(port=0, model=MODEL, enable_fault_injection=True, verify_sample_rate=0.0)
+    settings = Settings(port=0, model=MODEL, enable_fault_injection=True, verify_sample_rate=0.0,
+                        speculation_books_mb=1.5)
     async with ChatServer(settings, load=lambda: tiny) as server:
         await server.wait_ready()
         before = await scrape(server)
@@ -157,6 +158,8 @@ async def test_metrics_and_stats_move_by_exactly_what_the_run_did(tiny):
     engine = stats["now"]["engine"]  # (this test's process has its own share of the cores: the engine's threads)
     assert engine["threads"] == engine["threads_max"] == after["chatd:engine_threads", frozenset({("state", "max")})]
     assert engine["fetching"] == after["chatd:num_requests_fetching", frozenset()] == 0
+    assert after["chatd:spec_books_limit_bytes", frozenset()] == 1.5 * 2**20  # (--speculation-books-mb)
+    assert 0 < after["chatd:spec_books_bytes", frozenset()] <= 1.5 * 2**20, "the replies of the run, kept"
     assert stats["now"]["prefix_index"] == {"sessions": 0, "forgotten": 0}  # (no OpenAI client here)
     assert len(stats["series"]["points"]) == 30
     assert stats["series"]["points"][-1]["ttft_ms"]["p50"] is not None

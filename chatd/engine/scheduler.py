@@ -84,9 +84,9 @@ class Engine(CacheCommands):
         self.runner: ModelRunner | None = None
         self.grammars: GrammarCompiler | None = None  # compiles what constrained replies follow, off this thread
         self.governor: ThreadGovernor | None = None  # fewer threads while other processes take this one's CPUs
+        books_mb = self.settings.speculation_books_mb
         self.speculator = Speculator(self.settings.speculation_tokens if self.settings.speculation == "on" else 0,
-                                     ReplyBooks(budget_bytes=None if (mb := self.settings.speculation_books_mb) is None
-                                                else int(mb * 2**20)))
+                                     ReplyBooks(budget_bytes=None if books_mb is None else int(books_mb * 2**20)))
         self._queued: deque[Turn] = deque()  # submitted, not started: admitted oldest first
         self._head: RunningTurn | None = None  # the oldest, rendered, waiting for device memory
         self._live: dict[int, Turn] = {}  # every turn taken from the queue and not yet ended, by id
