@@ -220,3 +220,25 @@ def test_a_draft_pays_where_the_step_is_mostly_fixed_cost_and_not_where_it_is_mo
     row = speculator.start([1, 2, 3, 4, 9, 1, 2, 3])
     assert speculator.propose(row, "", [], 10, needed=cost.break_even(1)) == [4, 9, 1, 2, 3]
     assert speculator.propose(row, "", [], 10, needed=cost.break_even(16)) == [], "a likely loss at batch 16"
+
+
+def test_each_batch_size_measures_what_a_draft_token_adds_to_its_steps():
+    """Where a step with drafts takes another path (a fixed penalty the line through every step does not see), each
+    batch size's own figures decide: a draft that cannot pay at that size is never proposed; a size without its
+    own figures goes by the line."""
+    cost = StepCost()
+    for tokens in [1, 2, 4, 7, 16, 20, 30, 40] * 4:
+        cost.record(tokens, 0.030 + 0.010 * tokens)  # the line: 30 ms fixed, 10 ms a token
+    for _ in range(5):
+        cost.record(16, 0.100, batch=16)  # sixteen rows, no drafts: 100 ms
+        cost.record(26, 0.100 + 0.300, batch=16, drafted=10)  # ten draft tokens: 300 ms more (another path)
+        cost.record(1, 0.070, batch=1)
+        cost.record(5, 0.070 + 0.008, batch=1, drafted=4)  # four draft tokens at one row: 2 ms each
+    assert abs(cost.break_even(16) - 0.030 * 16 / 0.100) < 1e-9 and cost.break_even(16) > 1, "never pays at 16"
+    assert abs(cost.break_even(1) - 0.002 / 0.070) < 1e-9, "pays at one row when a few percent are taken"
+    fixed, per_token = cost.fit()
+    assert abs(cost.break_even(8) - per_token * 8 / (fixed + per_token * 8)) < 1e-9, "none of its own at 8: the line"
+    speculator = Speculator(6)
+    row = speculator.start([1, 2, 3, 4, 9, 1, 2, 3])
+    assert speculator.propose(row, "", [], 10, needed=cost.break_even(16)) == [], "even a certain draft"
+    assert speculator.propose(row, "", [], 10, needed=cost.break_even(1)) == [4, 9, 1, 2, 3]

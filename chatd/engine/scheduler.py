@@ -549,7 +549,8 @@ class Engine(CacheCommands):
         try:
             started = time.perf_counter()
             logits = self._forward_decode(everyone, inputs, riding)
-            self._step_took(sum(map(len, inputs.values())), started)
+            self._step_took(sum(map(len, inputs.values())), started, None if riders else len(batch),
+                            sum(map(len, drafts.values())))
             rows = list(zip(everyone, logits, strict=True))
         except Exception as error:
             if len(everyone) == 1 or is_fatal(error):
@@ -596,12 +597,13 @@ class Engine(CacheCommands):
                 return []
         return draft
 
-    def _step_took(self, tokens: int, started: float) -> None:
-        """A decode step of `tokens` packed tokens, begun at `started`, has run: its cost tells whether drafts pay
-        (on CUDA, once its kernels have finished: sampling waits for them next anyway)."""
+    def _step_took(self, tokens: int, started: float, batch: int | None, drafted: int) -> None:
+        """A decode step of `tokens` packed tokens (`batch` decoding rows and `drafted` draft tokens, when no prompt
+        rode it), begun at `started`, has run: its cost tells whether drafts pay (on CUDA, once its kernels have
+        finished: sampling waits for them next anyway)."""
         if self.loaded.device.type == "cuda":
             torch.cuda.synchronize(self.loaded.device)
-        self.speculator.cost.record(tokens, time.perf_counter() - started)
+        self.speculator.cost.record(tokens, time.perf_counter() - started, batch, drafted)
 
     def _forward_decode(self, rows: list[RunningTurn], inputs: dict[int, list[int]], riding: set[int]
                         ) -> list[torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 MIN_STEPS = 16  # steps measured before the fit is trusted (until then every draft is tried: that is how it is measured)
+RECENT = 0.1  # the weight of a step in its batch size's running figures
 
 
 class StepCost:
@@ -13,14 +14,26 @@ class StepCost:
     rate r, makes r * d more for `per_token * d` more: the tokens per second rise when r is above
     `per_token * B / (fixed + per_token * B)`, the share of the step that grows with its tokens (`break_even`). On
     this CPU at batch 1 the fixed part dominates and a draft pays when a quarter of it is accepted; at batch 16 the
-    step is mostly per-token work and a draft must be accepted almost whole."""
+    step is mostly per-token work and a draft must be accepted almost whole.
+
+    The line does not see everything a draft costs: a step where some row feeds more than one token may take
+    another, slower path than one where every row feeds one, whatever the count. So each batch size also keeps its
+    own figures, measured on the machine it runs on: the time of its steps without drafts, and what each draft
+    token added to its steps with them (`record` with `batch`). Where both are known, they decide: a draft token
+    costs c and a step without drafts t, and a draft pays when its acceptance is above c * B / t (above 1: never)."""
 
     def __init__(self, decay: float = 0.99):
         self._decay = decay
         self._steps = 0
         self._weight = self._tokens = self._squares = self._seconds = self._products = 0.0
+        self._plain: dict[int, float] = {}  # batch size -> seconds of its steps without drafts (recent)
+        self._per_draft: dict[int, float] = {}  # batch size -> seconds each draft token added to its steps (recent)
 
-    def record(self, tokens: int, seconds: float) -> None:
+    def record(self, tokens: int, seconds: float, batch: int | None = None, drafted: int = 0) -> None:
+        """A step of `tokens` packed tokens took `seconds`; with `batch` (a step of decoding rows only), that many
+        rows and `drafted` draft tokens among the tokens."""
+        if batch is not None:
+            self._record_batch(batch, drafted, seconds)
         keep = self._decay
         self._steps += 1
         self._weight = keep * self._weight + 1
@@ -41,10 +54,22 @@ class StepCost:
         return max(0.0, mean_seconds - per_token * mean_tokens), per_token
 
     def break_even(self, batch: int) -> float:
-        """The acceptance rate above which drafting pays in a step of `batch` rows (0 before it is measured)."""
+        """The acceptance rate above which drafting pays in a step of `batch` rows: from this batch size's own
+        figures where it has them (above 1 where no draft can pay), else from the line (0 before it is measured)."""
+        if batch in self._per_draft:
+            return self._per_draft[batch] * batch / self._plain[batch]
         fitted = self.fit()
         if fitted is None:
             return 0.0
         fixed, per_token = fitted
         total = fixed + per_token * batch
         return per_token * batch / total if total > 0 else 0.0
+
+    def _record_batch(self, batch: int, drafted: int, seconds: float) -> None:
+        if not drafted:
+            plain = self._plain.get(batch)
+            self._plain[batch] = seconds if plain is None else (1 - RECENT) * plain + RECENT * seconds
+        elif batch in self._plain:
+            added = max(0.0, seconds - self._plain[batch]) / drafted
+            per_draft = self._per_draft.get(batch)
+            self._per_draft[batch] = added if per_draft is None else (1 - RECENT) * per_draft + RECENT * added
