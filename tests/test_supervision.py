@@ -1,6 +1,6 @@
 """Engine supervision, through a real server and real websocket clients with the tiny model: a fault
-at any engine stage fails only the turns it touched (internal, cache dropped everywhere, the next turn
-recomputes the same reply), and a fatal fault answers unavailable, turns /healthz to 503 and makes
+at any engine stage fails only the turns it touched (internal, cache dropped on this worker, the next
+turn recomputes the same reply), and a fatal fault answers unavailable, turns /healthz to 503 and makes
 `chatd serve` exit non-zero."""
 
 import asyncio
