@@ -125,6 +125,12 @@ def test_a_neighbour_whose_cpu_grows_with_the_engine_s_output_changes_the_thread
             changes_at.append(harness.now[0])
     steady = [at for at in changes_at if at >= 10 * 60]
     assert len(steady) <= 10, f"{len(steady)} changes in the last ten minutes: {changes_at}"
+    for _ in range(round(2 * 60 / SAMPLE_EVERY_S)):  # the neighbour leaves; later, a real one comes and goes
+        harness.look(0.0)
+    assert harness.governor.threads == 2
+    harness.look(1.5)
+    harness.look(1.5)
+    assert harness.governor.threads == 1 and harness.governor.hold_up_s == HOLD_UP_S, "no flap: the hold is reset"
 
 
 def test_niced_neighbours_and_an_idle_engine_change_nothing(tmp_path):
@@ -135,3 +141,12 @@ def test_niced_neighbours_and_an_idle_engine_change_nothing(tmp_path):
         assert harness.look(1.9, working=False) == 2, "an idle engine does not look"
     assert harness.look(0.0) == 2 and harness.look(0.0) == 2, "the first look after work comes back covers only it"
     assert harness.governor.changes == 0
+    assert [harness.look(1.5) for _ in range(2)] == [2, 1]
+    for _ in range(4):
+        harness.look(0.0)  # free for two seconds of work...
+    for _ in range(100):
+        harness.look(0.0, working=False)  # ...then idle far longer than the hold
+    free_looks = [harness.look(0.0) for _ in range(round(HOLD_UP_S / SAMPLE_EVERY_S) + 2)]
+    assert free_looks[:round(HOLD_UP_S / SAMPLE_EVERY_S)] == [1] * round(HOLD_UP_S / SAMPLE_EVERY_S), \
+        "the hold counts only time at work"
+    assert free_looks[-1] == 2

@@ -27,7 +27,7 @@ AGREEING_SAMPLES = 2  # going down needs this many samples in a row that ask for
 SLACK_DOWN = 0.3  # a thread is given up once others take more than 30% of the CPU it would run on...
 SLACK_UP = 0.1  # ...and taken back only once they leave it at least 90% free (hysteresis)
 HOLD_UP_S = 10.0  # taking a thread back needs the CPUs free this long (and all that time agreeing)
-HOLD_UP_MAX_S = 600.0  # after each going back down within FLAP_S of coming up, twice as long, up to this
+HOLD_UP_MAX_S = 600.0  # after each going back down within FLAP_S of coming up, twice as long, up to this (else reset)
 FLAP_S = 60.0
 
 def allowed_cpus() -> set[int]:
@@ -178,6 +178,7 @@ class ThreadGovernor:
                 self.watch.restart()
                 self._looked_at = now
             self._working = working
+            self._fewer, self._free_since = 0, None  # (what the looks agreed on holds only while working)
             return
         if now - self._looked_at < SAMPLE_EVERY_S:
             return
@@ -195,8 +196,8 @@ class ThreadGovernor:
         elif self._free_since is None:
             self._free_since = now
         if self._fewer >= AGREEING_SAMPLES:
-            if now - self._came_up_at < FLAP_S:  # it came up too soon: wait twice as long next time
-                self.hold_up_s = min(HOLD_UP_MAX_S, 2 * self.hold_up_s)
+            # It came up too soon: wait twice as long next time (else as long as at first).
+            self.hold_up_s = min(HOLD_UP_MAX_S, 2 * self.hold_up_s) if now - self._came_up_at < FLAP_S else HOLD_UP_S
             self._change(down, others)
         elif self._free_since is not None and now - self._free_since >= self.hold_up_s:
             self._came_up_at = now
