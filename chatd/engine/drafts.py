@@ -47,11 +47,12 @@ class NgramIndex:
     def __init__(self, ids: Sequence[int] = (), newest: int | None = None):
         self.ids: list[int] = []
         self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAMS}
-        self.extend(ids if newest is None else ())
-        if newest is not None:
+        if newest is None:
+            self.extend(ids)
+        else:
             self.ids.extend(ids)
         self._back = len(self.ids)  # the positions before it are not indexed yet (down to `_floor`)
-        self._floor = max(0, self._back - newest) if newest is not None else self._back
+        self._floor = self._back if newest is None else max(0, self._back - newest)
 
     @property
     def unindexed(self) -> int:
