@@ -2,8 +2,10 @@
 the same tokens as one turn at a time, FIFO admission, and a cancel that leaves the rest of the batch alone."""
 
 import json
+import threading
 from pathlib import Path
 
+from chatd.engine import scheduler
 from sessions import Session
 from tests.support import run_together, run_turn, running_engine
 
@@ -125,3 +127,17 @@ def test_smollm2_batched_in_the_arena_answers_the_bench_scenarios_like_one_at_a_
             for scenario, a, b in zip(scenarios, got, expected, strict=True):
                 assert a.token_ids == b.token_ids, f"{scenario['name']}, turn {turn + 1}"
         assert max(batched.batch_sizes) == len(scenarios) and set(alone.batch_sizes) == {1}
+
+
+def test_turns_queued_behind_a_full_batch_start_as_soon_as_it_empties(tiny, monkeypatch):
+    """With --max-batch 1 the turns behind the first wait in the queue; once the batch is empty the engine starts the
+    next at once. (Before, it slept until its housekeeping wake-up, a second each time: made a minute here, so that
+    only an engine that idles with work queued runs into the wait's limit.)"""
+    monkeypatch.setattr(scheduler, "EXPIRE_EVERY_S", 60.0)
+    with running_engine(tiny, max_batch=1) as engine:
+        sessions = [Session(f"q{i}") for i in range(3)]
+        done = threading.Event()
+        threading.Thread(target=lambda: (run_together(engine, sessions, QUESTIONS[:3], [4] * 3), done.set()),
+                         daemon=True).start()
+        assert done.wait(30), "a queued turn waited for the engine's housekeeping wake-up"
+    assert [len(session.messages) for session in sessions] == [2, 2, 2]

@@ -162,7 +162,7 @@ class Engine(CacheCommands):
     def _serve(self) -> None:
         expired_at = time.monotonic()
         while True:
-            idle = not (self._decoding or self._prefilling or self._head)
+            idle = not self._has_work()
             if idle or time.monotonic() - self._published_at >= PUBLISH_EVERY_S:
                 self._publish()  # before waiting: what /metrics reads while the engine is idle is current
             if not self._take_commands(block=idle):
@@ -179,6 +179,12 @@ class Engine(CacheCommands):
             if time.monotonic() - expired_at >= EXPIRE_EVERY_S:
                 self._housekeep(CacheStore.expire)
                 expired_at = time.monotonic()
+
+    def _has_work(self) -> bool:
+        """Whether this iteration has a turn to run: one prefilling or decoding, one waiting for room, or a queued one
+        the batch has room for (a turn waiting on a full batch, or on Redis, gives the engine nothing to do)."""
+        return bool(self._decoding or self._prefilling or self._head
+                    or (self._queued and len(self._started()) < self.settings.max_batch))
 
     def _stop_serving(self, reason: str) -> None:
         """Every turn the engine still has, or is sent from now on, gets `unavailable`."""
