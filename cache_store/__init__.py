@@ -1,16 +1,39 @@
 """KV cache storage for sessions: entries, tiers, eviction policy, offload and the lookup boundary.
-Never imports chatd."""
+Never imports chatd.
 
-from cache_store.device_tier import DeviceTier
-from cache_store.entry import CacheEntry
-from cache_store.eviction import ConnectedLRUPolicy, EvictionPolicy, LRUPolicy, Residency
-from cache_store.host_tier import HostTier
-from cache_store.identity import CacheLayout, Fingerprint
-from cache_store.lookup import CacheLookup, SessionRunning, common_prefix_length
-from cache_store.offload import HostEntry, Offloader
-from cache_store.sizing import KVGeometry, kv_bytes_per_token
-from cache_store.store import CacheStore
+Its names are imported when first used, so that a module that needs only `cache_store.units` (the settings) does
+not load torch."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_HOMES = {
+    "CacheEntry": "entry", "CacheLayout": "identity", "CacheLookup": "lookup", "CacheStore": "store",
+    "ConnectedLRUPolicy": "eviction", "DeviceTier": "device_tier", "EvictionPolicy": "eviction",
+    "Fingerprint": "identity", "HostEntry": "offload", "HostTier": "host_tier", "KVGeometry": "sizing",
+    "LRUPolicy": "eviction", "Offloader": "offload", "Residency": "eviction", "SessionRunning": "lookup",
+    "common_prefix_length": "lookup", "kv_bytes_per_token": "sizing",
+}
 
 __all__ = ["CacheEntry", "CacheLayout", "CacheLookup", "CacheStore", "ConnectedLRUPolicy", "DeviceTier",
            "EvictionPolicy", "Fingerprint", "HostEntry", "HostTier", "KVGeometry", "LRUPolicy", "Offloader",
            "Residency", "SessionRunning", "common_prefix_length", "kv_bytes_per_token"]
+
+if TYPE_CHECKING:
+    from cache_store.device_tier import DeviceTier
+    from cache_store.entry import CacheEntry
+    from cache_store.eviction import ConnectedLRUPolicy, EvictionPolicy, LRUPolicy, Residency
+    from cache_store.host_tier import HostTier
+    from cache_store.identity import CacheLayout, Fingerprint
+    from cache_store.lookup import CacheLookup, SessionRunning, common_prefix_length
+    from cache_store.offload import HostEntry, Offloader
+    from cache_store.sizing import KVGeometry, kv_bytes_per_token
+    from cache_store.store import CacheStore
+
+
+def __getattr__(name: str) -> object:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'cache_store' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"cache_store.{_HOMES[name]}"), name)

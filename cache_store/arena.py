@@ -29,8 +29,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from cache_store.allocator import RunAllocator
-
-UNIT = 16  # tokens: regions are whole units
+from cache_store.units import UNIT
 
 
 class ArenaFull(RuntimeError):

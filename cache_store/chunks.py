@@ -9,13 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cache_store.arena import UNIT
 from cache_store.identity import CacheLayout
+from cache_store.units import CHUNK_TOKENS, UNIT
 from sessions.encoding import chained_token_hashes
-
-# Positions per chunk: whole key-scale groups (an int8 chunk is quantised alone, once), small enough that a turn
-# rewrites little besides what it added, large enough that a long history is few keys (docs/benchmarks.md).
-CHUNK_TOKENS = 32
 
 
 def chunk_identity(model_key: str, scope: str, layout: CacheLayout, kind: str) -> str:

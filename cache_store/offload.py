@@ -20,7 +20,8 @@ from cache_store.arena import ArenaCache
 from cache_store.entry import CacheEntry, KVTensors, NewCache, entry_from_parts
 from cache_store.identity import Fingerprint
 from cache_store.integrity import checksum
-from cache_store.quantize import KVDtype, dequantize, quantize, quantized_nbytes
+from cache_store.quantize import dequantize, quantize, quantized_nbytes
+from cache_store.units import KVDtype
 
 
 @dataclass

@@ -15,14 +15,11 @@ quantised (see `CacheEntry.quantized`).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-from cache_store.arena import UNIT
 from cache_store.entry import KVTensors
+from cache_store.units import UNIT
 
-KVDtype = Literal["same", "int8"]
 QMAX = 127.0
 GROUP_TOKENS = UNIT  # tokens per key-scale group (measured against 32, 64 and whole caches: docs/benchmarks.md)
 

@@ -39,8 +39,9 @@ from cache_store.integrity import (
 )
 from cache_store.lookup import RemoteCaches
 from cache_store.offload import Offloader
-from cache_store.quantize import GROUP_TOKENS, KVDtype
+from cache_store.quantize import GROUP_TOKENS
 from cache_store.remote_format import RemoteCopy, RemoteHeader, RemoteSnapshot, StoredKV
+from cache_store.units import KVDtype
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ import xxhash
 from cachetools import LRUCache
 from redis.cluster import RedisCluster
 
-from cache_store.chunks import CHUNK_TOKENS
 from cache_store.cost_model import Throughput
 from cache_store.remote_format import (
     DELETE_SESSION,
@@ -41,6 +40,7 @@ from cache_store.remote_format import (
     session_bytes,
     split,
 )
+from cache_store.units import CHUNK_TOKENS
 from sessions.encoding import UNREACHABLE, redis_key
 from sessions.redis_client import sync_client
 

@@ -37,7 +37,6 @@ from cache_store.lookup import (
     common_prefix_length,
 )
 from cache_store.offload import Offloader
-from cache_store.quantize import KVDtype
 from cache_store.remote_format import EVERY_VERSION
 from cache_store.remote_lookup import RemoteLookup
 from cache_store.remote_moves import FetchRequest, RemoteFetch, RemoteMoves
@@ -47,6 +46,7 @@ from cache_store.stage_faults import FaultPoints
 from cache_store.store_stats import store_stats
 from cache_store.tier_moves import TierMoves
 from cache_store.tiers import CacheTiers
+from cache_store.units import KVDtype
 
 log = logging.getLogger(__name__)
 

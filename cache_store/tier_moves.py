@@ -35,9 +35,9 @@ from cache_store.integrity import (
     token_digest,
 )
 from cache_store.offload import HostEntry, Offloader, host_nbytes
-from cache_store.quantize import KVDtype
 from cache_store.segments import is_segment
 from cache_store.stage_faults import FaultPoints
+from cache_store.units import KVDtype
 
 log = logging.getLogger(__name__)
 # A stack of host copies is restored copy by copy (each checked, each copied into place): past this many, an

@@ -5,15 +5,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-import torch
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from cache_store.chunks import CHUNK_TOKENS
-from cache_store.quantize import KVDtype
-from chatd.model.loader import default_cache_dir
+from cache_store.units import CHUNK_TOKENS, KVDtype
+from chatd.model.cache_dir import default_cache_dir
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 
@@ -153,6 +154,8 @@ class Settings(BaseSettings):
         if self.device_cache_mb is not None:
             return self.device_cache_mb
         if device.type == "cuda":
+            import torch  # (not at the top: a bad flag is answered before torch loads)
+
             free, _ = torch.cuda.mem_get_info(device)
             return max(1.0, free / 2 / 2**20)
         return CPU_DEVICE_CACHE_MB

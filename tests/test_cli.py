@@ -70,6 +70,17 @@ def test_bad_flags_are_named():
     assert server.returncode == 2 and "--dtype" in stderr
 
 
+def test_serve_help_names_every_setting_at_once():
+    """Every setting's flag and description (a description with a % in it too), answered before torch loads."""
+    process = subprocess.run([sys.executable, "-X", "importtime", "-m", "chatd", "serve", "--help"],
+                             capture_output=True, text=True, timeout=60)
+    assert process.returncode == 0, process.stderr
+    for name in Settings.model_fields:
+        assert f"--{name.replace('_', '-')}" in process.stdout
+    assert "1% of the host's memory" in " ".join(process.stdout.split())
+    assert not re.search(r"\| torch$", process.stderr, re.MULTILINE), "torch was imported"
+
+
 LIST_SETTINGS = [name for name, field in Settings.model_fields.items() if field.annotation == list[str]]
 FILE_LISTS = {"warm_prompt"}  # lists of files, which must exist
 

@@ -13,7 +13,6 @@ import typing
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-import torch
 import uvicorn
 from fastapi import FastAPI, WebSocket
 from starlette.responses import Response
@@ -304,7 +303,7 @@ async def run(settings: Settings) -> None:
         log.info("loading model %s on %s", settings.model, settings.device)
         await server.wait_ready()
         loaded = server.engine.loaded
-        threads = torch.get_num_threads()
+        threads = server.engine.governor.max_threads  # (what the engine's thread set: torch's count is per thread)
         print(f"chatd listening on {server.url} (model {loaded.name}, {loaded.device}, "
               f"{loaded.model.dtype}, {threads} thread{'s' if threads > 1 else ''}); "
               f"chat UI at http://{settings.host}:{server.port}/, dashboard at /dashboard, metrics at /metrics",

@@ -21,14 +21,15 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="serve a chat model over websockets")
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
+        described = field.description.replace("%", "%%")  # (argparse formats help text with %)
         if field.annotation in (bool, bool | None):
             serve.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
-                               help=f"{field.description} (default: {field.get_default(call_default_factory=True)})")
+                               help=f"{described} (default: {field.get_default(call_default_factory=True)})")
         elif field.annotation == list[str]:
-            serve.add_argument(flag, dest=name, action="append", default=None, help=field.description)
+            serve.add_argument(flag, dest=name, action="append", default=None, help=described)
         else:
             serve.add_argument(flag, dest=name, default=None,
-                               help=f"{field.description} (default: {field.get_default(call_default_factory=True)})")
+                               help=f"{described} (default: {field.get_default(call_default_factory=True)})")
 
 
 def _setting_source(loc: tuple, overrides: dict) -> str:

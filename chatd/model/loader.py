@@ -18,6 +18,7 @@ import torch
 import xxhash
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from chatd.model.cache_dir import default_cache_dir
 from chatd.model.servable import attention_implementation, check_servable, read_config
 from chatd.model.weights_digest import parameters_digest, weights_digest
 
@@ -166,8 +167,3 @@ def check_model(spec: str) -> None:
     except OSError:
         return
     check_servable(config)
-
-
-def default_cache_dir() -> Path:
-    """Where converted checkpoints of bundled models are kept between runs."""
-    return Path.home() / ".cache" / "chatd"
