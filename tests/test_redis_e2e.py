@@ -2,6 +2,7 @@
 
 import asyncio
 
+from redis import Redis
 from websockets.asyncio.client import connect
 
 from chatd.api.server import ChatServer
@@ -104,3 +105,20 @@ async def test_two_workers_share_sessions_and_a_stale_cache_is_dropped(tiny, red
         await lease.release()
         await other_worker.close()
         assert (await (await on_a.chat(session_id, "now?", max_new_tokens=2)).result()).usage.completion_tokens == 2
+
+
+async def test_a_turn_costs_redis_two_calls_its_lease_with_the_session_and_its_write(tiny, redis_server):
+    """Where Redis is far, each call delays the turn: the session is read in the lease's own script (and only then
+    checked to be this key's), and the turn's write lets the lease go, so a websocket turn costs Redis two calls."""
+    async with ChatServer(Settings(port=0, redis_url=redis_server.url), load=lambda: tiny) as server:
+        await server.wait_ready()
+        async with ChatClient(await connect(server.url)) as client:
+            session_id = (await client.open_session(system=SYSTEM)).session_id
+            await (await client.chat(session_id, QUESTIONS[0], max_new_tokens=4)).result()
+            redis = Redis.from_url(redis_server.url)
+            redis.config_resetstat()
+            done = await (await client.chat(session_id, QUESTIONS[1], max_new_tokens=4)).result()
+            calls = redis.info("commandstats")  # (the commands a script runs are counted too, under their names)
+            redis.close()
+    assert done.cache.source == "device"
+    assert calls["cmdstat_eval"]["calls"] == 2 and "cmdstat_evalsha" not in calls, calls

@@ -40,13 +40,13 @@ from chatd.api.protocol import (
     Usage,
     parse_client_message,
 )
-from chatd.api.tool_calling import RequestRefused, ToolFormat, compile_grammar, format_for
+from chatd.api.tool_calling import RequestRefused, ToolFormat, ToolSetup, compile_grammar, format_for
 from chatd.api.turn_log import TurnLogs
 from chatd.api.turn_tools import result_messages, setup_for
 from chatd.api.turns import StartedTurn, TurnRunner
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed, TurnResult
-from sessions import Session, StoreUnavailable, ToolCall
+from sessions import Lease, Session, StoreUnavailable, ToolCall
 
 log = logging.getLogger(__name__)
 MAX_FAILED_AUTH = 5
@@ -235,31 +235,24 @@ class Gateway:
                 self.turns.release_claim(session_id)
 
     async def _start_claimed_turn(self, connection: Connection, message: ChatRequest, turn_id: str) -> bool:
-        """The rest of `start_turn`; True once a forwarder owns the claim."""
-        session = await self._owned_session(connection, message.session_id)
-        if session is None:
-            await connection.send(_unknown_session(message.session_id, turn_id))
+        """The rest of `start_turn`; True once a forwarder owns the claim. The session's lease comes first: the
+        session is read with it, in the same round trip to Redis (then checked to be this key's)."""
+        leased = await self.turns.take_lease(message.session_id, turn_id, connection.client)
+        if isinstance(leased, ErrorMessage):
+            if leased.code == "busy" and await self._owned_session(connection, message.session_id) is None:
+                leased = _unknown_session(message.session_id, turn_id)  # (another key's session: as a missing one)
+            await connection.send(leased)
             return False
-        if not await self._attach(connection, session.session_id, turn_id):
-            return False
+        lease, session = leased
+        begun = None
         try:
-            setup = setup_for(self._tool_format(session, message), session.tool_options, message)
-            new = message.content or result_messages(session.messages, message.tool_results or ())
-            grammar = await compile_grammar(self.engine.grammars, setup, "response_format") \
-                if setup.grammar() is not None else None
-        except RequestRefused as error:
-            await connection.send(ErrorMessage(turn_id=turn_id, code="bad_request", message=_naming(error)))
+            begun = await self._begin_leased_turn(connection, message, turn_id, lease, session)
+        finally:
+            if begun is None:
+                await lease.release()
+        if begun is None:
             return False
-        except ModelLoading:
-            await connection.send(ErrorMessage(turn_id=turn_id, code="unavailable", retryable=True,
-                                               message="the model is still loading; tools need it: retry shortly"))
-            return False
-        params = SamplingParams(**message.params.model_dump(), grammar=grammar)
-        started = await self.turns.begin_turn(session, new, params, turn_id, connection.owner, connection.client,
-                                              tools=setup)
-        if isinstance(started, ErrorMessage):
-            await connection.send(started)
-            return False
+        started, setup = begun
         turn_log = self.turn_logs.start(started.turn, connection.owner, connection)
         seq = itertools.count()
         prose = setup.prose_stream()
@@ -279,6 +272,34 @@ class Gateway:
 
         self.turns.forward(started, on_text, on_end)
         return True
+
+    async def _begin_leased_turn(self, connection: Connection, message: ChatRequest, turn_id: str, lease: Lease,
+                                 session: Session | None) -> tuple[StartedTurn, ToolSetup] | None:
+        """Start the turn in the engine (and say how its reply is read), or send why not (None)."""
+        if session is None or session.owner != connection.owner:  # (another key's: answered as a missing one)
+            await connection.send(_unknown_session(message.session_id, turn_id))
+            return None
+        if not await self._attach(connection, session.session_id, turn_id):
+            return None
+        try:
+            setup = setup_for(self._tool_format(session, message), session.tool_options, message)
+            new = message.content or result_messages(session.messages, message.tool_results or ())
+            grammar = await compile_grammar(self.engine.grammars, setup, "response_format") \
+                if setup.grammar() is not None else None
+        except RequestRefused as error:
+            await connection.send(ErrorMessage(turn_id=turn_id, code="bad_request", message=_naming(error)))
+            return None
+        except ModelLoading:
+            await connection.send(ErrorMessage(turn_id=turn_id, code="unavailable", retryable=True,
+                                               message="the model is still loading; tools need it: retry shortly"))
+            return None
+        params = SamplingParams(**message.params.model_dump(), grammar=grammar)
+        started = await self.turns.begin_turn(session, new, params, turn_id, connection.owner, connection.client,
+                                              tools=setup, lease=lease)
+        if isinstance(started, ErrorMessage):
+            await connection.send(started)
+            return None
+        return started, setup
 
     def _tool_format(self, session: Session, message: ChatRequest) -> ToolFormat:
         """How the served model sees tools; `ModelLoading` until it is loaded, for a turn that involves them

@@ -79,30 +79,40 @@ class TurnRunner:
     def release_claim(self, session_id: str) -> None:
         self._claims.discard(session_id)
 
-    async def begin_turn(self, session: Session, new: str | Sequence[Message], params: SamplingParams, turn_id: str,
-                         owner: str | None, client: str, api: str = "websocket",
-                         expected_version: int | None = None, tools=None,
-                         keep_for_s: float | None = None) -> StartedTurn | ErrorMessage:
-        """Start a turn of a claimed session in the engine (rate limit, lease, a fresh copy of the
-        session), or say why not. Shared by the websocket and the OpenAI-compatible API. With
-        `expected_version`, a session that another worker moved past it is `conflict` (a stateless request
-        matched it at that version, and must run on exactly that history). `tools` (a `ToolSetup`) says how
-        the model sees the tools and how its reply is read; `keep_for_s`, how long its cache stays resident ahead of
-        plain LRU (an Anthropic cache breakpoint's ttl)."""
+    async def take_lease(self, session_id: str, turn_id: str, client: str
+                         ) -> tuple[Lease, Session | None] | ErrorMessage:
+        """The rate limit, then the session's lease and the session as read with it (fresh: another worker may have
+        written; None if it does not exist), or why not."""
         if (wait := self.rate_limit.acquire(client)) is not None:
             return ErrorMessage(turn_id=turn_id, code="rate_limited", retryable=True, retry_after_s=round(wait, 2),
                                 message=f"over {self.settings.rate_limit_per_min:g} turns per minute; "
                                         f"retry in {wait:.1f} s")
         try:
-            lease = await self.store.lease(session.session_id)
+            lease = await self.store.lease(session_id)
         except SessionBusy as error:
             return ErrorMessage(turn_id=turn_id, code="busy", retryable=True, message=str(error))
         try:
-            # Fresh (another worker may have written): as read with the lease, in the same round trip.
-            session = lease.session or await self.store.get(session.session_id) or session
+            return lease, lease.session or await self.store.get(session_id)
         except BaseException:
             await lease.release()
             raise
+
+    async def begin_turn(self, session: Session, new: str | Sequence[Message], params: SamplingParams, turn_id: str,
+                         owner: str | None, client: str, api: str = "websocket",
+                         expected_version: int | None = None, tools=None,
+                         keep_for_s: float | None = None, lease: Lease | None = None) -> StartedTurn | ErrorMessage:
+        """Start a turn of a claimed session in the engine (rate limit, lease, a fresh copy of the
+        session), or say why not. Shared by the websocket and the OpenAI-compatible API. With
+        `expected_version`, a session that another worker moved past it is `conflict` (a stateless request
+        matched it at that version, and must run on exactly that history). `tools` (a `ToolSetup`) says how
+        the model sees the tools and how its reply is read; `keep_for_s`, how long its cache stays resident ahead of
+        plain LRU (an Anthropic cache breakpoint's ttl). With `lease` (from `take_lease`), `session` is the copy read
+        with it."""
+        if lease is None:
+            leased = await self.take_lease(session.session_id, turn_id, client)
+            if isinstance(leased, ErrorMessage):
+                return leased
+            lease, session = leased[0], leased[1] or session
         if expected_version is not None and session.version != expected_version:
             await lease.release()
             return ErrorMessage(turn_id=turn_id, code="conflict", retryable=True,
