@@ -5,7 +5,9 @@ every bad tool input a 400 naming the parameter."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from dataclasses import dataclass
 from typing import Literal
 
 import httpx
@@ -50,9 +52,35 @@ async def _agent_loop(client: openai.AsyncOpenAI) -> list:
     return completions
 
 
-async def test_an_agent_loop_calls_valid_functions_and_each_round_prefills_only_the_tool_results(openai_pair):
-    client, uncached = openai_pair
-    rounds, reference = await _agent_loop(client), await _agent_loop(uncached)
+@dataclass
+class DeskLoops:
+    first: list  # a desk's first agent loop, on a server with the session cache and drafts
+    second: list  # its second, drafted from the first's replies (the desk's past replies)
+    plain: list  # the same loop on a server with neither the session cache nor drafts
+    speculation: dict  # the first server's drafting counts after both
+
+
+@pytest.fixture(scope="module")
+def desk_loops(smollm2) -> DeskLoops:
+    """The agent loop twice on one server and once on a plain one: what the next two tests check, run once."""
+
+    async def run() -> DeskLoops:
+        async with ChatServer(Settings(port=0), load=lambda: smollm2) as server, \
+                ChatServer(Settings(port=0, session_cache=False, speculation="off"), load=lambda: smollm2) as plain:
+            await server.wait_ready()
+            await plain.wait_ready()
+            async with openai_client(server) as client, openai_client(plain) as reference:
+                first, second, expected = await _agent_loop(client), await _agent_loop(client), \
+                    await _agent_loop(reference)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as http:
+                speculation = (await http.get("/v1/stats")).json()["now"]["engine"]["speculation"]
+        return DeskLoops(first, second, expected, speculation)
+
+    return asyncio.run(run())
+
+
+def test_an_agent_loop_calls_valid_functions_and_each_round_prefills_only_the_tool_results(desk_loops):
+    rounds, reference = desk_loops.first, desk_loops.plain
     for index, (got, expected) in enumerate(zip(rounds, reference, strict=True)):
         message = got.choices[0].message
         assert message.model_dump(exclude={"tool_calls"}) == expected.choices[0].message.model_dump(
@@ -76,18 +104,10 @@ async def test_an_agent_loop_calls_valid_functions_and_each_round_prefills_only_
     assert rounds[1].choices[0].message.tool_calls[0].function.name == "open_ticket"
 
 
-async def test_tool_calls_drafted_from_the_desks_past_replies_equal_plain_decoding(smollm2):
+def test_tool_calls_drafted_from_the_desks_past_replies_equal_plain_decoding(desk_loops):
     """A second agent loop's calls and answer are drafted from the first's (the desk's past replies) and verified
     under the tools' grammar: every round equals a server's without speculation, and drafts were accepted."""
-    async with ChatServer(Settings(port=0), load=lambda: smollm2) as server, \
-            ChatServer(Settings(port=0, speculation="off"), load=lambda: smollm2) as plain:
-        await server.wait_ready()
-        await plain.wait_ready()
-        async with openai_client(server) as client, openai_client(plain) as reference:
-            await _agent_loop(client)
-            drafted, expected = await _agent_loop(client), await _agent_loop(reference)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as http:
-            speculation = (await http.get("/v1/stats")).json()["now"]["engine"]["speculation"]
+    drafted, expected, speculation = desk_loops.second, desk_loops.plain, desk_loops.speculation
     for index, (got, want) in enumerate(zip(drafted, expected, strict=True)):
         assert got.choices[0].message.model_dump(exclude={"tool_calls"}) == want.choices[0].message.model_dump(
             exclude={"tool_calls"}), f"round {index}"
