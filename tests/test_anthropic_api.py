@@ -50,6 +50,11 @@ async def anthropic_pair(smollm2):
             yield server, client, reference
 
 
+async def _streamed(client: anthropic.AsyncAnthropic, **request):
+    async with client.messages.stream(**request) as stream:
+        return await stream.get_final_message()
+
+
 def text_of(message) -> str:
     return "".join(block.text for block in message.content if block.type == "text")
 
@@ -105,7 +110,13 @@ async def test_the_sdk_stream_helpers_assemble_the_message(anthropic_pair):
         final = await stream.get_final_message()
     async with client.messages.stream(model=MODEL, max_tokens=16, system=SYSTEM, messages=messages,
                                       extra_body=GREEDY) as events:
-        kinds = [event.type async for event in events]
+        streamed = [event async for event in events]
+    kinds = [event.type for event in streamed]
+    # The prompt's usage is known before the first token: clients that read it from message_start record it.
+    started = streamed[0].message.usage
+    counted = await client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=messages)
+    assert started.input_tokens + started.cache_read_input_tokens + started.cache_creation_input_tokens == \
+        counted.input_tokens > 0
     expected = await uncached.messages.create(model=MODEL, max_tokens=16, system=SYSTEM, messages=messages,
                                               extra_body=GREEDY, stop_sequences=["router"])
     assert "".join(pieces) == text_of(final) == text_of(expected)
@@ -133,6 +144,16 @@ async def test_a_tool_round_trip_with_tool_choice_any(anthropic_pair):
         streamed = await stream.get_final_message()
     assert [b.input for b in streamed.content if b.type == "tool_use"] == [u.input for u in uses], \
         "input_json_delta assembled by the SDK"
+    # A reply of calls alone has no (empty) text block, streamed or not.
+    assert [block.type for block in streamed.content] == [block.type for block in call.content] == \
+        ["tool_use"] * len(uses), (streamed.content, call.content)
+    # Cut by max_tokens while the call is being written: max_tokens, and never the call's raw text.
+    for cut in (await client.messages.create(model=MODEL, max_tokens=6, system=SYSTEM, messages=messages,
+                                             tools=TOOLS, tool_choice={"type": "any"}, extra_body=GREEDY),
+                await _streamed(client, model=MODEL, max_tokens=6, system=SYSTEM, messages=messages, tools=TOOLS,
+                                tool_choice={"type": "any"}, extra_body=GREEDY)):
+        assert cut.stop_reason == "max_tokens" and not any(block.type == "tool_use" for block in cut.content)
+        assert "lookup_order" not in text_of(cut) and "{" not in text_of(cut), cut.content
     messages += [{"role": "assistant", "content": [block.model_dump() for block in call.content]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                "content": json.dumps({"status": "lost in transit"})}

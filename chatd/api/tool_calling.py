@@ -291,9 +291,14 @@ class ToolSetup:
             return text, []
         return self.format.parse(text)
 
+    @property
+    def call_trigger(self) -> str | None:
+        """The text with which the model opens a call (None where it may call nothing)."""
+        return self.format.trigger if self.calls_possible else None
+
     def prose_stream(self) -> ProseStream:
         """What of a streamed reply may go out as prose while it is written."""
-        return ProseStream(self.format.trigger if self.calls_possible else None)
+        return ProseStream(self.call_trigger)
 
 
 class ProseStream:
@@ -327,6 +332,11 @@ class ProseStream:
             return ""
         released, self._released = self._text[self._released:end], end
         return released
+
+    @property
+    def opened(self) -> bool:
+        """Whether the reply has opened a call (complete or not)."""
+        return self._opened is not None
 
     def rest(self, prose: str, has_calls: bool) -> str:
         """What is left to send once the reply is read: the rest of its prose (all its text if it made no call)."""

@@ -42,7 +42,7 @@ from chatd.engine.grammar import GrammarCompiler, fill_masks, masked_logits, mas
 from chatd.engine.model_runner import ModelRunner
 from chatd.engine.running_turn import RunningTurn
 from chatd.engine.supervision import EngineUnavailable, is_fatal
-from chatd.engine.turn import FinishReason, Turn, TurnFailed, TurnResult
+from chatd.engine.turn import FinishReason, PromptRead, Turn, TurnFailed, TurnResult
 from chatd.engine.turn_setup import CacheFinder, TurnPreparer
 from chatd.engine.wiring import warm_prompt, wire
 from chatd.model.loader import LoadedModel
@@ -422,6 +422,7 @@ class Engine(CacheCommands):
             self._prefilling.appendleft(running)
             return
         running.first_token_at = time.perf_counter()
+        running.turn.prompt_read = PromptRead(running.prompt_ids, running.lookup.cached_tokens)
         self._sample(running, first_logits)
 
     def _make_room(self, running: RunningTurn) -> bool:

@@ -70,6 +70,15 @@ class TurnFailed:
 TurnEvent = TokenText | TurnResult | TurnFailed
 
 
+@dataclass(frozen=True)
+class PromptRead:
+    """A turn's prompt once it is prefilled, before its first token: what an API can report at the start of its
+    reply (Anthropic's `message_start` usage)."""
+
+    prompt_ids: list[int]
+    cached_tokens: int  # of them, read from a cache
+
+
 @dataclass
 class Turn:
     """A request for one reply. The gateway fills the inputs; the engine reports through `emit`,
@@ -86,6 +95,7 @@ class Turn:
     dropped_turns: int = 0  # oldest turns the session's prompts already leave out
     keep_for_s: float | None = None  # keep its cache resident this long ahead of plain LRU (a cache breakpoint)
     received_at: float = field(default_factory=time.perf_counter)
+    prompt_read: PromptRead | None = None  # set by the engine before it emits the first token
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:

@@ -91,7 +91,7 @@ class AnthropicApi:
         session, started = await self.conversations.start(
             scope, client, system, history, content, body.session_id or x_session_id, params, message_id, setup,
             "anthropic", keep_for_s=ttl)
-        started.parse = _anthropic_ids(started.parse)
+        started.parse = _anthropic_reader(started.parse, setup.call_trigger)
         first, events = await self.conversations.relay(scope, started)
         headers = {SESSION_HEADER: session.session_id, WORKER_HEADER: WORKER}
         reply = _Reply(message_id, body.model, self._last_breakpoint(body, marks, setup))
@@ -124,48 +124,61 @@ class _Reply:
     def __init__(self, message_id: str, model: str, breakpoint: list[int] | None):
         self.message_id, self.model, self.breakpoint = message_id, model, breakpoint  # (`_last_breakpoint`)
 
-    def usage(self, result: TurnResult) -> Usage:
+    def usage(self, prompt_ids: list[int], read: int, output_tokens: int) -> Usage:
         """The prompt's tokens read from a cache, newly written up to the last breakpoint, and the rest."""
-        read = result.cached_tokens
-        through = result.prompt_tokens if self.breakpoint is None else \
-            common_prefix_length(result.conversation_ids[:result.prompt_tokens], self.breakpoint)
+        through = len(prompt_ids) if self.breakpoint is None else common_prefix_length(prompt_ids, self.breakpoint)
         written = max(0, through - read)
-        return Usage(input_tokens=result.prompt_tokens - read - written, output_tokens=result.completion_tokens,
+        return Usage(input_tokens=len(prompt_ids) - read - written, output_tokens=output_tokens,
                      cache_read_input_tokens=read, cache_creation_input_tokens=written)
+
+    def result_usage(self, result: TurnResult) -> Usage:
+        return self.usage(result.conversation_ids[:result.prompt_tokens], result.cached_tokens,
+                          result.completion_tokens)
 
     def message(self, result: TurnResult, text: str, calls: list[ToolCall]) -> MessageOut:
         content: list[TextOut | ToolUseOut] = [TextOut(text=text)] if text or not calls else []
         content += [ToolUseOut(id=call.id, name=call.name, input=_input(call)) for call in calls]
         return MessageOut(id=self.message_id, model=self.model, content=content,
                           stop_reason=_stop_reason(result, calls), stop_sequence=result.stop_sequence,
-                          usage=self.usage(result))
+                          usage=self.result_usage(result))
 
     async def stream(self, started: StartedTurn, first: str | TurnResult, events: asyncio.Queue,
                      setup: ToolSetup) -> AsyncIterator[str]:
-        """Anthropic's events: `message_start`, a text block (`content_block_start`, `text_delta`s,
+        """Anthropic's events: `message_start` (with the prompt's usage: the prompt is prefilled by the first
+        token), a text block when the reply has text or no call (`content_block_start`, `text_delta`s,
         `content_block_stop`), one block per call (its `input_json_delta`s), `message_delta` with the stop reason
         and the usage, `message_stop`. Text from where the model opens a call on is held back and sent as calls
         once the reply is read. A client that goes away cancels the turn."""
-        event, prose, index = first, setup.prose_stream(), 0
-        empty = MessageOut(id=self.message_id, model=self.model, content=[], stop_reason=None,
-                           usage=Usage(input_tokens=0, output_tokens=0))
+        event, prose = first, setup.prose_stream()
+        read = started.turn.prompt_read
+        usage = self.result_usage(event) if isinstance(event, TurnResult) else \
+            self.usage(read.prompt_ids, read.cached_tokens, 0) if read is not None else Usage(input_tokens=0,
+                                                                                               output_tokens=0)
+        start = MessageOut(id=self.message_id, model=self.model, content=[], stop_reason=None, usage=usage)
+        text_open = False  # (the text block opens with the first text: a reply of calls alone has none)
         try:
-            yield _sse("message_start", {"type": "message_start", "message": empty.model_dump()})
-            yield _sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                               "content_block": {"type": "text", "text": ""}})
+            yield _sse("message_start", {"type": "message_start", "message": start.model_dump()})
             yield _sse("ping", {"type": "ping"})
             while isinstance(event, str):
                 if text := prose.push(event):
+                    if not text_open:
+                        yield _TEXT_BLOCK_START
+                        text_open = True
                     yield _text_delta(text)
                 event = await events.get()
             if isinstance(event, TurnFailed):
                 yield _sse("error", anthropic_body(ApiError.of(event)).model_dump())
                 return
             text, calls = started.reply
-            if rest := prose.rest(text, bool(calls)):
+            rest = prose.rest(text, bool(calls) or prose.opened)
+            if not text_open and (rest or not calls):
+                yield _TEXT_BLOCK_START
+                text_open = True
+            if rest:
                 yield _text_delta(rest)
-            yield _sse("content_block_stop", {"type": "content_block_stop", "index": 0})
-            for index, call in enumerate(calls, start=1):
+            if text_open:
+                yield _sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+            for index, call in enumerate(calls, start=int(text_open)):
                 yield _sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": {
                     "type": "tool_use", "id": call.id, "name": call.name, "input": {}}})
                 arguments = json.dumps(_input(call), ensure_ascii=False)
@@ -175,7 +188,7 @@ class _Reply:
                 yield _sse("content_block_stop", {"type": "content_block_stop", "index": index})
             yield _sse("message_delta", {"type": "message_delta", "delta": {
                 "stop_reason": _stop_reason(event, calls), "stop_sequence": event.stop_sequence},
-                "usage": self.usage(event).model_dump()})
+                "usage": self.result_usage(event).model_dump()})
             yield _sse("message_stop", {"type": "message_stop"})
         finally:
             if isinstance(event, str):  # the client left mid-stream
@@ -184,6 +197,10 @@ class _Reply:
 
 def _sse(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+_TEXT_BLOCK_START = _sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                                 "content_block": {"type": "text", "text": ""}})
 
 
 def _text_delta(text: str) -> str:
@@ -208,11 +225,15 @@ def _input(call: ToolCall) -> dict:
     return arguments if isinstance(arguments, dict) else {}
 
 
-def _anthropic_ids(parse):
-    """A reply's reader whose calls carry Anthropic's `toolu_` ids (recorded so: the client sends them back)."""
+def _anthropic_reader(parse, trigger: str | None):
+    """A reply's reader whose calls carry Anthropic's `toolu_` ids (recorded so: the client sends them back), and
+    whose prose never holds the raw text of a call it could not read (one cut by `max_tokens` while it was being
+    written: the reply is then its prose before the call, and `stop_reason` says `max_tokens`)."""
 
     def read(text: str) -> tuple[str, list[ToolCall]]:
         prose, calls = parse(text)
+        if not calls and trigger is not None and trigger in text:
+            prose = text[:text.index(trigger)].rstrip()
         return prose, [ToolCall("toolu_" + call.id.removeprefix("call_"), call.name, call.arguments)
                        for call in calls]
 
