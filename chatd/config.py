@@ -100,6 +100,9 @@ class Settings(BaseSettings):
     redis_failover_s: float = Field(10.0, gt=0, description=(
         "with --redis-wait-replicas, how long a turn's write is retried while its Redis node cannot answer (a "
         "cluster's failover) before the turn is answered unavailable (retryable) and not kept"))
+    thread_ttl_s: float | None = Field(None, gt=0, description="how long an Anthropic message thread's latest reply "
+                                       "can be continued once it was held (default: --session-ttl-s; Anthropic's "
+                                       "own: 5 minutes)")
     session_retention_s: float = Field(7 * 24 * 3600, gt=0,
                                        description="how long an unused session is kept (in memory or in Redis)")
     remote_kv: bool = Field(False, description="also keep every session's cache in Redis, shared by all workers "

@@ -1,7 +1,7 @@
-"""A support bot written against the official `anthropic` SDK, served by chatd: point the SDK at chatd's port and
-it works unchanged. The conversation is resent whole each turn, as with Anthropic's own API; chatd finds the session
-that holds its cache, so each turn prefills only the new message (`usage.cache_read_input_tokens` says how much was
-read from the cache). The policy is marked `cache_control`: it stays resident for an hour ahead of other caches.
+"""A support bot on the official `anthropic` SDK's tool runner, served by chatd: point the SDK at chatd's port and it
+works unchanged. The runner threads its requests (Anthropic's message threads, its default): after the first, each
+request sends only what is new (the tools' results), and chatd runs it as the next turn of the thread's session, so
+only that is prefilled (`usage.cache_read_input_tokens` says how much of the prompt was read from the cache).
 
     make run   # in another terminal: serves SmolLM2-135M on 127.0.0.1:8765
     .venv/bin/python examples/anthropic_bot.py
@@ -13,40 +13,36 @@ import json
 import sys
 
 import anthropic
+from anthropic import beta_tool
 
 POLICY = ("You are the support assistant of Northwind Telecom. Orders ship within two days; refunds take five "
           "working days. Use the tools to look orders up. Answer in one or two short sentences.")
-TOOLS = [{"name": "lookup_order", "description": "Find an order by its id (NW- and four digits).",
-          "input_schema": {"type": "object", "properties": {"order_id": {"type": "string",
-                                                                          "pattern": "^NW-[0-9]{4}$"}},
-                           "required": ["order_id"], "additionalProperties": False}}]
 ORDERS = {"NW-2231": {"status": "lost in transit", "refund": "possible"}}
 
 
-def lookup_order(order_id: str) -> dict:
-    return ORDERS.get(order_id, {"status": "unknown order"})
+@beta_tool
+def lookup_order(order_id: str) -> str:
+    """Find an order by its id.
+
+    Args:
+        order_id: the order's id: NW- and four digits, such as NW-2231
+    """
+    return json.dumps(ORDERS.get(order_id, {"status": "unknown order"}))
 
 
 def main(base_url: str = "http://127.0.0.1:8765") -> None:
     client = anthropic.Anthropic(base_url=base_url, api_key="unused-without-keys")
-    system = [{"type": "text", "text": POLICY, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
-    messages = []
-    for question in ("Hi, my order NW-2231 never arrived.", "Can I get my money back?"):
-        messages.append({"role": "user", "content": question})
-        while True:
-            reply = client.messages.create(model="smollm2-135m", max_tokens=96, system=system, messages=messages,
-                                           tools=TOOLS, temperature=0)
-            messages.append({"role": "assistant", "content": [block.model_dump() for block in reply.content]})
-            calls = [block for block in reply.content if block.type == "tool_use"]
-            if not calls:
-                break
-            messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": call.id, "content": json.dumps(lookup_order(**call.input))}
-                for call in calls]})
+    runner = client.beta.messages.tool_runner(
+        model="smollm2-135m", max_tokens=96, system=POLICY, tools=[lookup_order], max_iterations=4,
+        messages=[{"role": "user", "content": "Hi, my order NW-2231 never arrived. Can I get my money back?"}],
+        extra_body={"temperature": 0})
+    for reply in runner:  # each reply; the runner calls the tools and sends their results back
         text = "".join(block.text for block in reply.content if block.type == "text")
+        calls = [f"{block.name}({json.dumps(block.input)})" for block in reply.content if block.type == "tool_use"]
         usage = reply.usage
         prompt = usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
-        print(f"> {question}\n{text}\n  (prompt {prompt} tokens, {usage.cache_read_input_tokens} read from the cache)")
+        print(f"{text or ''}{' calls ' + ', '.join(calls) if calls else ''}\n"
+              f"  (prompt {prompt} tokens, {usage.cache_read_input_tokens} read from the cache)")
 
 
 if __name__ == "__main__":

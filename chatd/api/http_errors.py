@@ -25,10 +25,10 @@ class ApiError(Exception):
     """A failed request: its status, and what each API's error body says."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after_s: float | None = None):
+                 retry_after_s: float | None = None, details: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.details = retry_after_s, details  # (details: what Anthropic's errors carry)
 
     @classmethod
     def of(cls, error: ErrorMessage | TurnFailed) -> ApiError:

@@ -24,6 +24,7 @@ from chatd.api.admin import FaultRoutes
 from chatd.api.admission import Admission
 from chatd.api.anthropic.errors import anthropic_response
 from chatd.api.anthropic.messages import AnthropicApi
+from chatd.api.anthropic.threads import Threads
 from chatd.api.auth import KeyRing
 from chatd.api.client_socket import ClientSocket
 from chatd.api.conversations import Conversations
@@ -47,6 +48,7 @@ from sessions.redis_client import RedisEvents
 from sessions.redis_client import topology as redis_topology
 from sessions.redis_store import RedisSessionStore
 from sessions.responses import InMemoryResponseStore, RedisResponseStore
+from sessions.threads import InMemoryThreadStore, RedisThreadStore
 
 log = logging.getLogger(__name__)
 SAMPLE_EVERY_S = 5.0  # how often tier occupancy and cache counters are sampled for /v1/stats
@@ -112,7 +114,11 @@ class ChatServer:
         self.conversations = Conversations(self.engine, self.sessions, settings, self.turns)
         admission = Admission(self.engine, settings, self.turns, self.keys)
         self.openai = OpenAIApi(admission, self.conversations, self.turns)
-        self.anthropic = AnthropicApi(admission, self.conversations, self.turns)
+        thread_ttl_s = settings.thread_ttl_s or settings.session_ttl_s
+        threads = (RedisThreadStore(self.sessions, thread_ttl_s) if isinstance(self.sessions, RedisSessionStore)
+                   else InMemoryThreadStore(thread_ttl_s))
+        self.threads = Threads(threads, self.conversations)
+        self.anthropic = AnthropicApi(admission, self.conversations, self.turns, self.threads)
         retention_s = settings.session_retention_s
         responses = (RedisResponseStore(self.sessions, retention_s)
                      if isinstance(self.sessions, RedisSessionStore) else InMemoryResponseStore(retention_s))
@@ -187,7 +193,8 @@ class ChatServer:
                          decode_steps=dict(self.engine.batch_sizes), kv_dtypes=self._kv_dtypes(),
                          kv=self._kv_layout(),
                          redis=self.sessions.state() if isinstance(self.sessions, RedisSessionStore) else {},
-                         prefix_index=self.conversations.index.local_state())
+                         prefix_index=self.conversations.index.local_state(),
+                         message_threads=dict(self.threads.counts))
 
     def _kv_layout(self) -> dict:
         """The model's layers and windows, and what a session of N tokens holds against what its windows need

@@ -60,9 +60,10 @@ def checked_schema(schema: object, param: str) -> dict:
     return schema
 
 
-def check_tool_results(messages: Sequence[Message], param: str = "messages") -> None:
-    """Every tool message answers a call of an earlier reply; `RequestRefused` otherwise."""
-    calls: set[str] = set()
+def check_tool_results(messages: Sequence[Message], param: str = "messages", earlier: Sequence[Message] = ()) -> None:
+    """Every tool message answers a call of an earlier reply (in `messages`, or in the `earlier` history they follow);
+    `RequestRefused` otherwise."""
+    calls: set[str] = {call.id for message in earlier for call in message.tool_calls}
     for index, message in enumerate(messages):
         calls.update(call.id for call in message.tool_calls)
         if message.role == "tool" and message.tool_call_id not in calls:

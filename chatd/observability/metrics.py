@@ -48,6 +48,7 @@ class LiveState:
     kv: dict = field(default_factory=dict)  # the model's layers and windows: `chatd.model.kv_size.kv_report`
     redis: dict = field(default_factory=dict)  # with --redis-url: its mode and nodes (`RedisSessionStore.nodes`)
     prefix_index: dict = field(default_factory=dict)  # this worker's own prefix index: sessions, forgotten
+    message_threads: dict[str, int] = field(default_factory=dict)  # Anthropic threads: created, continued, not_found
 
     def tier_bytes(self, tier: str) -> tuple[int, int]:
         """Bytes in use and the budget of a tier (0, 0 when it does not exist)."""
@@ -294,6 +295,12 @@ def _engine_families(live: LiveState, name: list[str], label: list[str]):
          "with Redis, the shared index has them all).", live.prefix_index.get("sessions", 0)),
         (CounterMetricFamily, "chatd:prefix_index_forgotten", "Sessions this worker's prefix index forgot to stay "
          "within its bounds (expired, or the least recently indexed).", live.prefix_index.get("forgotten", 0)),
+        (CounterMetricFamily, "chatd:message_threads_created", "Anthropic message threads created on this worker "
+         "(a reply held under its id).", live.message_threads.get("created", 0)),
+        (CounterMetricFamily, "chatd:message_threads_continued", "Replies of Anthropic message threads continued on "
+         "this worker (only the new messages prefilled).", live.message_threads.get("continued", 0)),
+        (CounterMetricFamily, "chatd:message_threads_not_found", "Continues of an Anthropic message thread that was "
+         "not found (unknown, expired, another key's).", live.message_threads.get("not_found", 0)),
     ]
     return threads, *(_single(family, metric, text, name, label, value) for family, metric, text, value in singles)
 

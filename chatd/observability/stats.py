@@ -144,6 +144,7 @@ class StatsRecorder:
             arena["outside_arena_turns"] = live.cache.get("outside_arena_turns", 0)
         return {"running": live.running, "waiting": live.waiting, "tiers": tiers, "kv": live.kv, "arena": arena,
                 "redis": live.redis, "engine": engine, "prefix_index": live.prefix_index,
+                "threads": {kind: live.message_threads.get(kind, 0) for kind in ("created", "continued", "not_found")},
                 "sessions": {"connected": live.connected_sessions, "idle": live.cache.get("idle_sessions", 0)}}
 
     def _window(self, start: float, end: float, live: LiveState, tokens: tuple[np.ndarray, np.ndarray]) -> dict:

@@ -24,10 +24,11 @@ def anthropic_status(error: ApiError) -> int:
 
 def anthropic_body(error: ApiError) -> ErrorOut:
     """The error body the SDK parses (also an `error` event of a stream that already began)."""
-    return ErrorOut(error=ErrorDetail(type=_TYPE.get(anthropic_status(error), "api_error"), message=error.message))
+    return ErrorOut(error=ErrorDetail(type=_TYPE.get(anthropic_status(error), "api_error"), message=error.message,
+                                      details=error.details))
 
 
 def anthropic_response(error: ApiError) -> Response:
     """A failed request of the Messages routes: Anthropic's body and status, with `retry-after` where it helps."""
     headers = {"retry-after": str(math.ceil(error.retry_after_s))} if error.retry_after_s is not None else None
-    return JSONResponse(anthropic_body(error).model_dump(), anthropic_status(error), headers)
+    return JSONResponse(anthropic_body(error).model_dump(exclude_none=True), anthropic_status(error), headers)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Request
@@ -30,18 +30,21 @@ from chatd.api.anthropic.messages_schema import (
     MessagesRequest,
     StopReason,
     TextOut,
+    ThreadContinue,
     TokenCount,
     ToolUseOut,
     Usage,
 )
+from chatd.api.anthropic.threads import Continuation, Threads
 from chatd.api.constants import ARGUMENTS_FRAGMENT, SESSION_HEADER, WORKER, WORKER_HEADER
 from chatd.api.conversations import Conversations, salted
 from chatd.api.http_errors import ApiError, refusals
+from chatd.api.protocol import ErrorMessage
 from chatd.api.tool_calling import RequestRefused, ToolSetup
 from chatd.api.turns import StartedTurn, TurnRunner
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed, TurnResult
-from sessions import Message, ToolCall
+from sessions import Message, Session, StoreUnavailable, ToolCall
 
 MAX_BREAKPOINTS = 4  # as Anthropic's API: at most four blocks with cache_control
 
@@ -49,8 +52,8 @@ MAX_BREAKPOINTS = 4  # as Anthropic's API: at most four blocks with cache_contro
 class AnthropicApi:
     """The Messages routes over the turn runner."""
 
-    def __init__(self, admission: Admission, conversations: Conversations, turns: TurnRunner):
-        self.admission, self.conversations, self.turns = admission, conversations, turns
+    def __init__(self, admission: Admission, conversations: Conversations, turns: TurnRunner, threads: Threads):
+        self.admission, self.conversations, self.turns, self.threads = admission, conversations, turns, threads
         self.router = APIRouter(prefix="/v1")
         errors = {code: {"model": ErrorOut} for code in (400, 401, 404, 429, 529)}
         self.router.add_api_route("/messages", self.create, methods=["POST"], response_model=MessageOut,
@@ -73,33 +76,98 @@ class AnthropicApi:
 
     async def create(self, request: Request, body: MessagesRequest,
                      x_session_id: Annotated[str | None, Header()] = None) -> Response:
+        if body.thread is not None:
+            self.admission.authenticate(request)
+            Threads.refuse_unsupported(body)
         owner, max_new_tokens = self.admission.open(request, body, body.max_tokens, body.max_tokens, "max_tokens")
+        client = owner or (request.client.host if request.client else "unknown")
+        scope = salted(owner, body.cache_salt)
+        continuation = None
+        if isinstance(body.thread, ThreadContinue):
+            continuation = await self._call(self.threads.resolve(owner, scope, body))
+            body = Threads.thread_body(body, continuation)
+        try:
+            return await self._reply(body, owner, scope, client, max_new_tokens, x_session_id, continuation)
+        except BaseException:
+            if continuation is not None:
+                await self.threads.release(continuation.previous)
+            raise
+
+    async def _reply(self, body: MessagesRequest, owner: str | None, scope: str | None, client: str,
+                     max_new_tokens: int, hint: str | None, continuation: Continuation | None) -> Response:
+        """The turn and its reply, streamed or whole; with a thread, the reply held once it has reached its end."""
         with refusals():
-            setup = body.tool_setup(self.conversations.tool_format())
+            setup = self.threads.setup(body, continuation) if continuation is not None else \
+                body.tool_setup(self.conversations.tool_format())
             marks = body.breakpoints()
             if len(marks) > MAX_BREAKPOINTS:
                 raise RequestRefused("cache_control", f"at most {MAX_BREAKPOINTS} blocks may have cache_control, "
                                                       f"not {len(marks)}")
-        client = owner or (request.client.host if request.client else "unknown")
-        scope = salted(owner, body.cache_salt)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature,
                                 top_p=body.top_p or 1.0, top_k=body.top_k, stop=list(body.stop_sequences or []),
                                 grammar=await self.admission.compile(setup, "output_config.format"))
         message_id = "msg_" + secrets.token_hex(12)
-        system, history, content = body.conversation()
         ttl = max((control.seconds for _, control in marks), default=None)
-        session, started = await self.conversations.start(
-            scope, client, system, history, content, body.session_id or x_session_id, params, message_id, setup,
-            "anthropic", keep_for_s=ttl)
+        if continuation is not None:
+            session, started = await self._continue(continuation, body, scope, client, params, message_id, setup,
+                                                    ttl)
+        else:
+            system, history, content = body.conversation()
+            session, started = await self.conversations.start(
+                scope, client, system, history, content, body.session_id or hint, params, message_id, setup,
+                "anthropic", keep_for_s=ttl)
         started.parse = _anthropic_reader(started.parse, setup.call_trigger)
         first, events = await self.conversations.relay(scope, started)
         headers = {SESSION_HEADER: session.session_id, WORKER_HEADER: WORKER}
+        settle = None
+        if body.thread is not None:
+            previous = continuation.previous if continuation is not None else None
+
+            async def settle(result: TurnResult | None) -> None:
+                await self._call(self.threads.settle(message_id, owner, scope, body, started.session, result,
+                                                     previous))
+
         reply = _Reply(message_id, body.model, self._last_breakpoint(body, marks, setup))
         if body.stream:
-            return StreamingResponse(reply.stream(started, first, events, setup), media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
+            return StreamingResponse(reply.stream(started, first, events, setup, settle),
+                                     media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
         result = await self.conversations.result(first, events)
+        if settle is not None:
+            await settle(result)
         return JSONResponse(reply.message(result, *started.reply).model_dump(), headers=headers)
+
+    async def _continue(self, continuation: Continuation, body: MessagesRequest, scope: str | None, client: str,
+                        params: SamplingParams, message_id: str, setup: ToolSetup, ttl: float | None
+                        ) -> tuple[Session, StartedTurn]:
+        """The continue's turn: the next turn of the held reply's session when that reply is still its latest point
+        (only the new messages are prefilled), else of a branch from that point (its cache a copy of the part they
+        share)."""
+        session, previous, new = continuation.session, continuation.previous, body.new_messages()
+        if session.version == previous.version and self.turns.try_claim(session.session_id):
+            started = await self.conversations.begin(session, new, params, message_id, scope, client,
+                                                     expected_version=previous.version, api="anthropic", setup=setup,
+                                                     keep_for_s=ttl)
+            if not isinstance(started, ErrorMessage):
+                return session, started
+            if started.code not in ("busy", "conflict"):
+                raise ApiError.of(started)
+        # (moved on since, or running on another worker: a branch from the held reply's point)
+        history = continuation.history
+        ids = self.conversations.render(previous.system, history, new, setup)
+        branch = await self.conversations.branch(scope, previous.system, history, ids, [(session, history, ids)])
+        started = await self.conversations.begin(branch, new, params, message_id, scope, client, api="anthropic",
+                                                 setup=setup, keep_for_s=ttl)
+        if isinstance(started, ErrorMessage):
+            raise ApiError.of(started)
+        return branch, started
+
+    @staticmethod
+    async def _call(work):
+        """A store call of the thread path; an unreachable Redis is a 503 (529 to the SDK: retried)."""
+        try:
+            return await work
+        except StoreUnavailable as error:
+            raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
 
     def _last_breakpoint(self, body: MessagesRequest, marks: list[tuple[int, CacheControl]], setup: ToolSetup
                          ) -> list[int] | None:
@@ -143,12 +211,14 @@ class _Reply:
                           usage=self.result_usage(result))
 
     async def stream(self, started: StartedTurn, first: str | TurnResult, events: asyncio.Queue,
-                     setup: ToolSetup) -> AsyncIterator[str]:
+                     setup: ToolSetup, settle: Callable[[TurnResult | None], Awaitable[None]] | None = None
+                     ) -> AsyncIterator[str]:
         """Anthropic's events: `message_start` (with the prompt's usage: the prompt is prefilled by the first
         token), a text block when the reply has text or no call (`content_block_start`, `text_delta`s,
         `content_block_stop`), one block per call (its `input_json_delta`s), `message_delta` with the stop reason
         and the usage, `message_stop`. Text from where the model opens a call on is held back and sent as calls
-        once the reply is read. A client that goes away cancels the turn."""
+        once the reply is read. A client that goes away cancels the turn. With `settle` (a thread), the reply is
+        held once `message_stop` is out, and a stream cut before it holds nothing (`settle(None)`)."""
         event, prose = first, setup.prose_stream()
         read = started.turn.prompt_read
         usage = self.result_usage(event) if isinstance(event, TurnResult) else \
@@ -156,6 +226,7 @@ class _Reply:
                                                                                                output_tokens=0)
         start = MessageOut(id=self.message_id, model=self.model, content=[], stop_reason=None, usage=usage)
         text_open = False  # (the text block opens with the first text: a reply of calls alone has none)
+        held = False
         try:
             yield _sse("message_start", {"type": "message_start", "message": start.model_dump()})
             yield _sse("ping", {"type": "ping"})
@@ -167,7 +238,7 @@ class _Reply:
                     yield _text_delta(text)
                 event = await events.get()
             if isinstance(event, TurnFailed):
-                yield _sse("error", anthropic_body(ApiError.of(event)).model_dump())
+                yield _sse("error", anthropic_body(ApiError.of(event)).model_dump(exclude_none=True))
                 return
             text, calls = started.reply
             rest = prose.rest(text, bool(calls) or prose.opened)
@@ -190,9 +261,14 @@ class _Reply:
                 "stop_reason": _stop_reason(event, calls), "stop_sequence": event.stop_sequence},
                 "usage": self.result_usage(event).model_dump()})
             yield _sse("message_stop", {"type": "message_stop"})
+            if settle is not None:
+                await settle(event)
+                held = True
         finally:
             if isinstance(event, str):  # the client left mid-stream
                 started.turn.cancel()
+            if settle is not None and not held:
+                await settle(None)
 
 
 def _sse(name: str, data: dict) -> str:

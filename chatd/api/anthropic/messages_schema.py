@@ -70,7 +70,7 @@ class MessageParam(BaseModel):
     """One message of the conversation: a string, or content blocks."""
 
     model_config = ConfigDict(extra="ignore")
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # (system: a thread's tool additions or removals; refused)
     content: str | list[ContentBlock]
 
     def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock]:
@@ -171,6 +171,9 @@ class CountTokensRequest(BaseModel):
         """Raise `RequestRefused` for what chatd does not implement."""
         if self.thinking and self.thinking.get("type") not in (None, "disabled"):
             raise RequestRefused("thinking", "extended thinking is not supported by this server")
+        if any(param.role == "system" for param in self.messages):
+            raise RequestRefused("messages", "a system message in messages only adds or removes a thread's tools, "
+                                             "which this server does not do; put the system prompt in system")
         if self.messages[-1].role != "user":
             raise RequestRefused("messages", "the last message must be the user's: a final assistant message "
                                              "(prefill) is not supported")
@@ -188,9 +191,12 @@ class CountTokensRequest(BaseModel):
         new_from = replies[-1] + 1 if replies else len(messages) - 1
         return self.system_text(), messages[:new_from], messages[new_from:]
 
-    def tool_setup(self, format: tool_calling.ToolFormat) -> tool_calling.ToolSetup:
-        """The request's tools, tool choice and output format, checked; `RequestRefused` naming what is wrong."""
-        tool_calling.check_tool_results([m for param in self.messages for m in param.messages()])
+    def tool_setup(self, format: tool_calling.ToolFormat, earlier: list[Message] | None = None
+                   ) -> tool_calling.ToolSetup:
+        """The request's tools, tool choice and output format, checked (its tool results against the calls of its
+        messages, or of the `earlier` history they continue); `RequestRefused` naming what is wrong."""
+        tool_calling.check_tool_results([m for param in self.messages for m in param.messages()],
+                                        earlier=earlier or [])
         response_schema = None
         if self.output_config is not None and self.output_config.format is not None:
             response_schema = tool_calling.checked_schema(self.output_config.format.schema_,
@@ -218,6 +224,19 @@ class CountTokensRequest(BaseModel):
         return marks
 
 
+class ThreadCreate(BaseModel):
+    """Hold this conversation with its reply under the reply's id (Anthropic's message threads)."""
+
+    type: Literal["create"]
+
+
+class ThreadContinue(BaseModel):
+    """Continue from a held reply: `messages` holds only what is new; the system prompt and tools are the thread's."""
+
+    type: Literal["continue"]
+    previous_message_id: str = Field(min_length=1, max_length=256)
+
+
 class MessagesRequest(CountTokensRequest):
     """`POST /v1/messages`. Unknown fields are ignored (clients add their own); fields that would change the
     meaning of the reply are refused by `refuse_unsupported`, not ignored."""
@@ -231,6 +250,15 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     cache_salt: str | None = Field(None, max_length=256)  # chatd's (vLLM's) field: caches shared only within it
     session_id: str | None = Field(None, max_length=128)  # chatd's hint: continue this session
+    thread: ThreadCreate | ThreadContinue | None = Field(None, discriminator="type")
+
+    def new_messages(self) -> list[Message]:
+        """Every message of the request, as a session holds them (a thread's continue sends only new ones)."""
+        return [message for param in self.messages for message in param.messages()]
+
+    def tool_definitions(self) -> list[dict] | None:
+        """The tools as sent (what a thread keeps for the turns that continue it)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools is not None else None
 
 
 class TextOut(BaseModel):
@@ -279,10 +307,11 @@ class TokenCount(BaseModel):
 
 
 class ErrorDetail(BaseModel):
-    """An error in Anthropic's shape."""
+    """An error in Anthropic's shape; `details.error_code` says which thread error it is."""
 
     type: str
     message: str
+    details: dict[str, Any] | None = None
 
 
 class ErrorOut(BaseModel):

@@ -1,0 +1,143 @@
+"""Anthropic message threads as points in chatd sessions.
+
+A thread's reply is held under its message id: the session it was recorded in, the session's version and message
+count right after it, what the thread was created with (its system prompt and tools, which a `continue` does not
+resend), and whose it is. Each reply can be continued once: `claim` moves it from open to running atomically (one
+turn per reply across workers), `settle` to continued when that turn's reply is held, or back to open when it was
+not (a failed or cut turn leaves the id usable). In memory, or in Redis (`chatd:thread:{<id>}` and its `:state`,
+one hash tag) for the thread TTL, renewed when a reply is continued, so that any worker continues any thread and a
+restart loses none.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Protocol
+
+from cachetools import TTLCache
+
+from sessions.encoding import UNREACHABLE
+from sessions.redis_store import RedisSessionStore
+from sessions.store import StoreUnavailable
+
+LOCAL_THREADS = 100_000  # the in-memory store forgets the oldest beyond this many replies
+Claim = Literal["claimed", "not_found", "continued", "in_flight"]
+
+
+@dataclass
+class ThreadReply:
+    """A reply a thread may continue from."""
+
+    message_id: str
+    owner: str | None  # the API key's id
+    scope: str | None  # whose sessions and caches (the key's, or its cache_salt's)
+    session_id: str
+    version: int  # the session's version once this reply was recorded
+    messages: int  # the session's message count then
+    model: str
+    system: str | None  # what the thread was created with
+    tools: list[dict] | None
+
+
+class ThreadStore(Protocol):
+    """Where thread replies are held: this process, or Redis."""
+
+    ttl_s: float
+
+    async def put(self, reply: ThreadReply) -> None: ...
+
+    async def get(self, message_id: str) -> ThreadReply | None: ...
+
+    async def claim(self, message_id: str) -> Claim: ...
+
+    async def settle(self, message_id: str, continued: bool) -> None: ...
+
+
+class InMemoryThreadStore:
+    """Thread replies in this process, each kept for the TTL after it was held or last continued."""
+
+    def __init__(self, ttl_s: float, clock=time.monotonic):
+        self.ttl_s = ttl_s
+        self._replies: TTLCache[str, ThreadReply] = TTLCache(LOCAL_THREADS, ttl_s, timer=clock)
+        self._states: TTLCache[str, str] = TTLCache(LOCAL_THREADS, ttl_s, timer=clock)
+
+    async def put(self, reply: ThreadReply) -> None:
+        self._replies[reply.message_id] = reply
+
+    async def get(self, message_id: str) -> ThreadReply | None:
+        return self._replies.get(message_id)
+
+    async def claim(self, message_id: str) -> Claim:
+        if message_id not in self._replies:
+            return "not_found"
+        state = self._states.get(message_id)
+        if state is not None:
+            return "continued" if state == "continued" else "in_flight"
+        self._states[message_id] = "running"
+        return "claimed"
+
+    async def settle(self, message_id: str, continued: bool) -> None:
+        if continued:
+            self._states[message_id] = "continued"
+            if (reply := self._replies.get(message_id)) is not None:
+                self._replies[message_id] = reply  # (the thread was used: its TTL starts again)
+        else:
+            self._states.pop(message_id, None)
+
+
+# KEYS: the reply, its state. ARGV: the TTL in ms. Open -> running, atomically; what it found otherwise.
+_CLAIM = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 'not_found' end
+local state = redis.call('GET', KEYS[2])
+if state == 'continued' then return 'continued' end
+if state then return 'in_flight' end
+redis.call('SET', KEYS[2], 'running', 'PX', ARGV[1])
+return 'claimed'
+"""
+
+
+class RedisThreadStore:
+    """Thread replies in Redis, shared by every worker and kept across restarts; written as the sessions' turns are
+    (acknowledged once replicas hold them, where the session store waits for replicas)."""
+
+    def __init__(self, sessions: RedisSessionStore, ttl_s: float):
+        self.ttl_s = ttl_s
+        self._sessions, self._redis, self._ttl_ms = sessions, sessions.client, max(1000, int(ttl_s * 1000))
+
+    async def put(self, reply: ThreadReply) -> None:
+        key = _reply_key(reply.message_id)
+        await self._call(self._sessions.write(key, ("SET", key, json.dumps(asdict(reply)), "PX", self._ttl_ms)))
+
+    async def get(self, message_id: str) -> ThreadReply | None:
+        raw = await self._call(self._redis.get(_reply_key(message_id)))
+        return ThreadReply(**json.loads(raw)) if raw is not None else None
+
+    async def claim(self, message_id: str) -> Claim:
+        found = await self._call(self._redis.eval(_CLAIM, 2, _reply_key(message_id), _state_key(message_id),
+                                                  self._ttl_ms))
+        return found.decode() if isinstance(found, bytes) else found
+
+    async def settle(self, message_id: str, continued: bool) -> None:
+        key, state = _reply_key(message_id), _state_key(message_id)
+        if continued:
+            await self._call(self._sessions.write(state, ("SET", state, "continued", "PX", self._ttl_ms)))
+            await self._call(self._redis.pexpire(key, self._ttl_ms))
+        else:
+            await self._call(self._redis.delete(state))
+
+    async def _call(self, command):
+        try:
+            return await command
+        except UNREACHABLE as error:
+            self._sessions.events.error(error)
+            raise StoreUnavailable("the thread store (Redis) is unreachable") from error
+
+
+def _reply_key(message_id: str) -> str:
+    return f"chatd:thread:{{{message_id}}}"
+
+
+def _state_key(message_id: str) -> str:
+    return f"chatd:thread:{{{message_id}}}:state"
