@@ -184,3 +184,49 @@ async def test_a_thread_created_on_one_worker_continues_on_another_and_across_a_
                                                        extra_body=GREEDY)
             assert blocks(reply) == blocks(expected), question
             history.append({"role": "assistant", "content": [b.model_dump() for b in expected.content]})
+
+
+async def test_a_continue_that_fails_or_is_cut_holds_nothing_and_one_in_flight_is_refused(smollm2):
+    async with served(smollm2) as server, recording_client(server, []) as client:
+        first = await client.beta.messages.create(
+            model=MODEL, max_tokens=8, system=SYSTEM, messages=[{"role": "user", "content": "Hello."}],
+            thread={"type": "create"}, betas=[THREADS_BETA], extra_body=GREEDY)
+        thread = {"type": "continue", "previous_message_id": first.id}
+
+        def continuing(content, max_tokens: int = 8) -> dict:
+            return dict(model=MODEL, max_tokens=max_tokens, messages=[{"role": "user", "content": content}],
+                        thread=thread, betas=[THREADS_BETA], extra_body=GREEDY)
+
+        # Refused before any model work (a result for a call nobody made): the reply stays continuable.
+        with pytest.raises(anthropic.BadRequestError) as raised:
+            await client.beta.messages.create(**continuing([{"type": "tool_result", "tool_use_id": "toolu_nobody",
+                                                              "content": "42"}]))
+        assert "details" not in raised.value.body["error"] and "nobody" in raised.value.body["error"]["message"]
+        # A system message (the SDK's tool additions and removals): unsupported, so the SDK goes on unthreaded.
+        with pytest.raises(anthropic.BadRequestError) as raised:
+            await client.beta.messages.create(**{**continuing("Hi."), "messages": [
+                {"role": "system", "content": [{"type": "text", "text": "tools changed"}]},
+                {"role": "user", "content": "Hi."}]})
+        assert raised.value.body["error"]["details"] == {"error_code": "thread_unsupported_request",
+                                                         "unsupported": ["system_message"]}
+        # A continue running: another from the same reply is refused; cut before message_stop, it holds nothing.
+        async with client.beta.messages.stream(**continuing("Tell me a long story.", max_tokens=64)) as cut:
+            async for event in cut:
+                if event.type == "content_block_delta":
+                    break
+            cut_id = cut.current_message_snapshot.id
+            with pytest.raises(anthropic.BadRequestError) as raised:
+                await client.beta.messages.create(**continuing("Me too."))
+            assert raised.value.body["error"]["details"]["error_code"] == "thread_continue_in_flight"
+        for _ in range(100):  # (the cut turn is let go as the server sees the client leave)
+            try:
+                again = await client.beta.messages.create(**continuing("And then?"))
+                break
+            except anthropic.BadRequestError as error:
+                assert error.body["error"]["details"]["error_code"] == "thread_continue_in_flight"
+                await asyncio.sleep(0.05)
+        assert again.usage.cache_read_input_tokens > 0, "the reply the cut stream continued was continued again"
+        with pytest.raises(anthropic.NotFoundError) as raised:
+            await client.beta.messages.create(**{**continuing("Hm."), "thread": {
+                "type": "continue", "previous_message_id": cut_id}})
+        assert raised.value.body["error"]["details"]["error_code"] == "thread_not_found", "a cut reply is not held"

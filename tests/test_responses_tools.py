@@ -112,7 +112,7 @@ async def test_text_format_json_schema_replies_are_valid_and_bad_tool_input_is_r
     for question in ["My router blinks red.", "I was charged twice in May."]:
         response = await client.responses.create(
             model=MODEL, instructions="File the customer's problem as a ticket, in JSON.", input=question,
-            max_output_tokens=96, temperature=0.8, text={"format": {"type": "json_schema", "name": "ticket",
+            max_output_tokens=192, temperature=0.8, text={"format": {"type": "json_schema", "name": "ticket",
                                                                      "schema": TICKET, "strict": True}})
         assert response.status == "completed", response.incomplete_details
         jsonschema.validate(json.loads(response.output_text), TICKET)

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 
@@ -195,3 +196,28 @@ def test_the_same_conversation_sent_to_two_workers_at_once_answers_both(shared, 
     for completion, _ in answers:
         assert completion.choices[0].message.content == expected.choices[0].message.content
     assert len({headers["x-chatd-session-id"] for _, headers in answers}) == 2, "one continued, one branched"
+
+
+def test_an_anthropic_thread_continues_on_whichever_worker_nginx_sends_it_to(shared, reference, tiny_checkpoint):
+    """A thread's continues name no session: nginx balances them over the workers, and each finds the thread and its
+    session in Redis and its cache in the remote tier; every reply equals the reference server's to the whole
+    conversation."""
+    model, beta = str(tiny_checkpoint), ["message-threads-2026-08-12"]
+    balanced = anthropic.Anthropic(base_url=shared.nginx.http_url, api_key=KEYS[0], max_retries=3, timeout=60)
+    solo = anthropic.Anthropic(base_url=f"http://127.0.0.1:{reference.port}", api_key=KEYS[0], timeout=60)
+    system, question = CONVERSATIONS[1]
+    history, previous, served_by = [], None, set()
+    for turn in range(1, 7):
+        asked = {"role": "user", "content": question.format(turn)}
+        thread = {"type": "continue", "previous_message_id": previous.id} if previous else {"type": "create"}
+        raw = balanced.beta.messages.with_raw_response.create(
+            model=model, max_tokens=8, messages=[asked], thread=thread, betas=beta, extra_body={"temperature": 0},
+            **({} if previous else {"system": system}))
+        previous = raw.parse()
+        served_by.add(raw.headers["x-chatd-worker"])
+        history.append(asked)
+        expected = solo.messages.create(model=model, max_tokens=8, system=system, messages=history,
+                                        extra_body={"temperature": 0})
+        assert [b.model_dump() for b in previous.content] == [b.model_dump() for b in expected.content], turn
+        history.append({"role": "assistant", "content": [b.model_dump() for b in expected.content]})
+    assert len(served_by) >= 2, "nginx balanced the continues over both workers"

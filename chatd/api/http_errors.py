@@ -5,7 +5,8 @@ the server installs one handler that picks the shape by the route's path."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -14,6 +15,9 @@ from starlette.responses import Response
 from chatd.api.protocol import ErrorMessage
 from chatd.api.tool_calling import RequestRefused
 from chatd.engine.turn import TurnFailed
+from sessions import StoreUnavailable
+
+T = TypeVar("T")
 
 # chatd's error codes (websocket protocol and engine) as HTTP statuses.
 _STATUS = {"bad_request": 400, "limit_exceeded": 400, "too_long": 400, "unauthorized": 401, "unknown_session": 404,
@@ -34,6 +38,14 @@ class ApiError(Exception):
     def of(cls, error: ErrorMessage | TurnFailed) -> ApiError:
         return cls(_STATUS.get(error.code, 500), error.message, code=error.code,
                    retry_after_s=getattr(error, "retry_after_s", None))
+
+
+async def store_call(work: Awaitable[T]) -> T:
+    """A store's answer; an unreachable store (Redis) is a 503 (retryable; 529 to Anthropic's clients)."""
+    try:
+        return await work
+    except StoreUnavailable as error:
+        raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
 
 
 @contextlib.contextmanager

@@ -38,13 +38,13 @@ from chatd.api.anthropic.messages_schema import (
 from chatd.api.anthropic.threads import Continuation, Threads
 from chatd.api.constants import ARGUMENTS_FRAGMENT, SESSION_HEADER, WORKER, WORKER_HEADER
 from chatd.api.conversations import Conversations, salted
-from chatd.api.http_errors import ApiError, refusals
+from chatd.api.http_errors import ApiError, refusals, store_call
 from chatd.api.protocol import ErrorMessage
 from chatd.api.tool_calling import RequestRefused, ToolSetup
 from chatd.api.turns import StartedTurn, TurnRunner
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed, TurnResult
-from sessions import Message, Session, StoreUnavailable, ToolCall
+from sessions import Message, Session, ToolCall
 
 MAX_BREAKPOINTS = 4  # as Anthropic's API: at most four blocks with cache_control
 
@@ -84,7 +84,7 @@ class AnthropicApi:
         scope = salted(owner, body.cache_salt)
         continuation = None
         if isinstance(body.thread, ThreadContinue):
-            continuation = await self._call(self.threads.resolve(owner, scope, body))
+            continuation = await store_call(self.threads.resolve(owner, scope, body))
             body = Threads.thread_body(body, continuation)
         try:
             return await self._reply(body, owner, scope, client, max_new_tokens, x_session_id, continuation)
@@ -124,7 +124,7 @@ class AnthropicApi:
             previous = continuation.previous if continuation is not None else None
 
             async def settle(result: TurnResult | None) -> None:
-                await self._call(self.threads.settle(message_id, owner, scope, body, started.session, result,
+                await store_call(self.threads.settle(message_id, owner, scope, body, started.session, result,
                                                      previous))
 
         reply = _Reply(message_id, body.model, self._last_breakpoint(body, marks, setup))
@@ -160,14 +160,6 @@ class AnthropicApi:
         if isinstance(started, ErrorMessage):
             raise ApiError.of(started)
         return branch, started
-
-    @staticmethod
-    async def _call(work):
-        """A store call of the thread path; an unreachable Redis is a 503 (529 to the SDK: retried)."""
-        try:
-            return await work
-        except StoreUnavailable as error:
-            raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
 
     def _last_breakpoint(self, body: MessagesRequest, marks: list[tuple[int, CacheControl]], setup: ToolSetup
                          ) -> list[int] | None:
@@ -267,8 +259,8 @@ class _Reply:
         finally:
             if isinstance(event, str):  # the client left mid-stream
                 started.turn.cancel()
-            if settle is not None and not held:
-                await settle(None)
+            if settle is not None and not held:  # (shielded: a client that left cancels this task)
+                await asyncio.shield(settle(None))
 
 
 def _sse(name: str, data: dict) -> str:

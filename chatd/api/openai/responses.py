@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from chatd.api.admission import Admission
 from chatd.api.constants import ARGUMENTS_FRAGMENT, SESSION_HEADER, WORKER, WORKER_HEADER
 from chatd.api.conversations import Conversations, salted
-from chatd.api.http_errors import ApiError, refusals
+from chatd.api.http_errors import ApiError, refusals, store_call
 from chatd.api.openai.responses_schema import (
     ConversationCreate,
     ConversationDeleted,
@@ -130,7 +130,7 @@ class ResponsesApi:
 
     async def delete(self, request: Request, response_id: str) -> Response:
         await self._stored(request, response_id)
-        await self._call(self.store.delete(response_id))
+        await store_call(self.store.delete(response_id))
         return JSONResponse(ResponseDeleted(id=response_id).model_dump())
 
     async def input_items(self, request: Request, response_id: str) -> Response:
@@ -147,9 +147,9 @@ class ResponsesApi:
         history = messages[1:] if system is not None else messages
         if any(m.role == "system" for m in history):
             raise ApiError(400, "a system or developer item may only come first", param="items", code="bad_request")
-        session = await self._call(self.sessions.create(system, owner=owner, messages=history))
+        session = await store_call(self.sessions.create(system, owner=owner, messages=history))
         info = ConversationInfo(session.session_id, owner, int(time.time()), body.metadata or {})
-        await self._call(self.store.put_conversation(info))
+        await store_call(self.store.put_conversation(info))
         return JSONResponse(_conversation(info).model_dump())
 
     async def retrieve_conversation(self, request: Request, conversation_id: str) -> Response:
@@ -160,8 +160,8 @@ class ResponsesApi:
         _, session = await self._conversation(request, conversation_id)
         if running := self.turns.turn_of(session.session_id):
             running.cancel()
-        await self._call(self.sessions.delete(session.session_id))
-        await self._call(self.store.delete_conversation(conversation_id))
+        await store_call(self.sessions.delete(session.session_id))
+        await store_call(self.store.delete_conversation(conversation_id))
         self.engine.close_session(session.session_id)
         await self.conversations.index.remove(session.session_id)
         return JSONResponse(ConversationDeleted(id=conversation_id).model_dump())
@@ -224,11 +224,11 @@ class ResponsesApi:
         """The session that continues `previous_response_id`, claimed, and whether it is new: its own when
         that response is its latest point and nothing is added before the new input (unless `branch`);
         otherwise a branch from that point. A previous response of another `cache_salt` is not found."""
-        previous = await self._call(self.store.get(body.previous_response_id))
+        previous = await store_call(self.store.get(body.previous_response_id))
         if previous is None or previous.owner != owner:
             raise ApiError(404, f"previous response {body.previous_response_id!r} not found",
                            param="previous_response_id", code="previous_response_not_found")
-        session = await self._call(self.sessions.get(previous.session_id))
+        session = await store_call(self.sessions.get(previous.session_id))
         if session is None or session.owner != scope:
             raise ApiError(404, f"previous response {body.previous_response_id!r} not found (its conversation "
                                 "expired, or it was made with another cache_salt)", param="previous_response_id",
@@ -316,7 +316,7 @@ class ResponsesApi:
 
     async def _stored(self, request: Request, response_id: str) -> StoredResponse:
         owner = self.admission.authenticate(request)
-        stored = await self._call(self.store.get(response_id))
+        stored = await store_call(self.store.get(response_id))
         if stored is None or stored.owner != owner:
             raise ApiError(404, f"response {response_id!r} not found", param="response_id", code="not_found")
         return stored
@@ -326,20 +326,13 @@ class ResponsesApi:
 
     async def _owned_conversation(self, owner: str | None, conversation_id: str
                                   ) -> tuple[ConversationInfo, Session]:
-        info = await self._call(self.store.get_conversation(conversation_id))
-        session = await self._call(self.sessions.get(conversation_id))
+        info = await store_call(self.store.get_conversation(conversation_id))
+        session = await store_call(self.sessions.get(conversation_id))
         if session is None or session.owner != owner:
             raise ApiError(404, f"conversation {conversation_id!r} not found", param="conversation",
                            code="not_found")
         # A websocket session named as a conversation is one: it gets its record when first named.
         return info or ConversationInfo(conversation_id, owner, int(session.created_at)), session
-
-    @staticmethod
-    async def _call(awaitable):
-        try:
-            return await awaitable
-        except StoreUnavailable as error:
-            raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
 
 
 class _ResponseEvents:
