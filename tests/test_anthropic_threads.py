@@ -66,16 +66,24 @@ def blocks(message) -> list[tuple]:
             for block in message.content]
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-async def test_the_tool_runner_threads_its_iterations_and_reads_each_from_the_cache(smollm2, stream):
-    sent: list[dict] = []
+async def test_the_tool_runner_threads_its_iterations_and_reads_each_from_the_cache(smollm2):
+    """Threaded (the runner's default), streamed and not, on a server with the session cache: what the same runner
+    gets unthreaded from a server without it."""
     async with served(smollm2) as server, served(smollm2, session_cache=False) as uncached:
-        async with recording_client(server, sent) as client, recording_client(uncached, []) as reference:
-            threaded = await run_desk(client, stream)
-            unthreaded = await run_desk(reference, stream, thread=False)
-    assert len(threaded) == len(unthreaded) == 3
-    assert [blocks(m) for m in threaded] == [blocks(m) for m in unthreaded]
-    assert [m.stop_reason for m in threaded] == [m.stop_reason for m in unthreaded]
+        async with recording_client(uncached, []) as reference:
+            unthreaded = await run_desk(reference, False, thread=False)
+        for stream in (False, True):
+            sent: list[dict] = []
+            async with recording_client(server, sent) as client:
+                threaded = await run_desk(client, stream)
+            assert len(threaded) == len(unthreaded) == 3
+            assert [blocks(m) for m in threaded] == [blocks(m) for m in unthreaded], f"stream={stream}"
+            assert [m.stop_reason for m in threaded] == [m.stop_reason for m in unthreaded]
+            _assert_threaded(sent, threaded)
+
+
+def _assert_threaded(sent: list[dict], threaded: list) -> None:
+    """The runner created a thread, then sent only the new blocks, and each reply read the last from the cache."""
     first, *continues = sent
     assert first["thread"] == {"type": "create"} and first["system"] == SYSTEM and len(first["tools"]) == 2
     for request, previous in zip(continues, threaded[:-1], strict=True):

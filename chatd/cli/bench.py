@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -299,16 +300,32 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def _start_servers(flag_sets: list[str], checkouts: list[Path | None]) -> list[ServerProcess]:
+    """The servers to bench, started at once (most of a start is loading torch and the model); if one cannot
+    start, the others are stopped and the bench exits saying why."""
+    with ThreadPoolExecutor(2) as pool:
+        starting = [pool.submit(ServerProcess, flags, checkout)
+                    for flags, checkout in zip(flag_sets, checkouts, strict=False)]
+    servers, errors = [], []
+    for future in starting:
+        try:
+            servers.append(future.result())
+        except RuntimeError as error:
+            errors.append(error)
+    if errors:
+        for server in servers:
+            server.stop()
+        raise SystemExit(f"chatd bench: {errors[0]}")
+    return servers
+
+
 def main(args) -> None:
     """The entry point: parse the command line and run the command."""
     workload = Workload(load_scenarios(args.scenarios), args.customers, args.turns, args.think_s,
                         args.max_new_tokens, args.seed, args.api_key)
     flag_sets = [args.a, args.b] if args.compare else ([args.serve] if args.serve is not None else [])
     checkouts = [args.a_checkout, args.b_checkout] if args.compare else [None]
-    try:
-        servers = [ServerProcess(flags, checkout) for flags, checkout in zip(flag_sets, checkouts, strict=False)]
-    except RuntimeError as error:
-        raise SystemExit(f"chatd bench: {error}") from None
+    servers = _start_servers(flag_sets, checkouts)
     served = openai_url if args.api == "openai" else str
     targets = [(args.url, "server")] if args.url else [(served(server.url), label) for server, label
                                                       in zip(servers, "AB" if len(servers) == 2 else ["server"],
@@ -318,13 +335,13 @@ def main(args) -> None:
     runs = {label: ([], 0.0) for _, label in targets}
     device_tiers: dict[str, dict | None] = {}
     try:
-        for round_index in range(args.rounds):  # alternate, so that drift of the machine affects both alike
+        for _ in range(args.rounds):  # alternate, so that drift of the machine affects both alike
             for url, label in targets:
                 samples, wall_s = asyncio.run(run_workload(url, workload, label))
                 runs[label] = (runs[label][0] + samples, runs[label][1] + wall_s)
-                if round_index == args.rounds - 1:  # what the device tier holds after the whole run
-                    time.sleep(STATS_SETTLE_S)  # past the stats' snapshot age: the last write-backs counted
-                    device_tiers[label] = device_tier(url)
+        time.sleep(STATS_SETTLE_S)  # past the stats' snapshot age: the last write-backs counted
+        for url, label in targets:  # what each device tier holds after the whole run
+            device_tiers[label] = device_tier(url)
     finally:
         for server in servers:
             server.stop()
