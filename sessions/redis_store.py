@@ -56,8 +56,10 @@ FAILOVER_RETRY_S = 0.25  # between retries of a durable write whose node cannot 
 # Take the lease if free, and only then advance the session's fence; in the same round trip, read the session as the
 # turn will run it. KEYS lease, fence, meta, messages, tokens. Returns {fence, meta, messages, tokens} or nil. A retry
 # that finds the lease its own (the reply to the first try was lost) gets the fence that try took; a lease this worker
-# could not release (ARGV[4], its token) is taken over.
+# could not release (ARGV[4], its token) is taken over. With ARGV[5] '1', a session that does not exist is 0, and
+# nothing is written (a client naming made-up sessions leaves no keys behind).
 _ACQUIRE = """
+if ARGV[5] == '1' and redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
 local fence = nil
 local held = redis.call('GET', KEYS[1])
 if held == ARGV[1] then
@@ -223,12 +225,15 @@ class RedisSessionStore:
                 taken = await self._call(lambda: self._redis.eval(
                     _ACQUIRE, 5, *[redis_key(session_id, part) for part in ("lease", "fence", "meta", "messages",
                                                                             "tokens")],
-                    token, self.lease_ttl_ms, int(self.retention_s * 1000), self._unreleased.get(session_id, "")))
+                    token, self.lease_ttl_ms, int(self.retention_s * 1000), self._unreleased.get(session_id, ""),
+                    "0" if self._has_pending(session_id) else "1"))
             except UNREACHABLE as error:
                 self._unreachable()
                 if session_id in self._local and not self.durable:
                     return LocalLease()
                 raise StoreUnavailable("the session store (Redis) is unreachable") from error
+            if taken == 0:  # no such session (and none of this worker's queued writes creates it): no lease taken
+                return LocalLease()
             if taken is not None:
                 self._unreleased.pop(session_id, None)
                 fence, fields, messages, tokens = taken

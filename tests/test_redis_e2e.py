@@ -122,3 +122,18 @@ async def test_a_turn_costs_redis_two_calls_its_lease_with_the_session_and_its_w
             redis.close()
     assert done.cache.source == "device"
     assert calls["cmdstat_eval"]["calls"] == 2 and "cmdstat_evalsha" not in calls, calls
+
+
+async def test_a_turn_of_a_made_up_session_is_unknown_and_leaves_no_key(tiny, redis_server):
+    async with ChatServer(Settings(port=0, redis_url=redis_server.url), load=lambda: tiny) as server:
+        await server.wait_ready()
+        async with ChatClient(await connect(server.url)) as client:
+            turn = await client.chat("made-up-session-id", "Hello?", max_new_tokens=4)
+            try:
+                await turn.result()
+                raise AssertionError("a made-up session ran a turn")
+            except ChatError as error:
+                assert error.code == "unknown_session"
+        redis = Redis.from_url(redis_server.url)
+        assert redis.keys("*made-up-session-id*") == []
+        redis.close()
