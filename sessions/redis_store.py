@@ -293,6 +293,15 @@ class RedisSessionStore:
     def pending_writes(self) -> int:
         return len(self._pending)
 
+    async def beside(self, command: Awaitable[T], store: str) -> T:
+        """A call of a store kept beside the sessions on the same Redis (responses, threads): an unreachable Redis is
+        counted and raised as `StoreUnavailable` naming `store`."""
+        try:
+            return await command
+        except UNREACHABLE as error:
+            self.events.error(error)
+            raise StoreUnavailable(f"the {store} store (Redis) is unreachable") from error
+
     # ##### Helpers #####
 
     async def _write_new(self, session: Session) -> None:

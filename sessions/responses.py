@@ -17,9 +17,8 @@ from typing import Protocol
 
 from cachetools import LRUCache
 
-from sessions.encoding import UNREACHABLE, redis_key
+from sessions.encoding import redis_key
 from sessions.redis_store import RedisSessionStore
-from sessions.store import StoreUnavailable
 
 LOCAL_RESPONSES = 100_000  # the in-memory store forgets the oldest beyond this many
 
@@ -123,12 +122,9 @@ class RedisResponseStore:
     async def delete_conversation(self, conversation_id: str) -> bool:
         return bool(await self._call(self._redis.delete(redis_key(conversation_id, "conversation"))))
 
-    async def _call(self, command):
-        try:
-            return await command
-        except UNREACHABLE as error:
-            self._sessions.events.error(error)
-            raise StoreUnavailable("the response store (Redis) is unreachable") from error
+    def _call(self, command):
+        return self._sessions.beside(command, "response")
+
 
 
 def _response_key(response_id: str) -> str:

@@ -18,9 +18,7 @@ from typing import Literal, Protocol
 
 from cachetools import TTLCache
 
-from sessions.encoding import UNREACHABLE
 from sessions.redis_store import RedisSessionStore
-from sessions.store import StoreUnavailable
 
 LOCAL_THREADS = 100_000  # the in-memory store forgets the oldest beyond this many replies
 Claim = Literal["claimed", "not_found", "continued", "in_flight"]
@@ -127,12 +125,9 @@ class RedisThreadStore:
         else:
             await self._call(self._redis.delete(state))
 
-    async def _call(self, command):
-        try:
-            return await command
-        except UNREACHABLE as error:
-            self._sessions.events.error(error)
-            raise StoreUnavailable("the thread store (Redis) is unreachable") from error
+    def _call(self, command):
+        return self._sessions.beside(command, "thread")
+
 
 
 def _reply_key(message_id: str) -> str:
