@@ -126,6 +126,5 @@ class RedisResponseStore:
         return self._sessions.beside(command, "response")
 
 
-
 def _response_key(response_id: str) -> str:
     return f"chatd:response:{{{response_id}}}"

@@ -129,7 +129,6 @@ class RedisThreadStore:
         return self._sessions.beside(command, "thread")
 
 
-
 def _reply_key(message_id: str) -> str:
     return f"chatd:thread:{{{message_id}}}"
 
