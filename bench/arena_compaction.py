@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from common import write_result
 
-from cache_store.allocator import RunAllocator
-from cache_store.arena import ArenaCache, KVArena
+from cache_store.device.allocator import RunAllocator
+from cache_store.device.arena import ArenaCache, KVArena
 
 HERE = Path(__file__).parent
 SMOLLM2 = {"layers": 30, "kv_heads": 3, "head_dim": 64}

@@ -19,7 +19,7 @@ import torch
 from common import median_ms, write_result
 
 from cache_store import CacheEntry, CacheLayout, KVGeometry, Offloader
-from cache_store.integrity import check_finite, check_identity, check_tensors, checksum, fingerprint
+from cache_store.checks.integrity import check_finite, check_identity, check_tensors, checksum, fingerprint
 from chatd.config import Settings
 from chatd.engine.deep_check import deep_check_distance
 from chatd.engine.scheduler import Engine

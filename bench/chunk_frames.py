@@ -20,8 +20,8 @@ def worker(repeats: int) -> dict:
     """Encode and decode one chunk `repeats` times in this process (the checkout on PYTHONPATH)."""
     import torch
 
-    from cache_store.integrity import checksum
-    from cache_store.remote_format import StoredKV, decode_chunk, encode_chunk
+    from cache_store.checks.integrity import checksum
+    from cache_store.remote.remote_format import StoredKV, decode_chunk, encode_chunk
 
     torch.manual_seed(0)
     piece = StoredKV([(torch.randn(1, 3, 32, 64), torch.randn(1, 3, 32, 64)) for _ in range(30)], None, "")

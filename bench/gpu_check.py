@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from cache_store import CacheEntry
-from cache_store.host_pool import HostBufferPool
-from cache_store.offload import Offloader, kv_nbytes
-from cache_store.remote_format import StoredKV
-from cache_store.remote_moves import pinned
+from cache_store.host.host_pool import HostBufferPool
+from cache_store.host.offload import Offloader, kv_nbytes
+from cache_store.remote.remote_format import StoredKV
+from cache_store.remote.remote_moves import pinned
 from chatd.config import Settings
 from chatd.engine.deep_check import deep_check_distance
 from chatd.engine.scheduler import Engine

@@ -28,8 +28,8 @@ import torch
 from common import write_result
 from transformers import DynamicCache
 
+from cache_store.host.quantize import GROUP_TOKENS, dequantize, quantize
 from cache_store.lookup import common_prefix_length
-from cache_store.quantize import GROUP_TOKENS, dequantize, quantize
 from chatd.model.loader import load_model
 from chatd.model.prompt import PromptRenderer
 from sessions import Message

@@ -22,8 +22,8 @@ from common import write_result
 from transformers import DynamicCache
 
 from cache_store import CacheEntry, CacheLayout, CacheStore, Offloader
-from cache_store.remote_format import EVERY_VERSION
-from cache_store.remote_tier import RemoteTier
+from cache_store.remote.remote_format import EVERY_VERSION
+from cache_store.remote.remote_tier import RemoteTier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.redis_server import RedisServer  # noqa: E402

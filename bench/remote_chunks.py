@@ -98,7 +98,7 @@ def full_fetch(tokens: int, sizes: list[int], repeats: int = 5) -> dict:
     from transformers import DynamicCache
 
     from cache_store import CacheEntry, CacheLayout, CacheStore, Offloader
-    from cache_store.remote_tier import RemoteTier
+    from cache_store.remote.remote_tier import RemoteTier
     from tests.redis_server import RedisServer
 
     layout = CacheLayout(30, 3, 64, torch.float32)

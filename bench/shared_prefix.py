@@ -204,8 +204,8 @@ def _time_steps(engine, store, session_ids: list[str], steps: int = 12) -> float
 
 def capacity(gb: float = 1.0, prompt: int = 2000, own: int = 300, sessions: int = 10_000) -> dict:
     """Sessions per GB with a shared prompt, in the arena's allocator: private copies against one shared copy."""
-    from cache_store.allocator import RunAllocator
-    from cache_store.arena import UNIT, units_for
+    from cache_store.device.allocator import RunAllocator
+    from cache_store.device.arena import UNIT, units_for
     per_token = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M, float32
     units = int(gb * 2**30 // per_token) // UNIT
     counts = {}

@@ -10,11 +10,11 @@ import importlib
 from typing import TYPE_CHECKING
 
 _HOMES = {
-    "CacheEntry": "entry", "CacheLayout": "identity", "CacheLookup": "lookup", "CacheStore": "store",
-    "ConnectedLRUPolicy": "eviction", "DeviceTier": "device_tier", "EvictionPolicy": "eviction",
-    "Fingerprint": "identity", "HostEntry": "offload", "HostTier": "host_tier", "KVGeometry": "sizing",
-    "LRUPolicy": "eviction", "Offloader": "offload", "Residency": "eviction", "SessionRunning": "lookup",
-    "common_prefix_length": "lookup", "kv_bytes_per_token": "sizing",
+    "CacheEntry": "device.entry", "CacheLayout": "identity", "CacheLookup": "lookup", "CacheStore": "store",
+    "ConnectedLRUPolicy": "device.eviction", "DeviceTier": "device.device_tier", "EvictionPolicy": "device.eviction",
+    "Fingerprint": "identity", "HostEntry": "host.offload", "HostTier": "host.host_tier", "KVGeometry": "sizing",
+    "LRUPolicy": "device.eviction", "Offloader": "host.offload", "Residency": "device.eviction",
+    "SessionRunning": "lookup", "common_prefix_length": "lookup", "kv_bytes_per_token": "sizing",
 }
 
 __all__ = ["CacheEntry", "CacheLayout", "CacheLookup", "CacheStore", "ConnectedLRUPolicy", "DeviceTier",
@@ -22,13 +22,13 @@ __all__ = ["CacheEntry", "CacheLayout", "CacheLookup", "CacheStore", "ConnectedL
            "Residency", "SessionRunning", "common_prefix_length", "kv_bytes_per_token"]
 
 if TYPE_CHECKING:
-    from cache_store.device_tier import DeviceTier
-    from cache_store.entry import CacheEntry
-    from cache_store.eviction import ConnectedLRUPolicy, EvictionPolicy, LRUPolicy, Residency
-    from cache_store.host_tier import HostTier
+    from cache_store.device.device_tier import DeviceTier
+    from cache_store.device.entry import CacheEntry
+    from cache_store.device.eviction import ConnectedLRUPolicy, EvictionPolicy, LRUPolicy, Residency
+    from cache_store.host.host_tier import HostTier
+    from cache_store.host.offload import HostEntry, Offloader
     from cache_store.identity import CacheLayout, Fingerprint
     from cache_store.lookup import CacheLookup, SessionRunning, common_prefix_length
-    from cache_store.offload import HostEntry, Offloader
     from cache_store.sizing import KVGeometry, kv_bytes_per_token
     from cache_store.store import CacheStore
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import cache_store.chain as chain
-from cache_store.arena import UNIT, ArenaCache, ArenaFull
-from cache_store.entry import CacheEntry, NewCache, holding
-from cache_store.integrity import checksum, fingerprint
+import cache_store.device.chain as chain
+from cache_store.checks.integrity import checksum, fingerprint
+from cache_store.device.arena import UNIT, ArenaCache, ArenaFull
+from cache_store.device.entry import CacheEntry, NewCache, holding
+from cache_store.device.segments import segment_key
 from cache_store.lookup import common_prefix_length
-from cache_store.segments import segment_key
 from cache_store.tiers import CacheTiers
 
 

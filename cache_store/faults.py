@@ -9,8 +9,8 @@ from typing import Literal
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from cache_store.entry import KVTensors, holding
-from cache_store.integrity import SAME_SIZE_INT
+from cache_store.checks.integrity import SAME_SIZE_INT
+from cache_store.device.entry import KVTensors, holding
 from cache_store.store import CacheStore
 
 FaultKind = Literal["nan", "bitflip", "truncate", "shape", "foreign", "tokens"]

@@ -1,17 +1,14 @@
-"""What crosses the cache boundary: the lookup a turn gets back, why a session's cache is busy, and what the
-store asks of a remote tier."""
+"""What crosses the cache boundary: the lookup a turn gets back, and why a session's cache is busy."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, TypeVar
 
-from cache_store.cost_model import RemoteDecision, Throughput
-from cache_store.entry import CacheEntry
-from cache_store.integrity import Check
-from cache_store.remote_format import RemoteCopy, RemoteHeader, RemoteSnapshot
+from cache_store.checks.integrity import Check
+from cache_store.device.entry import CacheEntry
+from cache_store.remote.cost_model import RemoteDecision
 
 CacheSource = Literal["device", "host", "remote", "prefix", "miss"]
 CopyObserver = Callable[[Literal["offload", "restore"], Literal["host", "remote"], float], None]
@@ -47,39 +44,3 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-class RemoteCaches(Protocol):
-    """Where caches are shared beyond this process (`RemoteTier`: Redis, as chains of chunks): what the store asks
-    of it. `head`, `fetch` and `usage`'s refresh talk to Redis: they run on its own threads (`submit`), never the
-    engine's; `put`, `delete` and `delete_chunk` only queue."""
-
-    throughput: Throughput
-    errors: int
-    write_errors: int
-    chunk_tokens: int
-    timeout_s: float
-    counters: dict[str, int]
-
-    @property
-    def reachable(self) -> bool: ...
-
-    def submit(self, job: Callable[[], T]) -> Future[T]: ...
-
-    def known_chunks(self, chunks: list[str]) -> int: ...
-
-    def chunks_known(self) -> int: ...
-
-    def pending(self) -> dict[str, int]: ...
-
-    def put(self, session_id: str, snapshot: RemoteSnapshot) -> None: ...
-
-    def head(self, session_id: str) -> RemoteHeader | None: ...
-
-    def fetch(self, header: RemoteHeader, first: int = 0) -> RemoteCopy | None: ...
-
-    def delete(self, session_id: str, up_to_version: int) -> None: ...
-
-    def delete_chunk(self, name: str) -> None: ...
-
-    def usage(self) -> tuple[int, int]: ...

@@ -7,13 +7,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from cache_store.arena import UNIT
-from cache_store.cost_model import CostModel
-from cache_store.entry import CacheEntry
-from cache_store.lookup import RemoteCaches
-from cache_store.offload import HostEntry
-from cache_store.remote_moves import FetchOutcome, FetchRequest, HeldIds, RemoteFetch, RemoteMoves, fetch_copy
-from cache_store.segments import segment_key
+from cache_store.device.arena import UNIT
+from cache_store.device.entry import CacheEntry
+from cache_store.device.segments import segment_key
+from cache_store.host.offload import HostEntry
+from cache_store.remote.cost_model import CostModel
+from cache_store.remote.remote_moves import FetchOutcome, FetchRequest, HeldIds, RemoteFetch, RemoteMoves, fetch_copy
+from cache_store.remote.remote_tier import RemoteCaches
 from cache_store.tiers import CacheTiers
 
 

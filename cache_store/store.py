@@ -15,34 +15,34 @@ from collections.abc import Callable, Sequence
 
 from cachetools import LRUCache
 
-import cache_store.chain as chain
-from cache_store.arena import UNIT, ArenaCache, ArenaFull, TemporaryCache
+import cache_store.device.chain as chain
 from cache_store.branches import fork
-from cache_store.cost_model import CostModel, RemoteDecision, Throughput
-from cache_store.device_tier import DeviceTier
-from cache_store.entry import CacheEntry, NewCache
-from cache_store.eviction import ConnectedLRUPolicy, EvictionPolicy
+from cache_store.checks.integrity import Check, checksum, fingerprint
+from cache_store.checks.stage_faults import FaultPoints
+from cache_store.device.arena import UNIT, ArenaCache, ArenaFull, TemporaryCache
+from cache_store.device.device_tier import DeviceTier
+from cache_store.device.entry import CacheEntry, NewCache
+from cache_store.device.eviction import ConnectedLRUPolicy, EvictionPolicy
+from cache_store.device.segments import SharedSegments, is_segment, segment_key
 from cache_store.failure_log import log_failure
-from cache_store.host_pool import HostBufferPool
-from cache_store.host_tier import HostTier
+from cache_store.host.host_pool import HostBufferPool
+from cache_store.host.host_tier import HostTier
+from cache_store.host.offload import Offloader
 from cache_store.identity import CacheLayout
-from cache_store.integrity import Check, checksum, fingerprint
 from cache_store.lookup import (
     CacheLookup,
     CacheSource,
     CopyObserver,
     MissReason,
-    RemoteCaches,
     SessionRunning,
     common_prefix_length,
 )
-from cache_store.offload import Offloader
-from cache_store.remote_format import EVERY_VERSION
+from cache_store.remote.cost_model import CostModel, RemoteDecision, Throughput
+from cache_store.remote.remote_format import EVERY_VERSION
+from cache_store.remote.remote_moves import FetchRequest, RemoteFetch, RemoteMoves
+from cache_store.remote.remote_tier import RemoteCaches
 from cache_store.remote_lookup import RemoteLookup
-from cache_store.remote_moves import FetchRequest, RemoteFetch, RemoteMoves
-from cache_store.segments import SharedSegments, is_segment, segment_key
 from cache_store.session_notes import REMEMBERED_SESSIONS, SessionNotes
-from cache_store.stage_faults import FaultPoints
 from cache_store.store_stats import store_stats
 from cache_store.tier_moves import TierMoves
 from cache_store.tiers import CacheTiers

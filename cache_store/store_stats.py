@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cache_store.segments import is_segment
+from cache_store.device.segments import is_segment
 from cache_store.sizing import layer_tokens_needed
 from cache_store.tiers import CacheTiers
 

@@ -18,13 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache_store.arena import ArenaCache
-from cache_store.chunks import CHUNK_TOKENS, chunk_identity, chunk_names
-from cache_store.entry import CacheEntry, NewCache
-from cache_store.failure_log import log_failure
-from cache_store.host_tier import HostTier
-from cache_store.identity import CacheLayout
-from cache_store.integrity import (
+from cache_store.checks.integrity import (
     Check,
     check_finite,
     check_identity,
@@ -34,9 +28,15 @@ from cache_store.integrity import (
     fingerprint,
     token_digest,
 )
-from cache_store.offload import HostEntry, Offloader, host_nbytes
-from cache_store.segments import is_segment
-from cache_store.stage_faults import FaultPoints
+from cache_store.checks.stage_faults import FaultPoints
+from cache_store.device.arena import ArenaCache
+from cache_store.device.entry import CacheEntry, NewCache
+from cache_store.device.segments import is_segment
+from cache_store.failure_log import log_failure
+from cache_store.host.host_tier import HostTier
+from cache_store.host.offload import HostEntry, Offloader, host_nbytes
+from cache_store.identity import CacheLayout
+from cache_store.remote.chunks import CHUNK_TOKENS, chunk_identity, chunk_names
 from cache_store.units import KVDtype
 
 log = logging.getLogger(__name__)

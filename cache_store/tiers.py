@@ -15,14 +15,15 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-import cache_store.chain as chain
-from cache_store.device_tier import DeviceTier
-from cache_store.entry import CacheEntry, holding
-from cache_store.host_tier import HostTier
-from cache_store.integrity import Check, check_identity, check_tensors, checksum
-from cache_store.lookup import CopyObserver, RemoteCaches
-from cache_store.offload import HostEntry
-from cache_store.segments import SharedSegments, is_segment
+import cache_store.device.chain as chain
+from cache_store.checks.integrity import Check, check_identity, check_tensors, checksum
+from cache_store.device.device_tier import DeviceTier
+from cache_store.device.entry import CacheEntry, holding
+from cache_store.device.segments import SharedSegments, is_segment
+from cache_store.host.host_tier import HostTier
+from cache_store.host.offload import HostEntry
+from cache_store.lookup import CopyObserver
+from cache_store.remote.remote_tier import RemoteCaches
 from cache_store.session_notes import SessionNotes
 from cache_store.tier_moves import Moved, TierMoves
 

@@ -15,7 +15,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig
 
-from cache_store.quantize import dequantize, quantize
+from cache_store.host.quantize import dequantize, quantize
 from chatd.model.loader import LoadedModel, stop_token_ids
 from chatd.model.servable import attention_implementation
 

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from cache_store import chain
-from cache_store.allocator import RunAllocator
-from cache_store.arena import UNIT, ArenaCache, ArenaFull, KVArena, ReleasedCache
-from cache_store.integrity import checksum
+from cache_store.checks.integrity import checksum
+from cache_store.device import chain
+from cache_store.device.allocator import RunAllocator
+from cache_store.device.arena import UNIT, ArenaCache, ArenaFull, KVArena, ReleasedCache
 from sessions import Session
 from tests.support import kv_budget_mb, run_together, running_engine
 

@@ -14,11 +14,11 @@ from cache_store import (
     LRUPolicy,
     Offloader,
     SessionRunning,
-    chain,
     common_prefix_length,
 )
-from cache_store.arena import ArenaCache, KVArena
-from cache_store.host_pool import HostBufferPool, size_class
+from cache_store.device import chain
+from cache_store.device.arena import ArenaCache, KVArena
+from cache_store.host.host_pool import HostBufferPool, size_class
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 4
 BYTES_PER_TOKEN = 2 * LAYERS * HEADS * HEAD_DIM * 4  # float32
@@ -420,9 +420,9 @@ def test_a_pinned_allocation_that_fails_falls_back_to_ordinary_memory_with_one_w
 
 
 def test_the_host_tier_drops_a_segment_nothing_starts_with_first_then_sessions_then_segments():
-    from cache_store.host_pool import size_class
-    from cache_store.host_tier import HostTier
-    from cache_store.offload import HostEntry
+    from cache_store.host.host_pool import size_class
+    from cache_store.host.host_tier import HostTier
+    from cache_store.host.offload import HostEntry
 
     def host_copy(prefix_key: str | None = None) -> HostEntry:
         tensors = [(keys.clone(), values.clone()) for keys, values in make_entry(ids(64)).tensors()]

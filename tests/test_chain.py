@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_store import CacheEntry, DeviceTier, chain
-from cache_store.arena import UNIT, ArenaCache, KVArena
-from cache_store.eviction import LRUPolicy
+from cache_store import CacheEntry, DeviceTier
+from cache_store.device import chain
+from cache_store.device.arena import UNIT, ArenaCache, KVArena
+from cache_store.device.eviction import LRUPolicy
 from chatd.engine import chain_attention
 from chatd.engine.chain_attention import ChainPlan, matmul_attention, merge_partials, partial_attention
 

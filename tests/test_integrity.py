@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from cache_store import CacheLayout, Offloader
-from cache_store.integrity import check_finite, check_identity, check_tensors, checksum, fingerprint
+from cache_store.checks.integrity import check_finite, check_identity, check_tensors, checksum, fingerprint
 from tests.test_cache_store import HEAD_DIM, HEADS, LAYERS, LAYOUT, ids, make_entry, make_store
 
 

@@ -1,5 +1,6 @@
 """The packages import downwards only (tools -> api -> observability -> engine -> config -> model, with
-cache_store and sessions below all of chatd), and no module imports itself back through others."""
+cache_store and sessions below all of chatd), cache_store's rooms too (what ties the tiers -> Redis -> host ->
+device -> checks -> the shared sizes), and no module imports itself back through others."""
 
 import ast
 from pathlib import Path
@@ -18,6 +19,47 @@ MAY_IMPORT = {
     "cache_store": {"sessions"},  # the Redis key scheme and the token-id encoding (sessions.encoding)
     "sessions": set(),
 }
+
+
+# cache_store's rooms, lowest first: a module imports from its own room and the rooms below it (imports made for type
+# hints alone, under `if TYPE_CHECKING:`, do not count: they run nothing).
+ROOMS = ("shared", "checks", "device", "host", "remote", "top")
+SHARED = {"cache_store.units", "cache_store.identity", "cache_store.sizing", "cache_store.failure_log",
+          "cache_store.session_notes"}
+
+
+def room(module: str) -> str:
+    """The room of a cache_store module: a sub-package's name, the shared sizes and names, or the top."""
+    parts = module.split(".")
+    if module in SHARED:
+        return "shared"
+    return parts[1] if len(parts) > 1 and parts[1] in ROOMS else "top"
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """The project modules a file imports when it runs (not those under `if TYPE_CHECKING:`)."""
+    tree = ast.parse(path.read_text())
+    hinted = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
+              and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+              for statement in block.body for node in ast.walk(statement)}
+    imported = set()
+    for node in ast.walk(tree):
+        if id(node) in hinted:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            imported.add(node.module)
+        elif isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+    return {target for target in imported if target.split(".")[0] in PACKAGES}
+
+
+def test_cache_store_rooms_import_downwards():
+    wrong = []
+    for path in (ROOT / "cache_store").rglob("*.py"):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        wrong += [(module, target) for target in runtime_imports(path) if target.startswith("cache_store.")
+                  and ROOMS.index(room(target)) > ROOMS.index(room(module))]
+    assert not wrong, wrong
 
 
 def modules() -> dict[str, set[str]]:

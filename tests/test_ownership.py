@@ -8,7 +8,7 @@ import gc
 
 import pytest
 
-from cache_store.segments import is_segment
+from cache_store.device.segments import is_segment
 from sessions import Session
 from tests.support import kv_budget_mb, run_together, run_turn, running_engine
 from tests.test_shared_prefix import POLICY, QUESTIONS

@@ -8,9 +8,10 @@ import torch
 from transformers import DynamicCache
 
 from cache_store import CacheEntry, CacheLayout, CacheStore, Offloader
-from cache_store.integrity import fingerprint
-from cache_store.quantize import GROUP_TOKENS, dequantize, key_groups, quantize, quantized_nbytes
-from cache_store.remote_tier import RemoteTier
+from cache_store.checks.integrity import fingerprint
+from cache_store.host.quantize import dequantize, quantize, quantized_nbytes
+from cache_store.remote.remote_tier import RemoteTier
+from cache_store.units import GROUP_TOKENS, key_groups
 from tests.support import lookup_through_redis
 
 LAYERS, HEADS, HEAD_DIM, TOKENS = 4, 3, 64, 200

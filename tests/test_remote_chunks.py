@@ -10,12 +10,12 @@ import pytest
 import safetensors.torch
 import torch
 
-import cache_store.chunks as chunks
+import cache_store.remote.chunks as chunks
 from cache_store import CacheEntry, CacheStore, Offloader
-from cache_store.arena import ArenaCache, KVArena
-from cache_store.chunks import chunk_identity
-from cache_store.remote_format import FORMAT_VERSION, RemoteHeader, chunk_key
-from cache_store.remote_tier import RemoteTier
+from cache_store.device.arena import ArenaCache, KVArena
+from cache_store.remote.chunks import chunk_identity
+from cache_store.remote.remote_format import FORMAT_VERSION, RemoteHeader, chunk_key
+from cache_store.remote.remote_tier import RemoteTier
 from tests.support import lookup_through_redis
 from tests.test_cache_store import BYTES_PER_TOKEN, HEAD_DIM, HEADS, LAYERS, LAYOUT, Clock, make_entry
 
@@ -68,7 +68,7 @@ def chunk_names(token_ids: list[int], scope: str = "owner:*", kind: str = "exact
 
 
 def same_tensors(entry: CacheEntry, expected: CacheEntry, tokens: int) -> bool:
-    from cache_store import chain
+    from cache_store.device import chain
     got = chain.full_tensors(entry.cache) if isinstance(entry.cache, ArenaCache) else entry.tensors()
     want = expected.tensors()
     return all(k.equal(wk[..., :tokens, :]) and v.equal(wv[..., :tokens, :])

@@ -15,11 +15,11 @@ from transformers import DynamicCache
 from websockets.asyncio.client import connect
 
 from cache_store import CacheEntry, CacheLayout, Offloader
-from cache_store.chunks import chunk_identity, chunk_names
-from cache_store.cost_model import CostModel, Throughput
-from cache_store.integrity import fingerprint
-from cache_store.remote_format import RemoteSnapshot, chunk_key
-from cache_store.remote_tier import RemoteTier
+from cache_store.checks.integrity import fingerprint
+from cache_store.remote.chunks import chunk_identity, chunk_names
+from cache_store.remote.cost_model import CostModel, Throughput
+from cache_store.remote.remote_format import RemoteSnapshot, chunk_key
+from cache_store.remote.remote_tier import RemoteTier
 from chatd.api.server import ChatServer
 from chatd.cli.client import ChatClient
 from chatd.config import Settings
@@ -244,8 +244,8 @@ async def flip_a_byte_of_its_last_chunk(url, session_id, _):
 
 
 async def corrupt_the_resident_policy(_, __, engine):
+    from cache_store.device.segments import is_segment
     from cache_store.faults import corrupt
-    from cache_store.segments import is_segment
     await asyncio.wrap_future(engine.call(
         lambda store: [corrupt(store, key, "bitflip", "device") for key in store.device if is_segment(key)]))
 

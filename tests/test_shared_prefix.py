@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
-from cache_store import chain
+from cache_store.device import chain
+from cache_store.device.segments import segment_key
 from cache_store.faults import corrupt
-from cache_store.segments import segment_key
 from chatd.model.loader import LoadedModel
 from chatd.model.prompt import PromptRenderer
 from sessions import Message, Session

@@ -10,8 +10,8 @@ import logging
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from cache_store.checks.stage_faults import STAGES
 from cache_store.faults import FAULT_KINDS, TIERS, NoCache, corrupt
-from cache_store.stage_faults import STAGES
 from chatd.api.auth import KeyRing
 from chatd.api.http_responses import json_response
 from chatd.config import Settings

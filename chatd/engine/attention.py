@@ -15,7 +15,7 @@ region, a sliding-window layer the positions its first query's window reaches, a
 a mask of what each of them sees, which is transformers' rule (`kv_idx <= q_idx`,
 `kv_idx > q_idx - sliding_window`).
 
-A cache that starts with shared segments (`cache_store/chain.py`), alone or in a batch, attends through
+A cache that starts with shared segments (`cache_store/device/chain.py`), alone or in a batch, attends through
 `chatd.engine.chain_attention` instead: each piece apart, merged by log-sum-exp, a shared segment once for
 every row that starts with it.
 """

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from cache_store import CacheEntry
-from cache_store.arena import ArenaCache, KVArena
+from cache_store.device.arena import ArenaCache, KVArena
 from chatd.engine.attention import ArenaRows
 from chatd.engine.chain_attention import ChainPlan
 

@@ -1,7 +1,7 @@
 """Attention over caches that start with shared segments of the KV arena, read once per forward pass.
 
 A cache's keys and values are a chain of pieces: the shared segments it starts with and its own region
-(`cache_store/chain.py`). Each piece is attended separately, giving an output and the log-sum-exp of its
+(`cache_store/device/chain.py`). Each piece is attended separately, giving an output and the log-sum-exp of its
 scores per query, and the parts are merged exactly by their log-sum-exps (Hydragen's `combine_lse`,
 FlashInfer's `merge_state`, vLLM's `merge_attn_states`):
 
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_store.arena import ArenaCache, KVArena
-from cache_store.chain import segments
+from cache_store.device.arena import ArenaCache, KVArena
+from cache_store.device.chain import segments
 
 
 def partial_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from cache_store import CacheStore
-from cache_store.remote_moves import FetchRequest
+from cache_store.remote.remote_moves import FetchRequest
 from chatd.engine.running_turn import RunningTurn
 
 

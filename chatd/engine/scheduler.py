@@ -29,10 +29,10 @@ from cache_store import (
     CacheStore,
     SessionRunning,
 )
-from cache_store.arena import ArenaCache, ArenaFull
+from cache_store.checks.stage_faults import FaultPoints, Stage
+from cache_store.device.arena import ArenaCache, ArenaFull
 from cache_store.failure_log import log_failure
 from cache_store.lookup import CopyObserver
-from cache_store.stage_faults import FaultPoints, Stage
 from chatd.config import Settings
 from chatd.engine.commands import CacheCommand, CacheCommands
 from chatd.engine.cpu_share import ThreadGovernor, usable_cpus

@@ -13,8 +13,8 @@ from collections import deque
 import torch
 
 from cache_store import CacheEntry, CacheLookup, CacheStore, kv_bytes_per_token
-from cache_store.arena import KVArena, TemporaryCache
-from cache_store.remote_moves import FetchRequest
+from cache_store.device.arena import KVArena, TemporaryCache
+from cache_store.remote.remote_moves import FetchRequest
 from chatd.config import Settings
 from chatd.engine.deep_check import DEEP_CHECK_TOLERANCE, DEEP_CHECK_TOLERANCE_INT8, DeepCheck
 from chatd.engine.grammar import GrammarCompiler

@@ -8,11 +8,11 @@ import logging
 import torch
 
 from cache_store import CacheEntry, CacheLayout, CacheStore, KVGeometry, Offloader, kv_bytes_per_token
-from cache_store.arena import KVArena
-from cache_store.entry import holding
+from cache_store.checks.stage_faults import FaultPoints
+from cache_store.device.arena import KVArena
+from cache_store.device.entry import holding
 from cache_store.lookup import CopyObserver
-from cache_store.remote_tier import RemoteTier
-from cache_store.stage_faults import FaultPoints
+from cache_store.remote.remote_tier import RemoteTier
 from chatd.config import Settings
 from chatd.engine.model_runner import ModelRunner
 from chatd.model.loader import LoadedModel

@@ -11,9 +11,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cache_store.integrity import CHECKS
+from cache_store.checks.integrity import CHECKS
+from cache_store.checks.stage_faults import STAGES
 from cache_store.lookup import CacheSource, MissReason
-from cache_store.stage_faults import STAGES
 from chatd.engine.turn import TurnResult
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -10,9 +10,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from cache_store.host_pool import HostBufferPool, size_class
-from cache_store.offload import HostEntry
-from cache_store.segments import is_segment
+from cache_store.device.segments import is_segment
+from cache_store.host.host_pool import HostBufferPool, size_class
+from cache_store.host.offload import HostEntry
 
 
 class HostTier:

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-import cache_store.chain as chain
-from cache_store.arena import ArenaCache
-from cache_store.entry import CacheEntry, KVTensors, NewCache, entry_from_parts
+import cache_store.device.chain as chain
+from cache_store.checks.integrity import checksum
+from cache_store.device.arena import ArenaCache
+from cache_store.device.entry import CacheEntry, KVTensors, NewCache, entry_from_parts
+from cache_store.host.quantize import dequantize, quantize, quantized_nbytes
 from cache_store.identity import Fingerprint
-from cache_store.integrity import checksum
-from cache_store.quantize import dequantize, quantize, quantized_nbytes
 from cache_store.units import KVDtype
 
 
@@ -31,7 +31,7 @@ class HostEntry:
     A quantised entry holds int8 `tensors` and their `scales`; its checksum covers both. An entry may
     continue an earlier copy (`base`): its tensors then hold only the positions after the base's, so an offload
     copies only the turns added since, and int8 positions are quantised once. A copy that ends on a chunk's edge
-    is named for the chunks it ends (`cache_store/chunks.py`, with its owner scope): any session of that owner
+    is named for the chunks it ends (`cache_store/remote/chunks.py`, with its owner scope): any session of that owner
     whose history starts with the same ids continues it, so it is held once however many stacks include it."""
 
     tensors: KVTensors

@@ -10,8 +10,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-import cache_store.chain as chain
-from cache_store.arena import ArenaCache, TemporaryCache
+import cache_store.device.chain as chain
+from cache_store.device.arena import ArenaCache, TemporaryCache
 from cache_store.identity import Fingerprint
 
 KVTensors = list[tuple[torch.Tensor, torch.Tensor]]
@@ -40,7 +40,7 @@ class CacheEntry:
 
     @property
     def prefix_tokens(self) -> int:
-        """Positions held by the shared segments its cache starts with (`cache_store/chain.py`), not by it."""
+        """Positions held by the shared segments its cache starts with (`cache_store/device/chain.py`), not by it."""
         return self.cache.offset if isinstance(self.cache, ArenaCache) else 0
 
     @property

@@ -1,7 +1,7 @@
 """The KV arena: per layer one buffer `[kv_heads, tokens, head_dim]`, allocated once on the compute
 device; a session's cache is a region of it (the same positions in every layer) plus its length.
 
-A cache may start with a chain of shared, read-only segments (`cache_store/chain.py`): its own region then
+A cache may start with a chain of shared, read-only segments (`cache_store/device/chain.py`): its own region then
 holds only the tokens after them, and its layers count positions from the chain's end (`offset`).
 
 Regions are exactly as long as they ask for, in units of `UNIT` tokens (`RunAllocator`): a turn's region
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-from cache_store.allocator import RunAllocator
+from cache_store.device.allocator import RunAllocator
 from cache_store.units import UNIT
 
 
@@ -279,7 +279,7 @@ class ArenaCache(Cache):
     def __init__(self, arena: KVArena):
         self.arena = arena
         self.region: _Region | None = None
-        self.prefix: ArenaCache | None = None  # the shared segment it starts with (`cache_store/chain.py`)
+        self.prefix: ArenaCache | None = None  # the shared segment it starts with (`cache_store/device/chain.py`)
         self.offset = 0  # the positions of that chain: its own region holds positions from here on
         self.frozen = False  # a shared segment: read-only, other caches start with it
         self.segment_key: str | None = None  # a segment's key in the device tier

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-import cache_store.chain as chain
-from cache_store.arena import UNIT, ArenaCache
-from cache_store.device_tier import DeviceTier
-from cache_store.entry import CacheEntry
+import cache_store.device.chain as chain
+from cache_store.checks.integrity import Check, check_identity, check_tensors, checksum, fingerprint
+from cache_store.device.arena import UNIT, ArenaCache
+from cache_store.device.device_tier import DeviceTier
+from cache_store.device.entry import CacheEntry
 from cache_store.identity import CacheLayout
-from cache_store.integrity import Check, check_identity, check_tensors, checksum, fingerprint
 from sessions.encoding import token_hash
 
 PREFIX = "prefix:"

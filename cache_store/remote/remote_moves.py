@@ -21,14 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-import cache_store.chain as chain
-from cache_store.arena import ArenaCache
-from cache_store.chunks import chunk_identity, chunk_names, shared_chunks
-from cache_store.cost_model import CostModel, RemoteDecision
-from cache_store.entry import CacheEntry, KVTensors, NewCache, entry_from_parts
-from cache_store.failure_log import log_failure
-from cache_store.identity import CacheLayout
-from cache_store.integrity import (
+import cache_store.device.chain as chain
+from cache_store.checks.integrity import (
     Check,
     check_finite,
     check_identity,
@@ -37,11 +31,16 @@ from cache_store.integrity import (
     checksum,
     fingerprint,
 )
-from cache_store.lookup import RemoteCaches
-from cache_store.offload import Offloader
-from cache_store.quantize import GROUP_TOKENS
-from cache_store.remote_format import RemoteCopy, RemoteHeader, RemoteSnapshot, StoredKV
-from cache_store.units import KVDtype
+from cache_store.device.arena import ArenaCache
+from cache_store.device.entry import CacheEntry, KVTensors, NewCache, entry_from_parts
+from cache_store.failure_log import log_failure
+from cache_store.host.offload import Offloader
+from cache_store.identity import CacheLayout
+from cache_store.remote.chunks import chunk_identity, chunk_names, shared_chunks
+from cache_store.remote.cost_model import CostModel, RemoteDecision
+from cache_store.remote.remote_format import RemoteCopy, RemoteHeader, RemoteSnapshot, StoredKV
+from cache_store.remote.remote_tier import RemoteCaches
+from cache_store.units import GROUP_TOKENS, KVDtype
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A cache as Redis holds it (`--remote-kv`): the records a write and a fetch pass around, and their bytes.
 
-A cache is a run of immutable chunks (`cache_store/chunks.py`) plus its session's own two keys, all with one
+A cache is a run of immutable chunks (`cache_store/remote/chunks.py`) plus its session's own two keys, all with one
 TTL. `chatd:kvchunk:{name}` holds one chunk as safetensors bytes (each tensor's dtype and shape in a checked
 header, its name and checksum in the header's metadata), the same key for every session of one owner whose
 history starts with the same ids. `chatd:{id}:kv` holds the
@@ -19,10 +19,10 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
-from cache_store.entry import KVTensors
+from cache_store.checks.integrity import checksum
+from cache_store.device.entry import KVTensors
 from cache_store.identity import CacheLayout, Fingerprint
-from cache_store.integrity import checksum
-from cache_store.quantize import GROUP_TOKENS
+from cache_store.units import GROUP_TOKENS
 from sessions.encoding import pack_ids, unpack_ids
 
 # 2: checksums carry their kind (xxh3:…); 3: int8 caches with their scales; 4: key scales per group; 5: a cache may

@@ -12,10 +12,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 
-import cache_store.chain as chain
-from cache_store.arena import ArenaCache
-from cache_store.entry import CacheEntry
-from cache_store.eviction import ConnectedLRUPolicy, EvictionPolicy, Residency
+import cache_store.device.chain as chain
+from cache_store.device.arena import ArenaCache
+from cache_store.device.entry import CacheEntry
+from cache_store.device.eviction import ConnectedLRUPolicy, EvictionPolicy, Residency
 
 
 class DeviceTier:

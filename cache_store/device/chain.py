@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from cache_store.arena import UNIT, ArenaCache, units_for
+from cache_store.device.arena import UNIT, ArenaCache, units_for
 
 KVTensors = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -17,16 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from cache_store.entry import KVTensors
-from cache_store.units import UNIT
+from cache_store.device.entry import KVTensors
+from cache_store.units import GROUP_TOKENS, key_groups
 
 QMAX = 127.0
-GROUP_TOKENS = UNIT  # tokens per key-scale group (measured against 32, 64 and whole caches: docs/benchmarks.md)
-
-
-def key_groups(tokens: int, group_tokens: int = GROUP_TOKENS) -> int:
-    """How many key-scale groups a cache of `tokens` positions has."""
-    return -(-tokens // group_tokens)
 
 
 def quantize(tensors: KVTensors, group_tokens: int = GROUP_TOKENS) -> tuple[KVTensors, KVTensors]:

@@ -8,14 +8,17 @@ or Redis also has its values checked for NaN and Inf.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
 
-from cache_store.entry import CacheEntry, KVTensors
 from cache_store.identity import CacheLayout, Fingerprint
-from cache_store.quantize import key_groups
+from cache_store.units import key_groups
 from sessions.encoding import token_hash
+
+if TYPE_CHECKING:  # (the checks sit below the device room: they read an entry, and never need its module)
+    from cache_store.device.entry import CacheEntry, KVTensors
 
 Check = str  # one of CHECKS
 CHECKS = ("fingerprint", "length", "shape", "checksum", "finite", "deep")

@@ -1,0 +1,2 @@
+"""The host room: offloaded caches in pinned CPU memory (exact or int8), their buffers, copies between device and
+host."""
