@@ -3,10 +3,10 @@
 A thread's reply is held under its message id: the session it was recorded in, the session's version and message
 count right after it, what the thread was created with (its system prompt and tools, which a `continue` does not
 resend), and whose it is. Each reply can be continued once: `claim` moves it from open to running atomically (one
-turn per reply across workers), `settle` to continued when that turn's reply is held, or back to open when it was
-not (a failed or cut turn leaves the id usable). In memory, or in Redis (`chatd:thread:{<id>}` and its `:state`,
-one hash tag) for the thread TTL, renewed when a reply is continued, so that any worker continues any thread and a
-restart loses none.
+turn per reply across workers; the same round trip reads the reply, for its own key and scope only), `settle` to
+continued when that turn's reply is held, or back to open when it was not (a failed or cut turn leaves the id
+usable). In memory, or in Redis (`chatd:thread:{<id>}` and its `:state`, one hash tag) for the thread TTL, renewed
+when a reply is continued, so that any worker continues any thread and a restart loses none.
 """
 
 from __future__ import annotations
@@ -46,9 +46,8 @@ class ThreadStore(Protocol):
 
     async def put(self, reply: ThreadReply) -> None: ...
 
-    async def get(self, message_id: str) -> ThreadReply | None: ...
-
-    async def claim(self, message_id: str) -> Claim: ...
+    async def claim(self, message_id: str, owner: str | None, scope: str | None
+                    ) -> tuple[Claim, ThreadReply | None]: ...
 
     async def settle(self, message_id: str, continued: bool) -> None: ...
 
@@ -64,17 +63,16 @@ class InMemoryThreadStore:
     async def put(self, reply: ThreadReply) -> None:
         self._replies[reply.message_id] = reply
 
-    async def get(self, message_id: str) -> ThreadReply | None:
-        return self._replies.get(message_id)
-
-    async def claim(self, message_id: str) -> Claim:
-        if message_id not in self._replies:
-            return "not_found"
+    async def claim(self, message_id: str, owner: str | None, scope: str | None
+                    ) -> tuple[Claim, ThreadReply | None]:
+        reply = self._replies.get(message_id)
+        if reply is None or reply.owner != owner or reply.scope != scope:
+            return "not_found", None
         state = self._states.get(message_id)
         if state is not None:
-            return "continued" if state == "continued" else "in_flight"
+            return ("continued" if state == "continued" else "in_flight"), None
         self._states[message_id] = "running"
-        return "claimed"
+        return "claimed", reply
 
     async def settle(self, message_id: str, continued: bool) -> None:
         if continued:
@@ -85,14 +83,31 @@ class InMemoryThreadStore:
             self._states.pop(message_id, None)
 
 
-# KEYS: the reply, its state. ARGV: the TTL in ms. Open -> running, atomically; what it found otherwise.
+# KEYS: the reply, its state. ARGV: the TTL in ms, then owner and scope, each as its text and '1' when it is None.
+# Open -> running, atomically, for the reply's own key and scope only (another's is not found, and left alone):
+# {'claimed', the reply}, or what it found.
 _CLAIM = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 'not_found' end
+local raw = redis.call('GET', KEYS[1])
+if not raw then return {'not_found'} end
+local reply = cjson.decode(raw)
+local function same(value, text, none)
+  if none == '1' then return value == cjson.null end
+  return value == text
+end
+if not same(reply['owner'], ARGV[2], ARGV[3]) or not same(reply['scope'], ARGV[4], ARGV[5]) then
+  return {'not_found'}
+end
 local state = redis.call('GET', KEYS[2])
-if state == 'continued' then return 'continued' end
-if state then return 'in_flight' end
+if state == 'continued' then return {'continued'} end
+if state then return {'in_flight'} end
 redis.call('SET', KEYS[2], 'running', 'PX', ARGV[1])
-return 'claimed'
+return {'claimed', raw}
+"""
+# KEYS: the reply, its state. ARGV: the TTL in ms. Continued: said so, and the reply kept the TTL again.
+_CONTINUED = """
+redis.call('SET', KEYS[2], 'continued', 'PX', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 'ok'
 """
 
 
@@ -108,20 +123,18 @@ class RedisThreadStore:
         key = _reply_key(reply.message_id)
         await self._call(self._sessions.write(key, ("SET", key, json.dumps(asdict(reply)), "PX", self._ttl_ms)))
 
-    async def get(self, message_id: str) -> ThreadReply | None:
-        raw = await self._call(self._redis.get(_reply_key(message_id)))
-        return ThreadReply(**json.loads(raw)) if raw is not None else None
-
-    async def claim(self, message_id: str) -> Claim:
-        found = await self._call(self._redis.eval(_CLAIM, 2, _reply_key(message_id), _state_key(message_id),
-                                                  self._ttl_ms))
-        return found.decode() if isinstance(found, bytes) else found
+    async def claim(self, message_id: str, owner: str | None, scope: str | None
+                    ) -> tuple[Claim, ThreadReply | None]:
+        found = await self._call(self._redis.eval(
+            _CLAIM, 2, _reply_key(message_id), _state_key(message_id), self._ttl_ms,
+            owner or "", "1" if owner is None else "0", scope or "", "1" if scope is None else "0"))
+        claim = found[0].decode() if isinstance(found[0], bytes) else found[0]
+        return claim, ThreadReply(**json.loads(found[1])) if claim == "claimed" else None
 
     async def settle(self, message_id: str, continued: bool) -> None:
         key, state = _reply_key(message_id), _state_key(message_id)
         if continued:
-            await self._call(self._sessions.write(state, ("SET", state, "continued", "PX", self._ttl_ms)))
-            await self._call(self._redis.pexpire(key, self._ttl_ms))
+            await self._call(self._sessions.write(key, ("EVAL", _CONTINUED, 2, key, state, self._ttl_ms)))
         else:
             await self._call(self._redis.delete(state))
 

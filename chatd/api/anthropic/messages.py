@@ -76,10 +76,9 @@ class AnthropicApi:
 
     async def create(self, request: Request, body: MessagesRequest,
                      x_session_id: Annotated[str | None, Header()] = None) -> Response:
-        if body.thread is not None:
-            self.admission.authenticate(request)
-            Threads.refuse_unsupported(body)
         owner, max_new_tokens = self.admission.open(request, body, body.max_tokens, body.max_tokens, "max_tokens")
+        if body.thread is not None:
+            Threads.refuse_unsupported(body)
         client = owner or (request.client.host if request.client else "unknown")
         scope = salted(owner, body.cache_salt)
         continuation = None

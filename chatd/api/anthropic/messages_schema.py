@@ -171,12 +171,16 @@ class CountTokensRequest(BaseModel):
         """Raise `RequestRefused` for what chatd does not implement."""
         if self.thinking and self.thinking.get("type") not in (None, "disabled"):
             raise RequestRefused("thinking", "extended thinking is not supported by this server")
-        if any(param.role == "system" for param in self.messages):
+        if not self.threaded() and any(param.role == "system" for param in self.messages):
             raise RequestRefused("messages", "a system message in messages only adds or removes a thread's tools, "
                                              "which this server does not do; put the system prompt in system")
         if self.messages[-1].role != "user":
             raise RequestRefused("messages", "the last message must be the user's: a final assistant message "
                                              "(prefill) is not supported")
+
+    def threaded(self) -> bool:
+        """Whether the request runs on a thread (whose own refusals then answer a system message)."""
+        return False
 
     def system_text(self) -> str | None:
         if isinstance(self.system, list):
@@ -251,6 +255,9 @@ class MessagesRequest(CountTokensRequest):
     cache_salt: str | None = Field(None, max_length=256)  # chatd's (vLLM's) field: caches shared only within it
     session_id: str | None = Field(None, max_length=128)  # chatd's hint: continue this session
     thread: ThreadCreate | ThreadContinue | None = Field(None, discriminator="type")
+
+    def threaded(self) -> bool:
+        return self.thread is not None
 
     def new_messages(self) -> list[Message]:
         """Every message of the request, as a session holds them (a thread's continue sends only new ones)."""

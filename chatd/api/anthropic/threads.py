@@ -12,6 +12,7 @@ SDK retries.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from dataclasses import dataclass
 
@@ -59,27 +60,25 @@ class Threads:
         `system` and `tools` may be sent again only as the thread has them."""
         thread = body.thread
         assert isinstance(thread, ThreadContinue)
-        previous = await self.store.get(thread.previous_message_id)
-        if previous is None or previous.owner != owner or previous.scope != scope:
-            self.counts["not_found"] += 1
-            raise self._not_found(thread.previous_message_id)
-        changed = [name for name, sent, held in (("system", body.system_text(), previous.system),
-                                                 ("tools", body.tool_definitions(), previous.tools))
-                   if name in body.model_fields_set and sent != held]
-        if changed:
-            raise thread_error(400, "thread_fingerprint_mismatch", f"{' and '.join(changed)} differ from what the "
-                               "thread was created with; a continue takes the thread's (or sends them unchanged)")
-        claim = await self.store.claim(previous.message_id)
-        if claim == "not_found":
-            self.counts["not_found"] += 1
-            raise self._not_found(previous.message_id)
+        message_id = thread.previous_message_id
+        claim, previous = await self.store.claim(message_id, owner, scope)
         if claim == "continued":
-            raise thread_error(400, "thread_already_continued", f"message {previous.message_id!r} was already "
-                               "continued; continue from its latest reply, or send the conversation whole")
+            raise thread_error(400, "thread_already_continued", f"message {message_id!r} was already continued; "
+                               "continue from its latest reply, or send the conversation whole")
         if claim == "in_flight":
-            raise thread_error(400, "thread_continue_in_flight", f"a continue from message {previous.message_id!r} "
-                               "is running; wait for its reply")
+            raise thread_error(400, "thread_continue_in_flight", f"a continue from message {message_id!r} is "
+                               "running; wait for its reply")
+        if previous is None:
+            self.counts["not_found"] += 1
+            raise self._not_found(message_id)
         try:
+            changed = [name for name, sent, held in (("system", body.system_text(), previous.system),
+                                                     ("tools", body.tool_definitions(), previous.tools))
+                       if name in body.model_fields_set and sent != held]
+            if changed:
+                raise thread_error(400, "thread_fingerprint_mismatch", f"{' and '.join(changed)} differ from what "
+                                   "the thread was created with; a continue takes the thread's (or sends them "
+                                   "unchanged)")
             session = await self.conversations.sessions.get(previous.session_id)
             if session is None or session.owner != scope:
                 self.counts["not_found"] += 1
@@ -111,11 +110,11 @@ class Threads:
             return
         reply = ThreadReply(message_id, owner, scope, session.session_id, session.version, len(session.messages),
                             body.model, body.system_text(), body.tool_definitions())
-        await self.store.put(reply)
-        if continued is not None:
-            await self.store.settle(continued.message_id, continued=True)
+        if continued is not None:  # (two replies, two Redis slots: written side by side)
+            await asyncio.gather(self.store.put(reply), self.store.settle(continued.message_id, continued=True))
             self.counts["continued"] += 1
         else:
+            await self.store.put(reply)
             self.counts["created"] += 1
 
     async def release(self, continued: ThreadReply | None) -> None:
