@@ -44,6 +44,29 @@ def in_checkout(script: Path, checkout: Path, *args: str) -> dict:
     return json.loads(output.strip().splitlines()[-1])
 
 
+def alternating_bench(doc: str, script: Path, worker: Callable[[], dict], result_name: str) -> None:
+    """A benchmark's `main`: `worker` (which measures each case in its own process's checkout) in `--pairs` fresh
+    processes per checkout (this one and, with `--a-checkout`, the commit before), alternating, so that this
+    machine's drift falls on both alike; each case's median and every run, by checkout, printed and written."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--a-checkout", type=Path, help="also measure this checkout (the commit before)")
+    parser.add_argument("--pairs", type=int, default=6, help="fresh processes per checkout, alternating")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker()))
+        return
+    runs: dict[str, list[dict]] = {}
+    for _ in range(args.pairs):
+        for label, checkout in checkouts(script, args.a_checkout).items():
+            runs.setdefault(label, []).append(in_checkout(script, checkout))
+    report = {label: {case: {"step_ms": statistics.median(run[case] for run in label_runs),
+                             "runs": [run[case] for run in label_runs]} for case in label_runs[0]}
+              for label, label_runs in runs.items()}
+    print(json.dumps(report, indent=2))
+    write_result(script.parent / "results" / result_name, report)
+
+
 def write_result(path: Path, result: object) -> None:
     """Write a benchmark's JSON result next to the others (bench/results/ is not committed)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,13 +7,11 @@ this machine's drift falls on both alike. SmolLM2-135M in float32, 16 rows on 10
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
-from common import checkouts, in_checkout, write_result
+from common import alternating_bench
 
 HERE = Path(__file__).resolve()
 
@@ -55,25 +53,5 @@ def worker() -> dict:
     return figures
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--a-checkout", type=Path, help="also measure this checkout (the commit before)")
-    parser.add_argument("--pairs", type=int, default=6, help="fresh processes per checkout, alternating")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker()))
-        return
-    runs: dict[str, list[dict]] = {}
-    for _ in range(args.pairs):
-        for label, checkout in checkouts(HERE, args.a_checkout).items():
-            runs.setdefault(label, []).append(in_checkout(HERE, checkout))
-    report = {label: {case: {"step_ms": statistics.median(run[case] for run in label_runs),
-                             "runs": [run[case] for run in label_runs]} for case in label_runs[0]}
-              for label, label_runs in runs.items()}
-    print(json.dumps(report, indent=2))
-    write_result(HERE.parent / "results" / "packed_step.json", report)
-
-
 if __name__ == "__main__":
-    main()
+    alternating_bench(__doc__, HERE, worker, "packed_step.json")

@@ -12,8 +12,8 @@ from cache_store.device.entry import CacheEntry
 from cache_store.device.segments import segment_key
 from cache_store.host.offload import HostEntry
 from cache_store.remote.cost_model import CostModel
+from cache_store.remote.remote_caches import RemoteCaches
 from cache_store.remote.remote_moves import FetchOutcome, FetchRequest, HeldIds, RemoteFetch, RemoteMoves, fetch_copy
-from cache_store.remote.remote_tier import RemoteCaches
 from cache_store.tiers import CacheTiers
 
 

@@ -38,9 +38,9 @@ from cache_store.lookup import (
     common_prefix_length,
 )
 from cache_store.remote.cost_model import CostModel, RemoteDecision, Throughput
+from cache_store.remote.remote_caches import RemoteCaches
 from cache_store.remote.remote_format import EVERY_VERSION
 from cache_store.remote.remote_moves import FetchRequest, RemoteFetch, RemoteMoves
-from cache_store.remote.remote_tier import RemoteCaches
 from cache_store.remote_lookup import RemoteLookup
 from cache_store.session_notes import REMEMBERED_SESSIONS, SessionNotes
 from cache_store.store_stats import store_stats

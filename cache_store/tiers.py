@@ -23,7 +23,7 @@ from cache_store.device.segments import SharedSegments, is_segment
 from cache_store.host.host_tier import HostTier
 from cache_store.host.offload import HostEntry
 from cache_store.lookup import CopyObserver
-from cache_store.remote.remote_tier import RemoteCaches
+from cache_store.remote.remote_caches import RemoteCaches
 from cache_store.session_notes import SessionNotes
 from cache_store.tier_moves import Moved, TierMoves
 

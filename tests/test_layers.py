@@ -1,6 +1,7 @@
 """The packages import downwards only (tools -> api -> observability -> engine -> config -> model, with
 cache_store and sessions below all of chatd), cache_store's rooms too (what ties the tiers -> Redis -> host ->
-device -> checks -> the shared sizes), and no module imports itself back through others."""
+device -> checks -> the shared sizes), and no module imports itself back through others. The rooms a change reads end
+to end (the engine, the cache store, the APIs) keep files under 450 lines and functions under 60."""
 
 import ast
 from pathlib import Path
@@ -135,3 +136,18 @@ def test_every_public_class_and_function_says_why_it_exists():
                     if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
                     and not node.name.startswith("_") and ast.get_docstring(node) is None]
     assert not undocumented, undocumented
+
+
+def test_the_engine_the_cache_store_and_the_apis_stay_readable():
+    """No file over 450 lines and no function over 60 in the rooms a change most often reads end to end."""
+    too_long = []
+    for folder in ("chatd/engine", "cache_store", "chatd/api"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text()
+            if (lines := text.count("\n")) > 450:
+                too_long.append(f"{path.relative_to(ROOT)}: {lines} lines")
+            too_long += [f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines"
+                         for node in ast.walk(ast.parse(text))
+                         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                         and (length := node.end_lineno - node.lineno + 1) > 60]
+    assert not too_long, too_long

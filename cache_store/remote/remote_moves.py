@@ -38,8 +38,8 @@ from cache_store.host.offload import Offloader
 from cache_store.identity import CacheLayout
 from cache_store.remote.chunks import chunk_identity, chunk_names, shared_chunks
 from cache_store.remote.cost_model import CostModel, RemoteDecision
+from cache_store.remote.remote_caches import RemoteCaches
 from cache_store.remote.remote_format import RemoteCopy, RemoteHeader, RemoteSnapshot, StoredKV
-from cache_store.remote.remote_tier import RemoteCaches
 from cache_store.units import GROUP_TOKENS, KVDtype
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Protocol, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 import xxhash
 from cachetools import LRUCache
@@ -29,17 +29,14 @@ from redis.cluster import RedisCluster
 from cache_store.remote.cost_model import Throughput
 from cache_store.remote.remote_format import (
     DELETE_SESSION,
-    WRITE_SESSION,
     RemoteCopy,
     RemoteHeader,
     RemoteSnapshot,
     chunk_key,
     copy_from,
-    encode_chunk,
     header_from,
-    session_bytes,
-    split,
 )
+from cache_store.remote.remote_writes import write_snapshot
 from cache_store.units import CHUNK_TOKENS
 from sessions.encoding import UNREACHABLE, redis_key
 from sessions.redis_client import sync_client
@@ -77,42 +74,6 @@ class _Pending:
     ticket: int
     queued_at: float
     nbytes: int
-
-
-class RemoteCaches(Protocol):
-    """Where caches are shared beyond this process (`RemoteTier`: Redis, as chains of chunks): what the store asks
-    of it. `head`, `fetch` and `usage`'s refresh talk to Redis: they run on its own threads (`submit`), never the
-    engine's; `put`, `delete` and `delete_chunk` only queue."""
-
-    throughput: Throughput
-    errors: int
-    write_errors: int
-    chunk_tokens: int
-    timeout_s: float
-    counters: dict[str, int]
-
-    @property
-    def reachable(self) -> bool: ...
-
-    def submit(self, job: Callable[[], T]) -> Future[T]: ...
-
-    def known_chunks(self, chunks: list[str]) -> int: ...
-
-    def chunks_known(self) -> int: ...
-
-    def pending(self) -> dict[str, int]: ...
-
-    def put(self, session_id: str, snapshot: RemoteSnapshot) -> None: ...
-
-    def head(self, session_id: str) -> RemoteHeader | None: ...
-
-    def fetch(self, header: RemoteHeader, first: int = 0) -> RemoteCopy | None: ...
-
-    def delete(self, session_id: str, up_to_version: int) -> None: ...
-
-    def delete_chunk(self, name: str) -> None: ...
-
-    def usage(self) -> tuple[int, int]: ...
 
 
 class RemoteTier:
@@ -431,54 +392,14 @@ class RemoteTier:
                         self._settled(key)
 
     def _write(self, session_id: str, snapshot: RemoteSnapshot) -> None:
-        """Send the chunks Redis lacks (that the snapshot carries) and renew those it holds, then the session's token
-        ids and tail, then its header. A session's later turn, whose carried chunks all come after those its last
-        written snapshot named (its new positions), is written in one round trip that renews the others as it
-        goes; otherwise (a first write: its system prompt's chunks may be another session's or worker's) one round trip
-        asks Redis which it holds, and a second sends only the others."""
+        """Write the snapshot (`write_snapshot`): in one round trip when its carried chunks all come after those the
+        session's last written snapshot named, else asking Redis first which chunks it holds."""
         started = time.perf_counter()
         with self._lock:
             ahead = snapshot.start >= self._session_chunks.get(session_id, len(snapshot.chunks) + 1)
-        in_redis = None if ahead else self._renew_known(snapshot.chunks)
-        pieces = split(snapshot, self.chunk_tokens)
-        tail = pieces.pop()
-        write = self._redis.pipeline(transaction=False)
-        renewing = snapshot.chunks[:snapshot.start] if ahead else []
-        for name in renewing:  # (their answers come first: whether Redis still held each)
-            write.expire(chunk_key(name), self.ttl_s)
-        sent, lost, chunk_nbytes, counts = 0, [], 0, Counter()
-        for index, name in enumerate(snapshot.chunks):
-            piece = pieces[index - snapshot.start] if index >= snapshot.start else None
-            blob = encode_chunk(name, piece) if piece is not None else None
-            chunk_nbytes = len(blob) if blob is not None else chunk_nbytes
-            if in_redis is not None and in_redis[index]:
-                counts["chunks_renewed"] += 1
-                if blob is not None:
-                    counts["chunk_bytes_not_sent"] += len(blob)  # another session or worker wrote it
-            elif blob is not None:
-                write.set(chunk_key(name), blob, ex=self.ttl_s)
-                sent += len(blob)
-                counts["chunks_written"] += 1
-            elif in_redis is not None:
-                lost.append(name)  # gone from Redis, and this snapshot does not carry it: the next one will
-        blob, meta = session_bytes(snapshot, tail, self.chunk_tokens, chunk_nbytes)
-        write.execute_command("EVAL", WRITE_SESSION, 2, redis_key(session_id, "kv"), redis_key(session_id, "kvmeta"),
-                              snapshot.session_version, blob, meta, self.ttl_s)  # (a cluster's pipeline too)
-        *answers, newest = write.execute()
-        renewed = answers[:len(renewing)]
-        counts["snapshots_superseded"] += not newest
-        counts["chunks_renewed"] += sum(map(bool, renewed))
-        lost += [name for name, found in zip(renewing, renewed, strict=True) if not found]
-        counts["chunk_bytes_written"] += sent
-        self.throughput.record(sent + len(blob), time.perf_counter() - started)
+        sent, lost, counts = write_snapshot(self._redis, session_id, snapshot, ahead, self.chunk_tokens, self.ttl_s)
+        self.throughput.record(sent, time.perf_counter() - started)
         self._written_run(session_id, snapshot.chunks, lost, counts)
-
-    def _renew_known(self, chunks: list[str]) -> list[bool]:
-        """Which of `chunks` Redis holds, each renewed (one round trip)."""
-        renew = self._redis.pipeline(transaction=False)
-        for name in chunks:
-            renew.expire(chunk_key(name), self.ttl_s)
-        return [bool(found) for found in renew.execute()]
 
     def _written_run(self, session_id: str, chunks: list[str], lost: list[str], counts: Counter[str]) -> None:
         """Remember the chunks a write left in Redis (all but those found `lost`), and the session's run length."""

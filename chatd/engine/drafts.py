@@ -12,7 +12,7 @@ whole batch, `INDEXED_TOKENS` at most): a 32K-token prompt would take about 56 m
 engine thread, at the turn's first decode step, while the batch waits, even for a turn that never drafts.
 
 A draft is only a guess: the batched step verifies it, and only what the model itself would have sampled is kept
-(`Scheduler._advance`). Each row's draft length follows its acceptance, a row whose drafts are seldom accepted
+(`StepUpdater._advance`). Each row's draft length follows its acceptance, a row whose drafts are seldom accepted
 stops drafting for the rest of its turn, and a draft is proposed only when its expected acceptance (the row's own,
 and that of drafts found by as long a match) is above what a step of this batch size needs for it to pay
 (`StepCost.break_even`): at a large batch on a CPU, only drafts that are nearly always taken.

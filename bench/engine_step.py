@@ -1,0 +1,76 @@
+"""The engine's whole step, as turns meet it: this checkout against another (--a-checkout DIR, the commit before, in a
+`git worktree`), each in fresh processes, alternating, so that this machine's drift falls on both alike. SmolLM2-135M
+in float32, greedy, speculation off (its drafts follow measured step costs, which would make the two run different
+passes): sixteen customers at once for three rounds (each later round's new message rides the others' decode steps),
+and one customer alone for three turns. Reported: wall milliseconds per decode step over each case (its prefills,
+sampling, stop checks and write-backs included: what the planner, the executor and the updater cost beside the model).
+
+    .venv/bin/python bench/engine_step.py --a-checkout /tmp/w/before [--pairs 6]
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from common import alternating_bench
+
+HERE = Path(__file__).resolve()
+QUESTIONS = ["My internet is down since this morning.", "How do I change the address on my bill?",
+             "Can I pause my subscription for a month?", "Why was I charged twice in May?"]
+
+
+def worker() -> dict:
+    """Milliseconds per decode step over each case, in this process's checkout."""
+    from chatd.config import Settings
+    from chatd.engine.sampling import SamplingParams
+    from chatd.engine.scheduler import Engine
+    from chatd.engine.turn import TokenText, Turn
+    from chatd.model.loader import load_model
+    from sessions import Session
+
+    loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
+    engine = Engine(lambda: loaded, Settings(max_batch=16, speculation="off"))
+    engine.start()
+    engine.ready.wait()
+
+    def round_of(sessions: list[Session], round_index: int) -> None:
+        """One turn of each session at once, 24 tokens each; recorded in its session."""
+        done, results = threading.Event(), {}
+
+        def emitter(index: int):
+            def emit(event) -> None:
+                if not isinstance(event, TokenText):
+                    results[index] = event
+                    if len(results) == len(sessions):
+                        done.set()
+            return emit
+
+        contents = [f"{QUESTIONS[i % len(QUESTIONS)]} (round {round_index})" for i in range(len(sessions))]
+        for index, (session, content) in enumerate(zip(sessions, contents, strict=True)):
+            engine.submit(Turn(turn_id=f"t{round_index}", session_id=session.session_id,
+                               messages=session.prompt_messages(content),
+                               params=SamplingParams(max_new_tokens=24), emit=emitter(index),
+                               session_version=session.version))
+        assert done.wait(300), "the engine did not finish the round"
+        for index, (session, content) in enumerate(zip(sessions, contents, strict=True)):
+            session.record_turn(content, results[index].content)
+
+    def ms_per_step(case: str, customers: int) -> float:
+        system = "You are a helpful support agent. Be brief."
+        sessions = [Session(f"{case}-{i}", system=system) for i in range(customers)]
+        steps_before = sum(engine.batch_sizes.values())
+        started = time.perf_counter()
+        for round_index in range(3):
+            round_of(sessions, round_index)
+        return 1000 * (time.perf_counter() - started) / (sum(engine.batch_sizes.values()) - steps_before)
+
+    ms_per_step("warm-up", 2)
+    figures = {"sixteen customers": round(ms_per_step("crowd", 16), 1), "one customer": round(ms_per_step("one", 1), 1)}
+    engine.stop()
+    return figures
+
+
+if __name__ == "__main__":
+    alternating_bench(__doc__, HERE, worker, "engine_step.json")
