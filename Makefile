@@ -28,10 +28,18 @@ test-deps:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(TEST_PACKAGES) >/dev/null; }; } || \
 		echo "could not install $(TEST_PACKAGES): the tests that need them will be skipped"
 
+# The KV-events tests run NVIDIA Dynamo's standalone KV indexer, a real consumer, in a venv of its own (its
+# pydantic pin differs from ours): CPU only, no torch, one 75 MB wheel.
+DYNAMO := $(VENV)/dynamo/bin/python
+$(DYNAMO):
+	$(PYTHON) -m venv $(VENV)/dynamo
+	$(VENV)/dynamo/bin/python -m pip install --quiet --disable-pip-version-check ai-dynamo-runtime==1.6.1 || \
+		{ rm -rf $(VENV)/dynamo; echo "could not install ai-dynamo-runtime: the KV-events tests against it will be skipped"; }
+
 # Two pytest-xdist workers, each a test file at a time (module fixtures stay shared) on its own share of the
 # cores (tests/conftest.py); TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
-test: $(INSTALLED) test-deps
+test: $(INSTALLED) test-deps $(DYNAMO)
 	$(BIN)/ruff check chatd cache_store sessions tests bench examples
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)  # where the time goes, in every CI log
 

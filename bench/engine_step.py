@@ -4,6 +4,9 @@ in float32, greedy, speculation off (its drafts follow measured step costs, whic
 passes): sixteen customers at once for three rounds (each later round's new message rides the others' decode steps),
 and one customer alone for three turns. Reported: wall milliseconds per decode step over each case (its prefills,
 sampling, stop checks and write-backs included: what the planner, the executor and the updater cost beside the model).
+A checkout that publishes KV events (issue 52) is also measured with them on (`--kv-events-endpoint`, no subscriber:
+the ledger, the queue and the sender thread all run), one engine after the other in the same process, in the order
+off, on, on, off (each case's figure: the mean of its two), so that neither gains from going second.
 
     .venv/bin/python bench/engine_step.py --a-checkout /tmp/w/before [--pairs 6]
 """
@@ -24,16 +27,30 @@ QUESTIONS = ["My internet is down since this morning.", "How do I change the add
 def worker() -> dict:
     """Milliseconds per decode step over each case, in this process's checkout."""
     from chatd.config import Settings
-    from chatd.engine.sampling import SamplingParams
     from chatd.engine.scheduler import Engine
-    from chatd.engine.turn import TokenText, Turn
     from chatd.model.loader import load_model
-    from sessions import Session
 
     loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
-    engine = Engine(lambda: loaded, Settings(max_batch=16, speculation="off"))
-    engine.start()
-    engine.ready.wait()
+    runs: list[tuple[str, dict]] = [("", {})]
+    if "kv_events_endpoint" in Settings.model_fields:
+        events = (", events on", {"kv_events_endpoint": "tcp://127.0.0.1:*"})
+        runs = [runs[0], events, events, runs[0]]
+    figures: dict[str, list[float]] = {}
+    for index, (suffix, extra) in enumerate(runs):
+        engine = Engine(lambda: loaded, Settings(max_batch=16, speculation="off", **extra))
+        engine.start()
+        engine.ready.wait()
+        for case, ms in _measure(engine, f"{suffix}-{index}").items():
+            figures.setdefault(f"{case}{suffix}", []).append(ms)
+        engine.stop()
+    return {case: round(sum(values) / len(values), 1) for case, values in figures.items()}
+
+
+def _measure(engine, label: str) -> dict[str, float]:
+    """Milliseconds per decode step of sixteen customers and of one, on `engine`."""
+    from chatd.engine.sampling import SamplingParams
+    from chatd.engine.turn import TokenText, Turn
+    from sessions import Session
 
     def round_of(sessions: list[Session], round_index: int) -> None:
         """One turn of each session at once, 24 tokens each; recorded in its session."""
@@ -59,7 +76,7 @@ def worker() -> dict:
 
     def ms_per_step(case: str, customers: int) -> float:
         system = "You are a helpful support agent. Be brief."
-        sessions = [Session(f"{case}-{i}", system=system) for i in range(customers)]
+        sessions = [Session(f"{case}{label}-{i}", system=system) for i in range(customers)]
         steps_before = sum(engine.batch_sizes.values())
         started = time.perf_counter()
         for round_index in range(3):
@@ -67,9 +84,7 @@ def worker() -> dict:
         return 1000 * (time.perf_counter() - started) / (sum(engine.batch_sizes.values()) - steps_before)
 
     ms_per_step("warm-up", 2)
-    figures = {"sixteen customers": round(ms_per_step("crowd", 16), 1), "one customer": round(ms_per_step("one", 1), 1)}
-    engine.stop()
-    return figures
+    return {"sixteen customers": round(ms_per_step("crowd", 16), 1), "one customer": round(ms_per_step("one", 1), 1)}
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def _share_history(tiers: CacheTiers, source: str, entry: CacheEntry, shared: in
     key = segment_key(token_ids, f"branch:{source}")
     if key in tiers.device:
         return
-    tiers.segments.keep(key, CacheEntry(chain.split(entry.cache, tokens), token_ids))
+    segment = CacheEntry(chain.split(entry.cache, tokens), token_ids)
+    tiers.segments.keep(key, segment, owner=tiers.notes.owner_of(source))
     if entry.checksum is not None:
         entry.checksum = checksum(entry.tensors())

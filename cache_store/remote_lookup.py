@@ -69,5 +69,6 @@ class RemoteLookup:
         if (tokens < max(UNIT, self.min_shared_tokens) or entry.prefix_tokens or entry.num_tokens <= tokens
                 or entry.token_ids[:prefix_len] != list(prompt_ids[:prefix_len])):
             return
-        if self.tiers.segments.share(entry, segment_key(prompt_ids[:prefix_len], scope), tokens=tokens) is not None:
+        key = segment_key(prompt_ids[:prefix_len], scope)
+        if self.tiers.segments.share(entry, key, tokens=tokens, owner=scope) is not None:
             self.tiers.counters["remote_policies_held"] += 1

@@ -29,6 +29,11 @@ class SessionNotes:
     def remember_scope(self, session_id: str, owner: str | None, prompt_tokens: int) -> None:
         self._scopes[session_id] = (owner, prompt_tokens)
 
+    def owner_of(self, session_id: str) -> str | None:
+        """The session's owner, as its last turn said (None: every owner's, or not known)."""
+        owner, _ = self._scopes.get(session_id, (None, 0))
+        return owner if isinstance(owner, str) else None
+
     def scope_of(self, session_id: str) -> str:
         """Whose chunks the session's cache is made of: its owner's (every owner's when the server has no keys);
         a session never looked up here (no owner known) has chunks of its own."""

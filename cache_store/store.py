@@ -100,6 +100,10 @@ class CacheStore:
         self._prompt_copies: LRUCache[str, tuple[str, weakref.ref[CacheEntry]]] = LRUCache(REMEMBERED_SESSIONS)
         self._turns: dict[str, object] = {}  # session id -> its running turn, from admit to put or abandon
 
+    def owner_of(self, key: str) -> str | None:
+        """Whose caches a tier's key belongs to: a segment's, or a session's as its last turn said."""
+        return self.segments.owner_of(key) if is_segment(key) else self.notes.owner_of(key)
+
     @property
     def on_copy(self) -> CopyObserver:
         """Told of every restore and offload (direction, tier, seconds): for latency metrics."""
@@ -235,6 +239,7 @@ class CacheStore:
             self.drop(session_id, entry.session_version)  # nothing in it is of use, in any tier
             return CacheLookup("miss", 0, miss_reason="drift")
         entry.crop(reusable)
+        self.device.cropped(session_id)
         entry.checksum = None  # the turn changes it; write-back takes a new one
         if (kept := self.host.get(session_id)) is not None and len(kept.token_ids) > reusable:
             self.host.discard(session_id)  # positions it holds are computed again: its next offload is whole
@@ -305,7 +310,7 @@ class CacheStore:
             if source is not None:
                 self._prompt_copies[key] = (source, weakref.ref(entry))
             return False
-        return self.segments.share(entry, key, pinned) is not None
+        return self.segments.share(entry, key, pinned, owner=None if pinned else scope) is not None
 
     def fork(self, source: str, target: str, prompt_ids: Sequence[int]) -> int:
         """Start `target`'s cache from the part of `source`'s device-resident cache that `prompt_ids` begins with

@@ -130,6 +130,19 @@ class Settings(BaseSettings):
     warm_prompt: TextList = Field(default_factory=list, description="a file holding a system prompt (its text, "
                                   "without a final newline) to prefill at start and keep on the device through any "
                                   "eviction, shared by every session and key that uses it (repeatable)")
+    kv_events_endpoint: str | None = Field(None, description=(
+        "publish KV events in vLLM's wire format on this ZMQ PUB endpoint (e.g. tcp://*:5557: binds where it has *, "
+        "connects otherwise), for KV-aware routers (Dynamo, llm-d); unset: off"))
+    kv_events_replay_endpoint: str | None = Field(None, description=(
+        "a ZMQ ROUTER endpoint that answers a consumer's replay request with the buffered batches from a seq on "
+        "(vLLM's; the last 10,000 batches)"))
+    kv_events_topic: str | None = Field(None, description="the topic of every KV event message (default: "
+                                                          "kv@<host>@<model>, llm-d's)")
+    kv_block_size: int = Field(16, ge=1, description=(
+        "tokens per block in the KV events (vLLM's default, 16): the device and host tiers report the full blocks "
+        "of what they hold; must equal the router's block size"))
+    kv_events_format: Literal["map", "array"] = Field("map", description=(
+        "map: each event a map with its type (vLLM's current encoding); array: positional arrays (older consumers)"))
     lease_ttl_s: float = Field(15.0, gt=0, description="how long a worker that died mid-turn keeps a session locked")
     web_dir: Path = Field(DEFAULT_WEB_DIR, description="folder of the chat UI and dashboard pages")
     api_key: TextList = Field(default_factory=list, description="an API key clients must present (repeatable); "

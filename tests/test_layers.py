@@ -26,7 +26,7 @@ MAY_IMPORT = {
 # hints alone, under `if TYPE_CHECKING:`, do not count: they run nothing).
 ROOMS = ("shared", "checks", "device", "host", "remote", "top")
 SHARED = {"cache_store.units", "cache_store.identity", "cache_store.sizing", "cache_store.failure_log",
-          "cache_store.session_notes"}
+          "cache_store.session_notes", "cache_store.tier_events"}
 
 
 def room(module: str) -> str:

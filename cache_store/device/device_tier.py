@@ -16,6 +16,7 @@ import cache_store.device.chain as chain
 from cache_store.device.arena import ArenaCache
 from cache_store.device.entry import CacheEntry
 from cache_store.device.eviction import ConnectedLRUPolicy, EvictionPolicy, Residency
+from cache_store.tier_events import NO_EVENTS, TierEvents
 
 
 class DeviceTier:
@@ -30,6 +31,7 @@ class DeviceTier:
         self._residency: dict[str, Residency] = {}
         self._reserved: dict[str, int] = {}  # running turns: the bytes each one's cache may grow to
         self._pinned: set[str] = set()  # warm prompts: resident through any eviction
+        self.events: TierEvents = NO_EVENTS  # told what the tier holds (KV events), as it changes
 
     def get(self, key: str) -> CacheEntry | None:
         if (entry := self._entries.get(key)) is not None:
@@ -52,13 +54,22 @@ class DeviceTier:
         residency = self._residency.setdefault(key, Residency(key, self._clock()))
         residency.last_access, residency.connected = self._clock(), connected
         residency.running = key in self._reserved
+        self.events.held("GPU", key, entry.token_ids)
+
+    def cropped(self, key: str) -> None:
+        """`key`'s entry was cropped in place (a lookup kept what the prompt shares with it): its positions after the
+        crop are no longer held."""
+        if (entry := self._entries.get(key)) is not None:
+            self.events.held("GPU", key, entry.token_ids)
 
     def pop(self, key: str) -> CacheEntry | None:
         """Take the entry off the device, with the tier's reference (the caller releases it); a running turn's
         reservation stays until `unreserve`."""
         self._residency.pop(key, None)
         self._pinned.discard(key)
-        return self._entries.pop(key, None)
+        if (entry := self._entries.pop(key, None)) is not None:
+            self.events.let_go("GPU", key)
+        return entry
 
     def discard(self, key: str) -> None:
         """Take the entry off the device and let it go (freed unless another holder, such as its running turn or a

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from cachetools import LRUCache
+
 import cache_store.device.chain as chain
 from cache_store.checks.integrity import Check, check_identity, check_tensors, checksum, fingerprint
 from cache_store.device.arena import UNIT, ArenaCache
 from cache_store.device.device_tier import DeviceTier
 from cache_store.device.entry import CacheEntry
 from cache_store.identity import CacheLayout
+from cache_store.session_notes import REMEMBERED_SESSIONS
 from sessions.encoding import token_hash
 
 PREFIX = "prefix:"
@@ -40,9 +43,15 @@ class SharedSegments:
 
     def __init__(self, device: DeviceTier, model_key: str, layout: CacheLayout):
         self.device, self.model_key, self.layout = device, model_key, layout
+        # segment -> the owner it is shared within (None: every owner), while it may be held in a tier
+        self._owners: LRUCache[str, str | None] = LRUCache(REMEMBERED_SESSIONS)
 
-    def share(self, entry: CacheEntry, key: str, pinned: bool = False, tokens: int | None = None
-              ) -> CacheEntry | None:
+    def owner_of(self, key: str) -> str | None:
+        """The owner a resident segment is shared within (None: every owner, or not a segment held here)."""
+        return self._owners.get(key)
+
+    def share(self, entry: CacheEntry, key: str, pinned: bool = False, tokens: int | None = None,
+              owner: str | None = None) -> CacheEntry | None:
         """Make the whole units of `entry`'s own tokens (a system prompt just prefilled alone; or of its first
         `tokens`) a segment under `key`, which `entry` then starts with; nothing is copied. The last tokens that do
         not fill a unit stay in `entry`'s own region (a session that starts from the segment prefills them again: at
@@ -53,12 +62,13 @@ class SharedSegments:
             return None
         token_ids = entry.token_ids[:entry.prefix_tokens + tokens]
         segment = CacheEntry(chain.split(entry.cache, tokens), token_ids)
-        self.keep(key, segment, pinned)
+        self.keep(key, segment, pinned, owner)
         return segment
 
-    def keep(self, key: str, segment: CacheEntry, pinned: bool = False) -> None:
-        """Stamp a segment just split off a cache and make it resident under `key`: the device tier and the cache
-        it was split from hold it (the split's own reference is let go)."""
+    def keep(self, key: str, segment: CacheEntry, pinned: bool = False, owner: str | None = None) -> None:
+        """Stamp a segment just split off a cache and make it resident under `key`, shared within `owner`'s caches:
+        the device tier and the cache it was split from hold it (the split's own reference is let go)."""
+        self._owners[key] = owner
         segment.cache.segment_key = key
         self.stamp(key, segment)
         self.device.put(key, segment, pinned=pinned)
@@ -118,6 +128,7 @@ class SharedSegments:
                       if (entry := self.device.peek(other)) is not None and _starts_with(entry, segment.cache)]
         for other in [key, *dependents]:
             self.device.discard(other)
+        self._owners.pop(key, None)
         return dependents
 
     def keys(self) -> Iterator[str]:

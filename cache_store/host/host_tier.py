@@ -13,6 +13,7 @@ from collections.abc import Callable
 from cache_store.device.segments import is_segment
 from cache_store.host.host_pool import HostBufferPool, size_class
 from cache_store.host.offload import HostEntry
+from cache_store.tier_events import NO_EVENTS, TierEvents
 
 
 class HostTier:
@@ -31,6 +32,7 @@ class HostTier:
         self._entries: OrderedDict[str, HostEntry] = OrderedDict()  # first offloaded first
         self._put_at: dict[str, float] = {}
         self._named: OrderedDict[str, HostEntry] = OrderedDict()  # chunk name -> the copy ending there, last used last
+        self.events: TierEvents = NO_EVENTS  # told what the tier holds (KV events), as it changes
 
     def make_room(self, nbytes: int, needed: Callable[[str], bool] = lambda key: True) -> tuple[list[str], bool]:
         """Drop entries (and release free buffers) until a buffer for `nbytes` fits under the budget: named copies
@@ -73,11 +75,14 @@ class HostTier:
         self._entries[key] = entry
         self._entries.move_to_end(key, last=not first_to_go)
         self._put_at[key] = self._clock()
+        self.events.held("CPU", key, entry.token_ids)
 
     def take(self, key: str) -> HostEntry | None:
         """Take `key`'s stack out: the tier's reference passes to the caller, who releases it (or puts it back)."""
         self._put_at.pop(key, None)
-        return self._entries.pop(key, None)
+        if (entry := self._entries.pop(key, None)) is not None:
+            self.events.let_go("CPU", key)
+        return entry
 
     def discard(self, key: str) -> None:
         if (entry := self.take(key)) is not None:

@@ -48,13 +48,14 @@ class Conversations:
         return format_for(self.engine.loaded.tokenizer.chat_template)
 
     def render(self, system: str | None, history: list[Message], content: str | list[Message],
-               setup: ToolSetup | None = None) -> list[int]:
+               setup: ToolSetup | None = None, add_generation_prompt: bool = True) -> list[int]:
         """The prompt's ids, as the engine renders the session's turn."""
         if self._renderer is None:
             self._renderer = PromptRenderer(self.engine.loaded.tokenizer)
         setup = setup or ToolSetup(self.tool_format())
         messages = Session("", system=system, messages=history).prompt_messages(content)
-        return self._renderer.render(setup.engine_messages(messages), tools=setup.template_tools())
+        return self._renderer.render(setup.engine_messages(messages), add_generation_prompt,
+                                     tools=setup.template_tools())
 
     async def place(self, owner: str | None, system: str | None, history: list[Message], content: str | list[Message],
                     hint: str | None, setup: ToolSetup | None = None) -> tuple[Session, list[int], bool]:

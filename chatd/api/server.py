@@ -34,6 +34,7 @@ from chatd.api.http_responses import json_response, static_response, text_respon
 from chatd.api.openai.chat_completions import OpenAIApi
 from chatd.api.openai.errors import openai_response
 from chatd.api.openai.responses import ResponsesApi
+from chatd.api.openai.tokenize import TokenizeApi
 from chatd.api.protocol import ErrorCode
 from chatd.api.turns import TurnRunner
 from chatd.config import Settings
@@ -114,6 +115,7 @@ class ChatServer:
         self.conversations = Conversations(self.engine, self.sessions, settings, self.turns)
         admission = Admission(self.engine, settings, self.turns, self.keys)
         self.openai = OpenAIApi(admission, self.conversations, self.turns)
+        self.tokenize = TokenizeApi(admission, self.conversations)
         thread_ttl_s = settings.thread_ttl_s or settings.session_ttl_s
         threads = (RedisThreadStore(self.sessions, thread_ttl_s) if isinstance(self.sessions, RedisSessionStore)
                    else InMemoryThreadStore(thread_ttl_s))
@@ -240,6 +242,7 @@ class ChatServer:
                       redoc_url=None)
         app.include_router(self.openai.router)
         app.include_router(self.responses.router)
+        app.include_router(self.tokenize.router)
         app.include_router(self.anthropic.router)
         app.include_router(self.faults.router)
         install_error_handlers(app, openai_response, {"/v1/messages": anthropic_response})

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from cache_store import CacheStore
+from cache_store.block_ledger import BlockLedger
 from cache_store.checks.stage_faults import FaultPoints
 from cache_store.lookup import CopyObserver
 from chatd.config import Settings
@@ -35,6 +36,7 @@ from chatd.engine.drafts import ReplyBooks, Speculator
 from chatd.engine.endings import TurnEndings
 from chatd.engine.executor import StepExecutor
 from chatd.engine.grammar import GrammarCompiler
+from chatd.engine.kv_events import KVEventPublisher
 from chatd.engine.model_runner import ModelRunner
 from chatd.engine.planner import StepPlanner
 from chatd.engine.step_plan import StepCounts
@@ -42,7 +44,7 @@ from chatd.engine.supervision import EngineUnavailable, is_fatal
 from chatd.engine.turn import Turn, TurnFailed
 from chatd.engine.turn_setup import CacheFinder, TurnPreparer
 from chatd.engine.updater import StepUpdater
-from chatd.engine.wiring import warm_prompt, wire
+from chatd.engine.wiring import publish_kv_events, warm_prompt, wire
 from chatd.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,8 @@ class Engine(CacheCommands):
         self.runner: ModelRunner | None = None
         self.grammars: GrammarCompiler | None = None  # compiles what constrained replies follow, off this thread
         self.governor: ThreadGovernor | None = None  # fewer threads while other processes take this one's CPUs
+        self.kv_events: KVEventPublisher | None = None  # with --kv-events-endpoint: what the tiers hold, published
+        self.ledger: BlockLedger | None = None
         books_mb = self.settings.speculation_books_mb
         self.speculator = Speculator(self.settings.speculation_tokens if self.settings.speculation == "on" else 0,
                                      ReplyBooks(budget_bytes=None if books_mb is None else int(books_mb * 2**20)))
@@ -101,6 +105,8 @@ class Engine(CacheCommands):
             self.cache.remote.close()
         if self.grammars is not None:
             self.grammars.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     @property
     def waiting(self) -> int:
@@ -189,6 +195,8 @@ class Engine(CacheCommands):
             if time.monotonic() - expired_at >= EXPIRE_EVERY_S:
                 self._housekeep(CacheStore.expire)
                 expired_at = time.monotonic()
+            if self.ledger is not None:
+                self.ledger.flush()  # what the step and the housekeeping changed in the tiers, as one batch
 
     def _step(self) -> None:
         """One step: plan, execute, update. The prefill chunks one at a time (each planned once those ahead of it
@@ -234,11 +242,18 @@ class Engine(CacheCommands):
                                 "fetching_turns": len(self.planner.fetching),
                                 "decode_steps_beside_fetches": self.counts.steps_beside_fetches,
                                 **self.governor.stats(), "riding_prefills": self.counts.riding_prefills,
-                                **self.speculator.published()}
+                                **self.speculator.published(), **self._kv_event_stats()}
         except Exception as error:  # figures for /metrics: never worth a turn, let alone the engine
             if is_fatal(error):
                 raise
             log.exception("reading the cache figures failed; /metrics keeps the last ones")
+
+    def _kv_event_stats(self) -> dict[str, int]:
+        stats = {"kv_block_size": self.settings.kv_block_size}
+        if self.kv_events is not None:
+            stats.update(kv_event_batches_sent=self.kv_events.batches_sent,
+                         kv_event_batches_dropped=self.kv_events.batches_dropped)
+        return stats
 
     def _unavailable(self) -> str:
         return f"the engine has stopped ({self._closed}); retry on another worker or after its restart"
@@ -281,6 +296,8 @@ class Engine(CacheCommands):
         self.loaded = loaded
         self.arena, self.runner, self.cache = wire(loaded, self.settings, self.faults, self._on_cache_copy)
         self.endings.cache = self.cache
+        if (events := publish_kv_events(self.cache, self.settings)) is not None:
+            self.kv_events, self.ledger = events
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model.config.get_text_config().vocab_size,
                                         loaded.stop_token_ids, self.faults)
         preparer = TurnPreparer(loaded, self.arena, self.settings, self.grammars)

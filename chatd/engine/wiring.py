@@ -1,5 +1,6 @@
 """What the engine works with once its model is loaded, built in one place: the KV arena within the
-device budget, the model runner over it, the cache store with its tiers, and the warm prompts in it."""
+device budget, the model runner over it, the cache store with its tiers, the warm prompts in it, and the KV events
+that tell outside routers what its tiers hold."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import logging
 import torch
 
 from cache_store import CacheEntry, CacheLayout, CacheStore, KVGeometry, Offloader, kv_bytes_per_token
+from cache_store.block_ledger import BlockLedger
 from cache_store.checks.stage_faults import FaultPoints
 from cache_store.device.arena import KVArena
 from cache_store.device.entry import holding
 from cache_store.lookup import CopyObserver
 from cache_store.remote.remote_tier import RemoteTier
 from chatd.config import Settings
+from chatd.engine.kv_events import KVEventPublisher, default_topic
 from chatd.engine.model_runner import ModelRunner
 from chatd.model.loader import LoadedModel
 
@@ -49,6 +52,18 @@ def wire(loaded: LoadedModel, settings: Settings, faults: FaultPoints,
         remote.probe()
         _measure_prefill(loaded, runner, loaded.max_context)
     return arena, runner, store
+
+
+def publish_kv_events(store: CacheStore, settings: Settings) -> tuple[KVEventPublisher, BlockLedger] | None:
+    """With --kv-events-endpoint: the sender of KV events and the ledger the store's tiers tell what they hold."""
+    if settings.kv_events_endpoint is None:
+        return None
+    publisher = KVEventPublisher(settings.kv_events_endpoint, settings.kv_events_topic or default_topic(settings.model),
+                                 settings.kv_block_size, settings.kv_events_format == "map",
+                                 settings.kv_events_replay_endpoint)
+    ledger = BlockLedger(settings.kv_block_size, publisher.send, store.owner_of)
+    store.device.events = store.host.events = ledger
+    return publisher, ledger
 
 
 def _measure_prefill(loaded: LoadedModel, runner: ModelRunner, max_context: int, tokens: int = 256) -> None:

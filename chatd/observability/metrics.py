@@ -125,6 +125,7 @@ class Metrics:
             self.redis_wait.labels(model_name, outcome)
         for tier in ("host", "remote"):
             self.restore_time.labels(model_name, tier)
+        self.prefix_cache_totals = [0, 0]  # prompt tokens looked up, and found: vLLM's counters as well as chatd's
         self.registry.register(_LiveCollector(self))
 
     def observe_turn(self, result: TurnResult) -> None:
@@ -143,6 +144,8 @@ class Metrics:
         if result.prompt_tokens:  # a turn cancelled before it started looked nothing up
             self.prefix_cache_queries.labels(name).inc(result.prompt_tokens)
             self.prefix_cache_hits.labels(name).inc(result.cached_tokens)
+            self.prefix_cache_totals[0] += result.prompt_tokens
+            self.prefix_cache_totals[1] += result.cached_tokens
             if result.cache_source == "miss":
                 self.cache_misses.labels(name, result.miss_reason).inc()
             else:
@@ -236,8 +239,43 @@ class _LiveCollector(Collector):
         yield from _engine_families(live, name, label)
         yield from _remote_io_families(live, name, label)
         yield from _speculation_families(live, name, label)
+        yield from _vllm_families(live, self._metrics.prefix_cache_totals, name, label)
+        yield from _kv_event_families(live, name, label)
         yield from (running, waiting, usage, sessions, evictions, corruptions, engine_up, failures, remote_errors,
                     offload_failures, offload_bytes, steps, tier_info, tier_sessions)
+
+
+def _vllm_families(live: LiveState, prefix_cache: list[int], name: list[str], label: list[str]):
+    """The gauges and counters KV-aware routers and benchmarks read, under vLLM's names (llm-d's endpoint picker
+    scrapes the first four): each equal to chatd's own."""
+    running = GaugeMetricFamily("vllm:num_requests_running", "Turns prefilling or decoding (chatd's "
+                                "num_requests_running).", labels=label)
+    running.add_metric(name, live.running)
+    waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Turns waiting for the engine (chatd's "
+                                "num_requests_waiting).", labels=label)
+    waiting.add_metric(name, live.waiting)
+    used, budget = live.tier_bytes("device")
+    usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Share of the device tier's budget in use (0-1; chatd's "
+                              "kv_cache_usage_perc{tier=\"device\"}).", labels=label)
+    usage.add_metric(name, used / budget if budget else 0.0)
+    config = GaugeMetricFamily("vllm:cache_config_info", "The block size KV events report in (--kv-block-size).",
+                               labels=[*label, "block_size"])
+    config.add_metric([*name, str(live.cache.get("kv_block_size", 16))], 1.0)
+    queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the caches.", labels=label)
+    queries.add_metric(name, prefix_cache[0])
+    hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in a cache.", labels=label)
+    hits.add_metric(name, prefix_cache[1])
+    yield from (running, waiting, usage, config, queries, hits)
+
+
+def _kv_event_families(live: LiveState, name: list[str], label: list[str]):
+    """KV events (with --kv-events-endpoint): batches published, and dropped by a full queue (each followed by the
+    full state)."""
+    batches = CounterMetricFamily("chatd:kv_event_batches", "KV event batches, by outcome: sent, or dropped by a "
+                                  "full queue (the next carries the full state).", labels=[*label, "outcome"])
+    batches.add_metric([*name, "sent"], live.cache.get("kv_event_batches_sent", 0))
+    batches.add_metric([*name, "dropped"], live.cache.get("kv_event_batches_dropped", 0))
+    yield batches
 
 
 def _redis_families(live: LiveState, name: list[str], label: list[str]):
