@@ -13,7 +13,6 @@ so a salted conversation's blocks never match an unsalted prompt."""
 
 from __future__ import annotations
 
-import logging
 import queue
 import socket
 import threading
@@ -24,8 +23,6 @@ import msgpack
 import zmq
 
 from cache_store.block_ledger import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-
-log = logging.getLogger(__name__)
 
 QUEUED_BATCHES = 4096  # batches waiting for the sender thread, at most (beyond: dropped, the full state sent next)
 REPLAY_BATCHES = 10_000  # vLLM's buffer for the replay socket
@@ -62,7 +59,6 @@ class KVEventPublisher:
         self.block_size, self.as_map = block_size, as_map
         self.batches_sent = 0
         self.batches_dropped = 0  # batches the queue had no room for (the ledger then sends its full state)
-        self.replays = 0
         self._queue: queue.Queue[list[KVEvent] | None] = queue.Queue(maxsize=queued_batches)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
         self._ready = threading.Event()
@@ -132,7 +128,6 @@ class KVEventPublisher:
         """Answer one replay request: every buffered batch from its start seq, then the end marker."""
         frames = router.recv_multipart()
         identity, start = frames[0], int.from_bytes(frames[-1], "big") if len(frames[-1]) == 8 else 0
-        self.replays += 1
         for seq, payload in list(self._buffer):
             if seq >= start:
                 router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
