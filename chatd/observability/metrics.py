@@ -248,24 +248,22 @@ class _LiveCollector(Collector):
 def _vllm_families(live: LiveState, prefix_cache: list[int], name: list[str], label: list[str]):
     """The gauges and counters KV-aware routers and benchmarks read, under vLLM's names (llm-d's endpoint picker
     scrapes the first four): each equal to chatd's own."""
-    running = GaugeMetricFamily("vllm:num_requests_running", "Turns prefilling or decoding (chatd's "
-                                "num_requests_running).", labels=label)
-    running.add_metric(name, live.running)
-    waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Turns waiting for the engine (chatd's "
-                                "num_requests_waiting).", labels=label)
-    waiting.add_metric(name, live.waiting)
     used, budget = live.tier_bytes("device")
-    usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Share of the device tier's budget in use (0-1; chatd's "
-                              "kv_cache_usage_perc{tier=\"device\"}).", labels=label)
-    usage.add_metric(name, used / budget if budget else 0.0)
+    singles = [
+        (GaugeMetricFamily, "vllm:num_requests_running", "Turns prefilling or decoding (chatd's "
+         "num_requests_running).", live.running),
+        (GaugeMetricFamily, "vllm:num_requests_waiting", "Turns waiting for the engine (chatd's "
+         "num_requests_waiting).", live.waiting),
+        (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Share of the device tier's budget in use (0-1; chatd's "
+         "kv_cache_usage_perc{tier=\"device\"}).", used / budget if budget else 0.0),
+        (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the caches.", prefix_cache[0]),
+        (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in a cache.", prefix_cache[1]),
+    ]
     config = GaugeMetricFamily("vllm:cache_config_info", "The block size KV events report in (--kv-block-size).",
                                labels=[*label, "block_size"])
     config.add_metric([*name, str(live.cache.get("kv_block_size", 16))], 1.0)
-    queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the caches.", labels=label)
-    queries.add_metric(name, prefix_cache[0])
-    hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in a cache.", labels=label)
-    hits.add_metric(name, prefix_cache[1])
-    yield from (running, waiting, usage, config, queries, hits)
+    yield config
+    yield from (_single(family, metric, text, name, label, value) for family, metric, text, value in singles)
 
 
 def _kv_event_families(live: LiveState, name: list[str], label: list[str]):
