@@ -48,43 +48,50 @@ def worker() -> dict:
 
 def _measure(engine, label: str) -> dict[str, float]:
     """Milliseconds per decode step of sixteen customers and of one, on `engine`."""
-    from chatd.engine.sampling import SamplingParams
-    from chatd.engine.turn import TokenText, Turn
+    ms_per_step(engine, "warm-up", 2)
+    return {"sixteen customers": ms_per_step(engine, f"crowd{label}", 16),
+            "one customer": ms_per_step(engine, f"one{label}", 1)}
+
+
+def ms_per_step(engine, label: str, customers: int, rounds: int = 3, distinct: bool = False) -> float:
+    """Milliseconds per decode step over `rounds` turns of `customers` new sessions at once (24 tokens each);
+    `distinct`: each customer's messages name it, so that no two conversations hold the same tokens."""
     from sessions import Session
 
-    def round_of(sessions: list[Session], round_index: int) -> None:
-        """One turn of each session at once, 24 tokens each; recorded in its session."""
-        done, results = threading.Event(), {}
+    system = "You are a helpful support agent. Be brief."
+    sessions = [Session(f"{label}-{i}", system=system) for i in range(customers)]
+    steps_before = sum(engine.batch_sizes.values())
+    started = time.perf_counter()
+    for round_index in range(rounds):
+        _round(engine, sessions, round_index, distinct)
+    return round(1000 * (time.perf_counter() - started) / (sum(engine.batch_sizes.values()) - steps_before), 1)
 
-        def emitter(index: int):
-            def emit(event) -> None:
-                if not isinstance(event, TokenText):
-                    results[index] = event
-                    if len(results) == len(sessions):
-                        done.set()
-            return emit
 
-        contents = [f"{QUESTIONS[i % len(QUESTIONS)]} (round {round_index})" for i in range(len(sessions))]
-        for index, (session, content) in enumerate(zip(sessions, contents, strict=True)):
-            engine.submit(Turn(turn_id=f"t{round_index}", session_id=session.session_id,
-                               messages=session.prompt_messages(content),
-                               params=SamplingParams(max_new_tokens=24), emit=emitter(index),
-                               session_version=session.version))
-        assert done.wait(300), "the engine did not finish the round"
-        for index, (session, content) in enumerate(zip(sessions, contents, strict=True)):
-            session.record_turn(content, results[index].content)
+def _round(engine, sessions: list, round_index: int, distinct: bool) -> None:
+    """One turn of each session at once, 24 tokens each; recorded in its session."""
+    from chatd.engine.sampling import SamplingParams
+    from chatd.engine.turn import TokenText, Turn
 
-    def ms_per_step(case: str, customers: int) -> float:
-        system = "You are a helpful support agent. Be brief."
-        sessions = [Session(f"{case}{label}-{i}", system=system) for i in range(customers)]
-        steps_before = sum(engine.batch_sizes.values())
-        started = time.perf_counter()
-        for round_index in range(3):
-            round_of(sessions, round_index)
-        return 1000 * (time.perf_counter() - started) / (sum(engine.batch_sizes.values()) - steps_before)
+    done, results = threading.Event(), {}
 
-    ms_per_step("warm-up", 2)
-    return {"sixteen customers": round(ms_per_step("crowd", 16), 1), "one customer": round(ms_per_step("one", 1), 1)}
+    def emitter(index: int):
+        def emit(event) -> None:
+            if not isinstance(event, TokenText):
+                results[index] = event
+                if len(results) == len(sessions):
+                    done.set()
+        return emit
+
+    contents = [f"{QUESTIONS[i % len(QUESTIONS)]} (round {round_index}{f', {session.session_id}' if distinct else ''})"
+                for i, session in enumerate(sessions)]
+    for index, (session, content) in enumerate(zip(sessions, contents, strict=True)):
+        engine.submit(Turn(turn_id=f"t{round_index}", session_id=session.session_id,
+                           messages=session.prompt_messages(content),
+                           params=SamplingParams(max_new_tokens=24), emit=emitter(index),
+                           session_version=session.version))
+    assert done.wait(600), "the engine did not finish the round"
+    for index, (session, content) in enumerate(zip(sessions, contents, strict=True)):
+        session.record_turn(content, results[index].content)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from cache_store.tier_events import Medium
+
+if TYPE_CHECKING:
+    from cache_store.store import CacheStore
 
 SALTED = "#salt:"  # in an owner: its caches are shared only within its cache_salt
 
@@ -63,6 +67,27 @@ def block_id(parent: int | None, tokens: Sequence[int], scope: str | None) -> in
     if parent is None and scope is not None:
         digest.update(scope.encode())
     return digest.intdigest() & (2**63 - 1)
+
+
+def block_chain(token_ids: Sequence[int], block_size: int, scope: str | None) -> list[int]:
+    """The ids of the full blocks of `token_ids`, each chained to the one before."""
+    ids: list[int] = []
+    for start in range(0, len(token_ids) // block_size * block_size, block_size):
+        ids.append(block_id(ids[-1] if ids else None, token_ids[start:start + block_size], scope))
+    return ids
+
+
+def blocks_in_tiers(store: CacheStore, block_size: int) -> dict[Medium, set[int]]:
+    """The blocks the device and host tiers hold, read from the tiers themselves (not from a ledger): what a
+    worker's published events must add up to."""
+    held: dict[Medium, set[int]] = {"GPU": set(), "CPU": set()}
+    for key in store.device:
+        if (entry := store.device.peek(key)) is not None:
+            held["GPU"].update(block_chain(entry.token_ids, block_size, public_scope(store.owner_of(key))))
+    for key in store.host.keys():
+        if (copy := store.host.get(key)) is not None:
+            held["CPU"].update(block_chain(copy.token_ids, block_size, public_scope(store.owner_of(key))))
+    return held
 
 
 @dataclass

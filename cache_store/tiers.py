@@ -122,13 +122,22 @@ class CacheTiers:
         return entry, failed
 
     def _restore_segment(self, key: str, started: float) -> tuple[CacheEntry | None, tuple[Check, ...]]:
-        good, failed = self.moves.last_good(key, self.host.get(key), self.notes.scope_of(key))
-        entry = self._bring_back(key, good, started) if good is not None else None
+        """A segment's host copy stays in the tier, but is held while it is read: the room made for it on the
+        device offloads other caches, and the host may drop this very copy to take them (nothing there needs it once
+        the session restored after it was taken out)."""
+        copy = self.host.get(key)
+        self.host.acquire(copy)
+        try:
+            good, failed = self.moves.last_good(key, copy, self.notes.scope_of(key))
+            entry = self._bring_back(key, good, started) if good is not None else None
+        finally:
+            self.host.release(copy)
         if entry is None and failed:
             self.host.discard(key)
         elif entry is not None:
             entry.cache.frozen, entry.cache.segment_key = True, key
-            self.host.touch(key)
+            if key in self.host:  # (else dropped meanwhile: its next offload copies it again)
+                self.host.touch(key)
             self.counters["segment_restores"] += 1
         return entry, failed
 
@@ -139,6 +148,7 @@ class CacheTiers:
         segment = None
         if good.prefix_key is not None:
             segment = self.find_segment(good.prefix_key, good.token_ids[:good.prefix_tokens])
+
             if segment is None or segment.num_tokens != good.prefix_tokens:
                 self.notes.lost(key)
                 return None

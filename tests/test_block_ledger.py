@@ -4,7 +4,14 @@ engine, what it states equals what the tiers hold."""
 
 from __future__ import annotations
 
-from cache_store.block_ledger import AllBlocksCleared, BlockLedger, BlockRemoved, BlockStored, block_id
+from cache_store.block_ledger import (
+    AllBlocksCleared,
+    BlockLedger,
+    BlockRemoved,
+    BlockStored,
+    block_chain,
+    blocks_in_tiers,
+)
 from chatd.engine.kv_events import encode
 from sessions import Session
 from tests.support import run_turn, running_engine
@@ -25,10 +32,7 @@ def ledger(accept: list[bool] | None = None) -> tuple[BlockLedger, list[list]]:
 
 
 def chain(tokens: list[int], scope: str | None = None) -> list[int]:
-    ids: list[int] = []
-    for start in range(0, len(tokens) // BLOCK * BLOCK, BLOCK):
-        ids.append(block_id(ids[-1] if ids else None, tokens[start:start + BLOCK], scope))
-    return ids
+    return block_chain(tokens, BLOCK, scope)
 
 
 def test_shared_blocks_are_stated_once_and_removed_with_their_last_holder():
@@ -124,26 +128,10 @@ def _observe(store, engine, batches):
     return book
 
 
-def _held(store) -> dict[str, set[int]]:
-    held = {"GPU": set(), "CPU": set()}
-    for key in store.device:
-        held["GPU"].update(_chain16(store.device.peek(key).token_ids))
-    for key in store.host.keys():
-        held["CPU"].update(_chain16(store.host.get(key).token_ids))
-    return held
-
-
-def _chain16(tokens: list[int]) -> list[int]:
-    ids: list[int] = []
-    for start in range(0, len(tokens) // 16 * 16, 16):
-        ids.append(block_id(ids[-1] if ids else None, tokens[start:start + 16], None))
-    return ids
-
-
 def _stated_and_held(store, book):
     book.flush()
     stated = {medium: book.blocks(medium) for medium in ("GPU", "CPU")}
-    held = _held(store)
+    held = blocks_in_tiers(store, 16)
     assert stated == held, (stated, held)
     return stated, held
 

@@ -88,11 +88,11 @@ class Worker:
     def base(self) -> str:
         return f"http://127.0.0.1:{self.server.port}"
 
-    def chat(self, messages: list[dict], **extra) -> tuple[str, int, int]:
+    def chat(self, messages: list[dict], max_tokens: int = 16, **extra) -> tuple[str, int, int]:
         """One turn: the reply, the prompt's tokens and those read from the cache."""
         client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0)
-        completion = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
-                                                    extra_body=extra or None)
+        completion = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
+                                                    temperature=0, extra_body=extra or None)
         usage = completion.usage
         return completion.choices[0].message.content, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
 
@@ -104,19 +104,22 @@ class Worker:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, smollm2_dir) -> Iterator[tuple[Indexer, list[Worker]]]:
-    """Two workers (the first with a device budget of about 700 tokens, so that a long conversation evicts the
-    others to its host tier) and the indexer, which registers them once they have served a turn each."""
+    """Two workers (with device budgets of about 700 tokens, so that a long conversation evicts the others to the
+    host tier) and the indexer, which registers them once they have served a turn each."""
     if not DYNAMO.exists():
         pytest.skip("ai-dynamo-runtime is not installed in .venv/dynamo (make test installs it from PyPI)")
     indexer = Indexer(tmp_path_factory.mktemp("indexer"))
     with ThreadPoolExecutor(2) as pool:
-        workers = list(pool.map(lambda flags: Worker.start(*flags), (["--device-cache-mb", "32"], [])))
+        workers = list(pool.map(lambda flags: Worker.start(*flags), (SMALL, SMALL)))
     try:
         yield indexer, workers
     finally:
         for worker in workers:
             worker.server.stop()
         indexer.stop()
+
+
+SMALL = ["--device-cache-mb", "32", "--host-cache-mb", "64"]  # (a churn evicts to the host and drops from it)
 
 
 def blocks(tokens: int) -> int:
@@ -299,3 +302,54 @@ def _scored_worker(indexer: Indexer, prompt: list[int], worker: str) -> None:
 
 def _cleared(indexer: Indexer, prompt: list[int], worker: str) -> None:
     assert indexer.scores(prompt).get(worker, {}).get("gpu", 0) == 0
+
+
+def test_after_a_churn_the_indexers_view_of_each_worker_is_what_its_tiers_hold(fleet):
+    """Hundreds of turns across both workers (conversations continued, evicted to the host and dropped from it,
+    salted ones beside, new ones started): once the events are delivered, the blocks the indexer holds for each
+    worker, per medium (its `/dump`), are the blocks that worker's tiers hold (`GET /kv/blocks`, read from them)."""
+    indexer, workers = fleet
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(_churn, workers, (0, 5)))
+    for worker_id, worker in zip((1, 2), workers, strict=True):
+        views = eventually(lambda worker_id=worker_id, worker=worker: _views_agree(indexer, worker_id, worker))
+        assert views["GPU"] and views["CPU"], "the churn left caches on both tiers"
+
+
+DYNAMO_TIERS = {"device": "GPU", "host_pinned": "CPU"}  # (how Dynamo names the media in its dump)
+CHURN_TURNS = 30  # per worker (bench/kv_events.py --part churn runs hundreds)
+SYSTEMS = [SYSTEM, "You are a travel agent. Answer briefly.", "You answer questions about trains, briefly."]
+
+
+def _churn(worker: Worker, offset: int) -> None:
+    """Ten conversations, five at a time (decoded together), each continued or begun anew (a salted one beside)."""
+    conversations: list[list[dict]] = [[{"role": "system", "content": SYSTEMS[i % 3]}] for i in range(10)]
+
+    def turn(index: int, number: int) -> None:
+        messages = conversations[index]
+        messages.append({"role": "user", "content": f"Question {number}: what about item {number * 13 % 97}?"})
+        reply, _, _ = worker.chat(messages, max_tokens=2, **({"cache_salt": "tenant-3"} if index == 9 else {}))
+        messages.append({"role": "assistant", "content": reply})
+        if len(messages) > 13:  # a new conversation in its place
+            conversations[index] = messages[:1]
+
+    with ThreadPoolExecutor(5) as pool:
+        for round_index in range(CHURN_TURNS // 5):
+            picked = [(round_index * 3 + offset + step * 2) % 10 for step in range(5)]
+            list(pool.map(turn, picked, [round_index * 5 + step for step in range(5)]))
+
+
+def _views_agree(indexer: Indexer, worker_id: int, worker: Worker) -> dict[str, set[int]]:
+    answer = httpx.get(worker.base + "/kv/blocks", timeout=30)
+    answer.raise_for_status()
+    held = {medium: set(ids) for medium, ids in answer.json()["blocks"].items()}
+    seen: dict[str, set[int]] = {}
+    for scope in indexer.http.get("/dump").json().values():
+        for event in scope["events"]:
+            if event["worker_id"] == worker_id:
+                medium = DYNAMO_TIERS.get(event["storage_tier"], event["storage_tier"])
+                blocks = event["event"]["data"]["stored"]["blocks"]
+                seen.setdefault(medium, set()).update(block["block_hash"] for block in blocks)
+    assert seen == {medium: ids for medium, ids in held.items() if ids}, (
+        {m: len(ids) for m, ids in seen.items()}, {m: len(ids) for m, ids in held.items()})
+    return held

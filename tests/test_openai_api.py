@@ -96,6 +96,8 @@ async def test_the_raw_wire_format(server):
         assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
         assert (await http.get("/docs")).status_code == 200  # FastAPI's OpenAPI page
         assert (await http.get("/healthz")).status_code == 200  # still served beside the API
+        no_events = await http.get("/kv/blocks")
+        assert no_events.status_code == 404 and "--kv-events-endpoint" in no_events.json()["error"]["message"]
         metrics = (await http.get("/metrics")).text
         assert 'chatd:api_requests_total{api="openai",model_name="tiny-test"} 2.0' in metrics
         assert 'chatd:api_requests_total{api="websocket",model_name="tiny-test"} 0.0' in metrics

@@ -12,6 +12,7 @@ import torch
 from cache_store.device import chain
 from cache_store.device.segments import segment_key
 from cache_store.faults import corrupt
+from chatd.engine.turn import TurnResult
 from chatd.model.loader import LoadedModel
 from chatd.model.prompt import PromptRenderer
 from sessions import Message, Session
@@ -202,3 +203,32 @@ def test_a_short_prompt_is_copied_from_the_session_that_prefilled_it_not_chained
             ("prefix", system_tokens(tiny, POLICY))}
         stats = stats_of(engine)
         assert stats["prefixes"] == 0 and stats["shared_sessions"] == 0
+
+
+@pytest.mark.parametrize(("host_tokens", "source"), [(200, "host"), (150, "prefix")])
+def test_a_policy_whose_host_copy_must_go_to_make_room_for_its_own_restore_is_read_first(tiny, host_tokens, source):
+    """A session and its policy offloaded, then two other sessions fill the device. Its next turn takes the session's
+    copy out (so nothing on the host needs the policy any more; with a smaller host tier that copy was dropped
+    already and the turn starts from the policy), restores the policy, and the room made for it offloads another
+    session, for which the host drops its first candidate: that policy's copy, being read. The copy is held until it
+    is read: the turn restores it (and the session) and answers as a cacheless engine does."""
+    long_question = " ".join(QUESTIONS)
+    with running_engine(tiny, shared_prompt_min_tokens=16, device_cache_mb=kv_budget_mb(tiny, 220),
+                        host_cache_mb=kv_budget_mb(tiny, host_tokens)) as engine, \
+            running_engine(tiny, session_cache=False) as cacheless:
+        replies = []
+        for runner in (engine, cacheless):
+            first, others = Session("a", system=POLICY), [Session("b"), Session("c")]
+            run_turn(runner, first, QUESTIONS[0], max_new_tokens=6)
+            runner.offload_idle()
+            for other in others:
+                run_turn(runner, other, long_question, max_new_tokens=6)
+            result, _ = run_turn(runner, first, QUESTIONS[1], max_new_tokens=6)
+            replies.append(result)
+        got, expected = replies
+        assert isinstance(got, TurnResult), got
+        assert got.cache_source == source and got.token_ids == expected.token_ids
+        stats = stats_of(engine)
+        assert stats["host_evictions"] >= 1 and stats["segment_restores"] == 1, stats
+        assert stats.get("restores", 0) == (source == "host")
+        assert stats["host_segments"] == 0, "the policy's copy was dropped while it was read"

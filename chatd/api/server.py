@@ -31,6 +31,7 @@ from chatd.api.conversations import Conversations
 from chatd.api.gateway import Gateway
 from chatd.api.http_errors import install_error_handlers
 from chatd.api.http_responses import json_response, static_response, text_response
+from chatd.api.kv_blocks import KVBlocksApi
 from chatd.api.openai.chat_completions import OpenAIApi
 from chatd.api.openai.errors import openai_response
 from chatd.api.openai.responses import ResponsesApi
@@ -116,6 +117,7 @@ class ChatServer:
         admission = Admission(self.engine, settings, self.turns, self.keys)
         self.openai = OpenAIApi(admission, self.conversations, self.turns)
         self.tokenize = TokenizeApi(admission, self.conversations)
+        self.kv_blocks = KVBlocksApi(admission, self.engine, settings)
         thread_ttl_s = settings.thread_ttl_s or settings.session_ttl_s
         threads = (RedisThreadStore(self.sessions, thread_ttl_s) if isinstance(self.sessions, RedisSessionStore)
                    else InMemoryThreadStore(thread_ttl_s))
@@ -243,6 +245,7 @@ class ChatServer:
         app.include_router(self.openai.router)
         app.include_router(self.responses.router)
         app.include_router(self.tokenize.router)
+        app.include_router(self.kv_blocks.router)
         app.include_router(self.anthropic.router)
         app.include_router(self.faults.router)
         install_error_handlers(app, openai_response, {"/v1/messages": anthropic_response})
