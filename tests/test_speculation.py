@@ -152,13 +152,14 @@ def test_another_owners_replies_are_never_proposed(tiny):
 
 
 def test_a_seeded_sampled_reply_is_the_same_on_every_run(tiny):
-    replies = []
+    replies, accepted = [], 0
     for speculation in ("on", "on", "off"):
         with running_engine(tiny, speculation=speculation) as engine:
             ask(engine, "warm", temperature=0.8, seed=11)
             replies.append([r.token_ids for r in ask(engine, "next", temperature=0.8, seed=11)])
-            if speculation == "on":
-                assert engine.speculator.counters.accepted_tokens > 0
+            if speculation == "on":  # (how many drafts are proposed follows measured step costs: a loaded machine
+                accepted += engine.speculator.counters.accepted_tokens  # proposes fewer; over both runs, some)
+    assert accepted > 0, "drafts were proposed and kept"
     assert replies[0] == replies[1], "the same seed, the same reply"
     assert replies[0] == replies[2], "each kept token drawn as plain decoding draws it"
 
