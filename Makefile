@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install run test test-deps lint bench clean
+.PHONY: install run test test-deps lint bench compose-check clean
 
 install: $(INSTALLED)
 
@@ -40,11 +40,16 @@ $(DYNAMO):
 # cores (tests/conftest.py); TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 test: $(INSTALLED) test-deps $(DYNAMO)
-	$(BIN)/ruff check chatd cache_store sessions tests bench examples
+	$(BIN)/ruff check chatd cache_store sessions tests bench examples deploy
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)  # where the time goes, in every CI log
 
+# docker-compose.yml brought up for real on a Docker engine of its own (host networking only; as root): through
+# nginx, conversations across both workers, a worker restarted, Prometheus, and `down` draining a stream.
+compose-check: $(INSTALLED)
+	$(BIN)/python deploy/compose-check/check.py
+
 lint: $(INSTALLED)
-	$(BIN)/ruff check chatd cache_store sessions tests bench examples
+	$(BIN)/ruff check chatd cache_store sessions tests bench examples deploy
 
 bench: $(INSTALLED)
 	$(BIN)/python bench/session_cache_ttft.py $(ARGS)

@@ -282,6 +282,13 @@ class RedisSessionStore:
             self._queue(session_id, lambda: self._call(lambda: self._redis.delete(*_all_keys(session_id))))
             return True
 
+    async def reachable(self) -> bool:
+        """Redis answers a PING (within the client's timeout)."""
+        try:
+            return bool(await self._redis.ping())
+        except UNREACHABLE:
+            return False
+
     async def close(self) -> None:
         """Try once more to write what is queued, then close the connection pool."""
         if self._flusher is not None:

@@ -65,6 +65,9 @@ class SessionStore(Protocol):
 
     async def delete(self, session_id: str) -> bool: ...
 
+    async def reachable(self) -> bool:
+        """Whether the store answers now (a readiness probe's question)."""
+
     async def close(self) -> None: ...
 
 
@@ -110,6 +113,9 @@ class InMemorySessionStore:
     async def delete(self, session_id: str) -> bool:
         self._used_at.pop(session_id, None)
         return self._sessions.pop(session_id, None) is not None
+
+    async def reachable(self) -> bool:
+        return True
 
     async def close(self) -> None:
         self._sessions.clear()

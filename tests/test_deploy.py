@@ -25,9 +25,11 @@ def test_compose_file_parses_and_names_files_that_exist():
     for worker in ("chatd-1", "chatd-2"):
         assert services[worker]["environment"]["CHATD_REDIS_URL"].startswith("${CHATD_REDIS_URL:-redis://redis:")
         assert services[worker]["depends_on"]["redis"]["condition"] == "service_healthy"
-        devices = services[worker]["deploy"]["resources"]["reservations"]["devices"]
-        assert devices[0]["driver"] == "nvidia" and devices[0]["count"] == 1
         assert (ROOT / services[worker]["build"] / "Dockerfile").exists()
+        gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())["services"][worker]
+        devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and devices[0]["count"] == 1
+        assert "/whl/cu" in gpu["build"]["args"]["TORCH_INDEX_URL"]
     for volume in services["nginx"]["volumes"]:
         assert (ROOT / volume.split(":")[0]).exists()
     for source in re.findall(r"^COPY (\S+)", (ROOT / "Dockerfile").read_text(), re.MULTILINE):

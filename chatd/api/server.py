@@ -251,6 +251,8 @@ class ChatServer:
         install_error_handlers(app, openai_response, {"/v1/messages": anthropic_response})
         app.add_api_websocket_route("/ws", self._websocket)
         app.add_api_route("/healthz", self._healthz, methods=["GET"])
+        app.add_api_route("/readyz", self._readyz, methods=["GET"])
+        app.add_api_route("/livez", lambda: text_response(http.HTTPStatus.OK, "ok\n"), methods=["GET"])
         app.add_api_route("/metrics", self._metrics, methods=["GET"])
         app.add_api_route("/v1/stats", self._stats, methods=["GET"])
         app.add_api_route("/", lambda: static_response(self.settings.web_dir, "index.html"), methods=["GET"])
@@ -283,6 +285,16 @@ class ChatServer:
         if self.engine.ready.is_set() and self.engine.load_error is None:
             return text_response(http.HTTPStatus.OK, "ok\n")
         return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE, "loading\n")
+
+    async def _readyz(self) -> Response:
+        """Ready for turns: the model loaded, the engine up, and the session store answering (a worker that cannot
+        reach Redis leaves the load balancer's pool until it can)."""
+        health = await self._healthz()
+        if health.status_code != http.HTTPStatus.OK:
+            return health
+        if not await self.sessions.reachable():
+            return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE, "the session store (Redis) is unreachable\n")
+        return text_response(http.HTTPStatus.OK, "ready\n")
 
     async def _metrics(self) -> Response:
         return Response(self.metrics.exposition(self.live_state()), media_type=CONTENT_TYPE)
