@@ -107,8 +107,12 @@ async def test_sigterm_drains_running_turns_and_exits_cleanly(tiny_checkpoint, r
                 break
         else:
             raise AssertionError("the server kept accepting connections after SIGTERM")
-        done = await running.result()
-        assert (done.finish_reason != "cancelled") == recorded
+        if recorded:
+            assert (await running.result()).finish_reason == "length"
+        else:  # (cut by the drain: the client is told to send it again)
+            with pytest.raises(ChatError) as cut:
+                await running.result()
+            assert (cut.value.code, cut.value.retryable) == ("unavailable", True)
     assert await asyncio.to_thread(worker.process.wait, 30) == 0
     stored = await RedisSessionStore(redis_db.url, retention_s=60).get(session_id)
     assert stored.turns == (2 if recorded else 1)

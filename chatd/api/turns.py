@@ -57,6 +57,7 @@ class TurnRunner:
         self._claims: set[str] = set()  # sessions a turn holds, from before its first await: one turn per session
         self._turns: dict[str, Turn] = {}  # session id -> its turn in the engine
         self._forwarders: set[asyncio.Task] = set()
+        self._cut_by_shutdown: set[str] = set()  # sessions whose turn the drain cancelled: told to send it again
 
     @property
     def running_turns(self) -> list[Turn]:
@@ -157,6 +158,10 @@ class TurnRunner:
         try:
             while isinstance(event := await started.events.get(), TokenText):
                 await on_text(event.text)
+            if isinstance(event, TurnResult) and event.finish_reason == "cancelled" \
+                    and session_id in self._cut_by_shutdown:
+                event = TurnFailed("unavailable", "the server shut down before this reply finished (nothing of it "
+                                                  "was recorded); send the message again")
             if isinstance(event, TurnResult):
                 self._on_turn(event)
                 if event.finish_reason != "cancelled":
@@ -206,13 +211,15 @@ class TurnRunner:
         return result
 
     async def drain(self, timeout_s: float) -> int:
-        """Refuse new turns, let running ones finish for up to `timeout_s`, then cancel the rest and
-        wait for them to stop. Returns how many were cancelled."""
+        """Refuse new turns, let running ones finish for up to `timeout_s`, then cancel the rest (their clients are
+        told to send the message again: `unavailable`, retryable) and wait for them to stop. Returns how many were
+        cancelled."""
         self.draining = True
         deadline = asyncio.get_running_loop().time() + timeout_s
         while self._forwarders and asyncio.get_running_loop().time() < deadline:
             await asyncio.wait(set(self._forwarders), timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
         late = list(self._turns.values())
+        self._cut_by_shutdown.update(self._turns)
         for turn in late:
             turn.cancel()
         if self._forwarders:

@@ -268,13 +268,15 @@ def prometheus_scrapes_both(ports: dict[str, int]) -> None:
         targets = httpx.get(f"http://127.0.0.1:{ports['prometheus']}/api/v1/targets", timeout=5).json()
         health = {target["scrapeUrl"]: target["health"] for target in targets["data"]["activeTargets"]}
         if len(health) == 2 and set(health.values()) == {"up"}:
+            print(f"   targets: {health}")
             break
         if time.monotonic() > deadline:
             raise SystemExit(f"Prometheus does not scrape both workers: {health}")
         time.sleep(2)
     answer = httpx.get(f"http://127.0.0.1:{ports['prometheus']}/api/v1/query",
                        params={"query": "sum by (instance) (chatd:api_requests_total)"}, timeout=5).json()
-    print("   " + json.dumps({row["metric"]["instance"]: row["value"][1] for row in answer["data"]["result"]}))
+    print("   chatd:api_requests_total by instance (a restarted worker counts from 0): "
+          + json.dumps({row["metric"]["instance"]: row["value"][1] for row in answer["data"]["result"]}))
 
 
 def down_drains_a_stream(engine: Dockerd, ports: dict[str, int]) -> None:
