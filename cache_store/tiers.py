@@ -148,7 +148,6 @@ class CacheTiers:
         segment = None
         if good.prefix_key is not None:
             segment = self.find_segment(good.prefix_key, good.token_ids[:good.prefix_tokens])
-
             if segment is None or segment.num_tokens != good.prefix_tokens:
                 self.notes.lost(key)
                 return None

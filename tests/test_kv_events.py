@@ -305,9 +305,10 @@ def _cleared(indexer: Indexer, prompt: list[int], worker: str) -> None:
 
 
 def test_after_a_churn_the_indexers_view_of_each_worker_is_what_its_tiers_hold(fleet):
-    """Hundreds of turns across both workers (conversations continued, evicted to the host and dropped from it,
-    salted ones beside, new ones started): once the events are delivered, the blocks the indexer holds for each
-    worker, per medium (its `/dump`), are the blocks that worker's tiers hold (`GET /kv/blocks`, read from them)."""
+    """Sixty turns across both workers (conversations continued, evicted to the host and dropped from it, salted
+    ones beside, new ones started; `bench/kv_events.py --part churn` runs hundreds): once the events are delivered,
+    the blocks the indexer holds for each worker, per medium (its `/dump`), are the blocks that worker's tiers hold
+    (`GET /kv/blocks`, read from them)."""
     indexer, workers = fleet
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(_churn, workers, (0, 5)))
