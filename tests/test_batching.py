@@ -26,8 +26,8 @@ def test_batched_turns_generate_exactly_what_one_at_a_time_does(tiny):
                 expected, _ = run_turn(serial, session, content, max_new_tokens=length)
                 assert result.token_ids == expected.token_ids
                 assert result.cached_tokens == expected.cached_tokens
-        assert max(batched.batch_sizes) == 4, "the batch filled up to --max-batch"
-        assert set(serial.batch_sizes) == {1}
+        assert max(batched.counts.batch_sizes) == 4, "the batch filled up to --max-batch"
+        assert set(serial.counts.batch_sizes) == {1}
 
 
 def test_a_returning_customers_message_rides_the_others_decode_step_exactly(tiny):
@@ -43,8 +43,8 @@ def test_a_returning_customers_message_rides_the_others_decode_step_exactly(tiny
                                                         strict=True):
                 expected, _ = run_turn(serial, session, content, max_new_tokens=length)
                 assert result.token_ids == expected.token_ids and result.cached_tokens == expected.cached_tokens
-        assert batched.riding_prefills > 0, "a prompt's last chunk was fed in a decode step"
-        assert serial.riding_prefills == 0, "with nothing decoding, a prompt is fed on its own"
+        assert batched.counts.riding_prefills > 0, "a prompt's last chunk was fed in a decode step"
+        assert serial.counts.riding_prefills == 0, "with nothing decoding, a prompt is fed on its own"
 
 
 def test_a_cancel_leaves_the_rest_of_the_batch_alone(tiny):
@@ -80,14 +80,15 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_decode_steps(ti
             running_engine(tiny, max_batch=1, prefill_chunk=10_000) as whole:
         pasted = "Here is the full text of my contract: " + "clause " * 150
         streamed = []  # (each piece's turn, and the prompt chunks fed so far)
+        counts = chunked.counts
         short, long = run_together(chunked, [Session("short"), Session("long")], ["hi", pasted], [10, 5],
-                                   on_text=lambda turn, _: streamed.append((turn.turn_id, chunked.prefill_chunks)))
+                                   on_text=lambda turn, _: streamed.append((turn.turn_id, counts.prefill_chunks)))
         # (told by the order of the streamed pieces: the engine's steps, not the clocks of turns made at two moments)
         order = [turn_id for turn_id, _ in streamed]
         assert order.index("t1") == order.count("t0") > 0, "the short reply streamed before the long one's first token"
         short_chunks = [chunks for turn_id, chunks in streamed if turn_id == "t0"]
         assert short_chunks[-1] - short_chunks[0] >= len(short_chunks) - 1, "a chunk of the long prompt each step"
-        assert chunked.prefill_chunks >= long.prompt_tokens // 8
+        assert chunked.counts.prefill_chunks >= long.prompt_tokens // 8
         for session, content, length, result in (("s", "hi", 10, short), ("l", pasted, 5, long)):
             expected, _ = run_turn(whole, Session(session), content, max_new_tokens=length)
             assert result.token_ids == expected.token_ids
@@ -110,7 +111,7 @@ def test_a_cancel_during_a_long_prefill_ends_the_turn(tiny):
                            on_text=cancel_the_long_one)
         assert (got[1].finish_reason, got[1].completion_tokens) == ("cancelled", 0)
         assert got[1].prompt_tokens > 200 and engine.cache.device.get("b") is None
-        assert engine.prefill_chunks < 200 / 4, "the prefill stopped early"
+        assert engine.counts.prefill_chunks < 200 / 4, "the prefill stopped early"
 
 
 def test_smollm2_batched_in_the_arena_answers_the_bench_scenarios_like_one_at_a_time(smollm2):
@@ -126,7 +127,7 @@ def test_smollm2_batched_in_the_arena_answers_the_bench_scenarios_like_one_at_a_
             expected = run_together(alone, one_by_one, contents, [16] * len(scenarios))
             for scenario, a, b in zip(scenarios, got, expected, strict=True):
                 assert a.token_ids == b.token_ids, f"{scenario['name']}, turn {turn + 1}"
-        assert max(batched.batch_sizes) == len(scenarios) and set(alone.batch_sizes) == {1}
+        assert max(batched.counts.batch_sizes) == len(scenarios) and set(alone.counts.batch_sizes) == {1}
 
 
 def test_turns_queued_behind_a_full_batch_start_as_soon_as_it_empties(tiny, monkeypatch):

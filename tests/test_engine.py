@@ -177,9 +177,9 @@ def test_a_long_system_prompt_is_prefilled_in_chunks_between_the_others_decode_s
         return result, sum(prefill_start < t < prefill_end for t in results["other"].token_times)
 
     with running_engine(long_context, prefill_chunk=256, verify_sample_rate=1.0) as engine:
-        chunks_before = engine.prefill_chunks
+        chunks_before = engine.counts.prefill_chunks
         read, between = beside_a_stream(engine, Session("reading", system=policy), "How long does a refund take?")
-        assert engine.prefill_chunks - chunks_before >= 20_000 // 256, "the policy went in chunks"
+        assert engine.counts.prefill_chunks - chunks_before >= 20_000 // 256, "the policy went in chunks"
         assert between >= 50, "the other conversation decoded between the policy's chunks"
         again, between = beside_a_stream(engine, Session("next", system=policy), "And for class 7?")
         assert again.cache_source == "prefix" and again.cached_tokens > 20_000

@@ -74,7 +74,7 @@ def test_six_conversations_decode_together(family):
             for session, result, length in zip(sessions, run_together(engine, sessions, contents, lengths),
                                                lengths, strict=True):
                 assert result.token_ids == family.expected(result, length), session.session_id
-        assert max(engine.batch_sizes) == 6
+        assert max(engine.counts.batch_sizes) == 6
 
 
 POLICY = ("You are a support agent for Northwind Internet. Refunds take fourteen days; never promise a date, and "

@@ -58,7 +58,7 @@ def test_unconstrained_rows_beside_constrained_ones_answer_as_they_do_alone(tiny
             batched.submit(Turn(f"t{index}", f"b{index}", Session(f"b{index}").prompt_messages(question), params,
                                 emitter(index)))
         assert finished.wait(120)
-        assert max(batched.batch_sizes) > 1, "the constrained and the free rows decoded together"
+        assert max(batched.counts.batch_sizes) > 1, "the constrained and the free rows decoded together"
         for index, question in enumerate(questions):
             if index % 2:
                 jsonschema.validate(json.loads(results[index].content), TICKET)

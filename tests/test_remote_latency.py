@@ -49,5 +49,5 @@ async def test_eight_conversations_stream_on_while_turns_wait_for_a_far_redis(ti
     fetched = [done for done in far_dones if done.cache.source == "remote"]
     assert len(fetched) >= 8, "later turns continue from the other worker's copy in Redis"
     assert all(done.cache.remote.choice == "fetch" for done in fetched)
-    assert sum(engine.steps_beside_fetches for engine in engines) > 0, \
+    assert sum(engine.counts.steps_beside_fetches for engine in engines) > 0, \
         "the batch decoded on while turns waited for their caches"

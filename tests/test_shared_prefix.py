@@ -58,7 +58,7 @@ def test_eight_sessions_hold_the_policy_once_read_it_once_per_step_and_answer_li
         got = converse(shared, sessions, 3)
         assert got == converse(cacheless, [Session(f"s{i}", system=POLICY) for i in range(8)], 3)
         stats = stats_of(shared)
-        assert max(shared.batch_sizes) == 8
+        assert max(shared.counts.batch_sizes) == 8
         assert (stats["prefixes"], stats["shared_sessions"], stats["segment_users"]) == (1, 8, 8)
         policy_bytes = shared_tokens(tiny, POLICY) * kv_budget_mb(tiny, 1) * 2**20
         assert stats["segment_bytes"] == policy_bytes, "its whole units (the rest, under 16 tokens, each session's)"

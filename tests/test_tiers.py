@@ -176,7 +176,7 @@ def test_a_turn_that_does_not_fit_beside_a_running_one_waits_for_it(tiny):
         for session, result, question in zip(sessions, results, QUESTIONS, strict=False):
             expected, _ = run_turn(reference, Session(session.session_id), question, max_new_tokens=100)
             assert result.token_ids == expected.token_ids
-        assert set(engine.batch_sizes) == {1}, "the second turn never ran beside the first"
+        assert set(engine.counts.batch_sizes) == {1}, "the second turn never ran beside the first"
         assert engine.cache.device.used_bytes() <= engine.cache.device.budget_bytes
 
 
@@ -223,6 +223,6 @@ async def test_a_conversation_longer_than_the_arena_is_shown_its_whole_history(t
             assert got_done.cache.miss_reason != "truncated"
         total = expected_done.usage.prompt_tokens + expected_done.usage.completion_tokens
         assert total > arena_tokens, f"the conversation ({total} tokens) never outgrew the arena ({arena_tokens})"
-        assert small.engine.outside_arena_turns >= 1
+        assert small.engine.counts.outside_arena_turns >= 1
         stats = small.engine.cache.stats()
         assert stats["device_bytes"] <= stats["device_budget_bytes"]

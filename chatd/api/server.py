@@ -194,7 +194,7 @@ class ChatServer:
         return LiveState(running=self.engine.running, waiting=self.engine.waiting,
                          connected_sessions=self.gateway.connected_sessions, cache=self.engine.cache_stats,
                          engine_up=self.engine.failure is None, engine_failures=dict(self.engine.failures),
-                         decode_steps=dict(self.engine.batch_sizes), kv_dtypes=self._kv_dtypes(),
+                         decode_steps=dict(self.engine.counts.batch_sizes), kv_dtypes=self._kv_dtypes(),
                          kv=self._kv_layout(),
                          redis=self.sessions.state() if isinstance(self.sessions, RedisSessionStore) else {},
                          prefix_index=self.conversations.index.local_state(),

@@ -124,27 +124,6 @@ class Engine(CacheCommands):
         return self.endings.failures
 
     @property
-    def prefill_chunks(self) -> int:
-        return self.counts.prefill_chunks
-
-    @property
-    def riding_prefills(self) -> int:
-        return self.counts.riding_prefills
-
-    @property
-    def batch_sizes(self) -> Counter[int]:
-        """Decode steps by batch size."""
-        return self.counts.batch_sizes
-
-    @property
-    def outside_arena_turns(self) -> int:
-        return self.counts.outside_arena_turns
-
-    @property
-    def steps_beside_fetches(self) -> int:
-        return self.counts.steps_beside_fetches
-
-    @property
     def deep_check_distances(self) -> deque[float]:
         """The deep check's latest distances (for tests and benchmarks)."""
         return self._finder.deep_check_distances
