@@ -26,7 +26,7 @@ from common import median_ms, write_result
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import DynamicCache
 
-from chatd.api.protocol import ChatDone
+from chatd.api.websocket.protocol import ChatDone
 from chatd.cli.client import ChatClient
 from chatd.cli.server_process import ServerProcess
 from chatd.model.loader import load_model

@@ -42,7 +42,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sessions.encoding import UNREACHABLE, pack_ids, redis_key, unpack_ids
 from sessions.redis_client import RedisEvents, async_client, write_and_wait
-from sessions.state import Message, Session, ToolCall, as_inputs, new_session_id
+from sessions.state import Message, Session, ToolCall, new_session_id, turn_messages
 from sessions.store import Lease, LocalLease, SessionBusy, StoreUnavailable, VersionConflict
 
 log = logging.getLogger(__name__)
@@ -245,12 +245,12 @@ class RedisSessionStore:
                 raise SessionBusy(f"session {session_id} is running a turn on another worker")
             await asyncio.sleep(0.05)
 
-    async def append_turn(self, session: Session, new: str | Sequence[Message], reply: str, token_ids: list[int],
-                          lease: Lease | None = None, dropped_turns: int | None = None,
+    async def append_turn(self, session: Session, new: str | Sequence[Message], reply: str | None,
+                          token_ids: list[int], lease: Lease | None = None, dropped_turns: int | None = None,
                           reply_ids: Sequence[int] | None = None, tool_calls: Sequence[ToolCall] = ()) -> None:
-        write = _Append(self, session.session_id, session.version, as_inputs(new) + [
-            Message("assistant", reply, tuple(reply_ids) if reply_ids else None, tuple(tool_calls))],
-                        list(token_ids), time.time(), lease if isinstance(lease, _RedisLease) else None,
+        messages = turn_messages(new, reply, reply_ids or None, tool_calls)
+        write = _Append(self, session.session_id, session.version, messages, list(token_ids), time.time(),
+                        lease if isinstance(lease, _RedisLease) else None,
                         session.dropped_turns if dropped_turns is None else dropped_turns)
         if self.durable:
             try:

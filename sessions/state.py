@@ -68,19 +68,30 @@ class Session:
         """The messages a new turn renders: system prompt, history, then the new message(s)."""
         return self.messages_with_system() + as_inputs(new)
 
-    def record_turn(self, new: str | Sequence[Message], reply: str, token_ids: list[int] | None = None,
+    def record_turn(self, new: str | Sequence[Message], reply: str | None, token_ids: list[int] | None = None,
                     dropped_turns: int | None = None, reply_ids: Sequence[int] | None = None,
                     tool_calls: Sequence[ToolCall] = ()) -> None:
         """Add a completed turn: its new message(s) and the reply (with its calls); `token_ids` are the ids the
-        conversation has reached with it, and `reply_ids` the reply's own (when it is exactly what they say)."""
-        self.messages += as_inputs(new) + [
-            Message("assistant", reply, tuple(reply_ids) if reply_ids is not None else None, tuple(tool_calls))]
+        conversation has reached with it, and `reply_ids` the reply's own (when it is exactly what they say).
+        A warm-up (`reply` None) adds its messages alone."""
+        self.messages += turn_messages(new, reply, reply_ids, tool_calls)
         if token_ids is not None:
             self.token_ids = list(token_ids)
         if dropped_turns is not None:
             self.dropped_turns = dropped_turns
         self.version += 1
         self.updated_at = time.time()
+
+
+def turn_messages(new: str | Sequence[Message], reply: str | None, reply_ids: Sequence[int] | None = None,
+                  tool_calls: Sequence[ToolCall] = ()) -> list[Message]:
+    """What a completed turn adds to its session: its new messages, then its reply unless it had none (a
+    warm-up)."""
+    inputs = as_inputs(new)
+    if reply is None:
+        return inputs
+    return inputs + [Message("assistant", reply, tuple(reply_ids) if reply_ids is not None else None,
+                             tuple(tool_calls))]
 
 
 def new_session_id() -> str:

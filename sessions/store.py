@@ -56,12 +56,12 @@ class SessionStore(Protocol):
     async def lease(self, session_id: str) -> Lease:
         """Take the session's turn lease, waiting briefly; raise `SessionBusy` if another worker keeps it."""
 
-    async def append_turn(self, session: Session, new: str | Sequence[Message], reply: str, token_ids: list[int],
-                          lease: Lease | None = None, dropped_turns: int | None = None,
+    async def append_turn(self, session: Session, new: str | Sequence[Message], reply: str | None,
+                          token_ids: list[int], lease: Lease | None = None, dropped_turns: int | None = None,
                           reply_ids: Sequence[int] | None = None, tool_calls: Sequence[ToolCall] = ()) -> None:
-        """Record a completed turn atomically (its new messages, the reply and its calls, token ids, version,
-        the turns its prompt left out) on `session` and in the store; raise `VersionConflict` if the stored
-        version is no longer `session.version` or the lease was lost."""
+        """Record a completed turn atomically (its new messages, the reply and its calls (None: a warm-up, which
+        has none), token ids, version, the turns its prompt left out) on `session` and in the store; raise
+        `VersionConflict` if the stored version is no longer `session.version` or the lease was lost."""
 
     async def delete(self, session_id: str) -> bool: ...
 
@@ -99,8 +99,8 @@ class InMemorySessionStore:
     async def lease(self, session_id: str) -> Lease:
         return LocalLease()
 
-    async def append_turn(self, session: Session, new: str | Sequence[Message], reply: str, token_ids: list[int],
-                          lease: Lease | None = None, dropped_turns: int | None = None,
+    async def append_turn(self, session: Session, new: str | Sequence[Message], reply: str | None,
+                          token_ids: list[int], lease: Lease | None = None, dropped_turns: int | None = None,
                           reply_ids: Sequence[int] | None = None, tool_calls: Sequence[ToolCall] = ()) -> None:
         stored = self._sessions.get(session.session_id)
         if stored is None or stored.version != session.version:

@@ -11,8 +11,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from chatd.api.protocol import ErrorMessage
 from chatd.api.server import ChatServer
+from chatd.api.turn_errors import ErrorMessage
 from chatd.cli.client import ChatClient, ChatError
 from chatd.config import Settings
 

@@ -112,11 +112,11 @@ def test_no_import_cycles():
 
 
 def test_each_api_is_a_room_that_only_the_composition_root_enters():
-    """The OpenAI routes, the Anthropic routes and the websocket gateway share what lies beside them (conversations,
+    """The OpenAI routes, the Anthropic routes and the websocket protocol share what lies beside them (conversations,
     admission, errors, tool calling, constants, the turn runner), never each other's modules: only the server, which
     composes them, imports them."""
     rooms = {"chatd.api.openai": "chatd.api.openai.", "chatd.api.anthropic": "chatd.api.anthropic.",
-             "chatd.api.gateway": "chatd.api.gateway"}
+             "chatd.api.websocket": "chatd.api.websocket."}
     wrong = [(module, target) for module, targets in modules().items() for target in targets
              for room, prefix in rooms.items()
              if target.startswith(prefix) and not module.startswith(room) and module != "chatd.api.server"

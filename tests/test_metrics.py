@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
 from cache_store import CacheStore
-from chatd.api.protocol import ChatDone
 from chatd.api.server import ChatServer
+from chatd.api.websocket.protocol import ChatDone
 from chatd.cli.client import ChatClient, ChatError
 from chatd.config import Settings
 

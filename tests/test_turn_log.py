@@ -3,8 +3,8 @@ cursor, so a turn that publishes while the replay is in progress loses and repea
 
 import asyncio
 
-from chatd.api.protocol import ChatDelta, ChatDone, Delta, Timings, Usage
-from chatd.api.turn_log import TurnLog
+from chatd.api.websocket.protocol import ChatDelta, ChatDone, Delta, Timings, Usage
+from chatd.api.websocket.turn_log import TurnLog
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import Turn
 

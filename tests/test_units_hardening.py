@@ -6,7 +6,7 @@ from websockets.datastructures import Headers
 
 from chatd.api.auth import KeyRing, key_id
 from chatd.api.rate_limit import RateLimiter
-from chatd.api.turn_log import TurnLogs
+from chatd.api.websocket.turn_log import TurnLogs
 from chatd.engine.turn import TurnResult
 from chatd.model.context_window import DoesNotFit, fit
 from chatd.model.prompt import PromptRenderer

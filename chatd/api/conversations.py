@@ -18,8 +18,8 @@ import json
 
 from cache_store.lookup import common_prefix_length
 from chatd.api.http_errors import ApiError
-from chatd.api.protocol import ErrorMessage
 from chatd.api.tool_calling import ToolFormat, ToolSetup, format_for
+from chatd.api.turn_errors import ErrorMessage
 from chatd.api.turns import StartedTurn, TurnRunner
 from chatd.config import Settings
 from chatd.engine.sampling import SamplingParams

@@ -12,8 +12,8 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from starlette.responses import Response
 
-from chatd.api.protocol import ErrorMessage
 from chatd.api.tool_calling import RequestRefused
+from chatd.api.turn_errors import ErrorMessage
 from chatd.engine.turn import TurnFailed
 from sessions import StoreUnavailable
 

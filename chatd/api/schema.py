@@ -23,7 +23,7 @@ from chatd.api.openai.responses_schema import (
     ResponseObject,
     ResponseRequest,
 )
-from chatd.api.protocol import json_schemas
+from chatd.api.websocket.protocol import json_schemas
 
 
 def protocol_schema() -> dict:

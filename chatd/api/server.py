@@ -26,9 +26,7 @@ from chatd.api.anthropic.errors import anthropic_response
 from chatd.api.anthropic.messages import AnthropicApi
 from chatd.api.anthropic.threads import Threads
 from chatd.api.auth import KeyRing
-from chatd.api.client_socket import ClientSocket
 from chatd.api.conversations import Conversations
-from chatd.api.gateway import Gateway
 from chatd.api.http_errors import install_error_handlers
 from chatd.api.http_responses import json_response, static_response, text_response
 from chatd.api.kv_blocks import KVBlocksApi
@@ -36,8 +34,10 @@ from chatd.api.openai.chat_completions import OpenAIApi
 from chatd.api.openai.errors import openai_response
 from chatd.api.openai.responses import ResponsesApi
 from chatd.api.openai.tokenize import TokenizeApi
-from chatd.api.protocol import ErrorCode
+from chatd.api.turn_errors import ErrorCode
 from chatd.api.turns import TurnRunner
+from chatd.api.websocket.client_socket import ClientSocket
+from chatd.api.websocket.gateway import Gateway
 from chatd.config import Settings
 from chatd.engine.scheduler import Engine
 from chatd.engine.turn import TurnResult

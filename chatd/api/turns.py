@@ -9,8 +9,8 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from chatd.api.protocol import ErrorMessage
 from chatd.api.rate_limit import RateLimiter
+from chatd.api.turn_errors import ErrorMessage
 from chatd.config import Settings
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.scheduler import Engine
@@ -101,14 +101,15 @@ class TurnRunner:
     async def begin_turn(self, session: Session, new: str | Sequence[Message], params: SamplingParams, turn_id: str,
                          owner: str | None, client: str, api: str = "websocket",
                          expected_version: int | None = None, tools=None,
-                         keep_for_s: float | None = None, lease: Lease | None = None) -> StartedTurn | ErrorMessage:
+                         keep_for_s: float | None = None, lease: Lease | None = None,
+                         generate: bool = True) -> StartedTurn | ErrorMessage:
         """Start a turn of a claimed session in the engine (rate limit, lease, a fresh copy of the
         session), or say why not. Shared by the websocket and the OpenAI-compatible API. With
         `expected_version`, a session that another worker moved past it is `conflict` (a stateless request
         matched it at that version, and must run on exactly that history). `tools` (a `ToolSetup`) says how
         the model sees the tools and how its reply is read; `keep_for_s`, how long its cache stays resident ahead of
         plain LRU (an Anthropic cache breakpoint's ttl). With `lease` (from `take_lease`), `session` is the copy read
-        with it."""
+        with it. Without `generate`, a warm-up: the prompt is prefilled into the session's cache and recorded."""
         if lease is None:
             leased = await self.take_lease(session.session_id, turn_id, client)
             if isinstance(leased, ErrorMessage):
@@ -135,6 +136,8 @@ class TurnRunner:
             session_version=session.version,
             dropped_turns=session.dropped_turns,
             keep_for_s=keep_for_s,
+            generate=generate,
+            call_trigger=tools.call_trigger if tools else None,
         )
         self._turns[session.session_id] = turn
         self._on_request(api)
@@ -191,8 +194,9 @@ class TurnRunner:
     async def _record(self, started: StartedTurn, result: TurnResult) -> TurnResult | TurnFailed:
         """Append the completed turn to the session; what the client is told if that fails."""
         session, (content, calls) = started.session, started.reply
+        reply = None if result.finish_reason == "prefilled" else content  # (a warm-up adds its input alone)
         try:
-            await self.store.append_turn(session, started.inputs, content, result.conversation_ids, started.lease,
+            await self.store.append_turn(session, started.inputs, reply, result.conversation_ids, started.lease,
                                          dropped_turns=result.dropped_turns, reply_ids=result.reply_ids,
                                          tool_calls=calls)
         except VersionConflict:  # (Redis's copy of that version may be the other worker's: it stays)

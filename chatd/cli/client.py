@@ -20,7 +20,7 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from chatd.api.protocol import (
+from chatd.api.websocket.protocol import (
     AuthOk,
     ChatDelta,
     ChatDone,

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from chatd.api.protocol import ChatDone
+from chatd.api.websocket.protocol import ChatDone
 from chatd.cli.client import ChatClient, ChatError, TurnStream
 
 

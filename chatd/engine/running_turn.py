@@ -79,6 +79,9 @@ class RunningTurn:
             return "length"
         if self.turn.cancelled.is_set():
             return "cancelled"
+        if self.turn.steered.is_set() and (self.turn.call_trigger is None or
+                                           self.turn.call_trigger not in self.stream.text):
+            return "steered"
         self.next_input = token
         return None
 

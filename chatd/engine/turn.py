@@ -12,7 +12,9 @@ from chatd.engine.sampling import SamplingParams
 from sessions import Message
 
 # "grammar": the reply's grammar allowed no token or failed; what was generated is not a valid reply.
-FinishReason = Literal["stop", "length", "cancelled", "grammar"]
+# "steered": stopped at a token boundary for the client's new input (recorded as far as it got); "prefilled": a
+# warm-up, whose prompt was prefilled into the cache and nothing sampled.
+FinishReason = Literal["stop", "length", "cancelled", "grammar", "steered", "prefilled"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,11 @@ class TurnResult:
     stop_sequence: str | None = None  # the stop string that ended the reply, if one did
     draft_tokens: int = 0  # speculative draft tokens verified for this reply
     accepted_tokens: int = 0  # of those, the ones the model sampled too (each a decode step saved)
+
+    @property
+    def sampled(self) -> bool:
+        """Whether a first token was sampled (not a turn cancelled before it, nor a warm-up): its TTFT counts."""
+        return self.completion_tokens > 0 or self.finish_reason not in ("cancelled", "prefilled")
 
     @property
     def inter_token_s(self) -> list[float]:
@@ -94,9 +101,16 @@ class Turn:
     session_version: int = 0  # completed turns the messages include; an older cache is stale
     dropped_turns: int = 0  # oldest turns the session's prompts already leave out
     keep_for_s: float | None = None  # keep its cache resident this long ahead of plain LRU (a cache breakpoint)
+    generate: bool = True  # False: a warm-up, its prompt (without the generation prompt) prefilled and kept
+    call_trigger: str | None = None  # where the model opens a tool call: a steer never stops a reply inside one
     received_at: float = field(default_factory=time.perf_counter)
     prompt_read: PromptRead | None = None  # set by the engine before it emits the first token
     cancelled: threading.Event = field(default_factory=threading.Event)
+    steered: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def steer(self) -> None:
+        """Stop at the next token boundary outside a tool call, keeping the reply so far (unlike `cancel`)."""
+        self.steered.set()

@@ -52,7 +52,8 @@ class TurnPreparer:
                                           f"{self._settings.max_prompt_tokens} per message")
         room = min(turn.params.max_new_tokens, self.max_context // 4)
         try:
-            window = fit(self._renderer, turn.messages, turn.dropped_turns, self.max_context, room, turn.tools)
+            window = fit(self._renderer, turn.messages, turn.dropped_turns, self.max_context, room, turn.tools,
+                         add_generation_prompt=turn.generate)
         except DoesNotFit as error:
             return TurnFailed("too_long", str(error))
         prompt_ids = window.prompt_ids

@@ -103,6 +103,9 @@ class StepUpdater:
             return
         running.first_token_at = time.perf_counter()
         running.turn.prompt_read = PromptRead(running.prompt_ids, running.lookup.cached_tokens)
+        if not running.turn.generate:  # a warm-up: its prompt is in the cache, and that was all it asked
+            self._endings.finish(running, "prefilled")
+            return
         alive, finish = self._take(running, first_logits, None)
         if alive:
             self._next_state(running, finish)

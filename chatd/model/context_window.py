@@ -30,19 +30,20 @@ class DoesNotFit(ValueError):
 
 
 def fit(renderer: PromptRenderer, messages: list[Message], dropped_turns: int, context: int, room: int,
-        tools: Sequence[dict] | None = None) -> Window:
+        tools: Sequence[dict] | None = None, add_generation_prompt: bool = True) -> Window:
     """The window of `messages` (system prompt, history, new message) to render: the history after
     `dropped_turns` turns, or fewer of them when the prompt plus `room` tokens would overflow `context`. A turn
-    ends with a reply; the window never starts with a tool's result, whose call it would leave out."""
+    ends with a reply; the window never starts with a tool's result, whose call it would leave out. Without
+    `add_generation_prompt` (a warm-up), the last message may be the system prompt itself."""
     system = messages[:1] if messages and messages[0].role == "system" else []
-    history, new = messages[len(system):-1], messages[-1:]
+    history, new = messages[len(system):-1], messages[len(system):][-1:]
     starts = [0] + [index + 1 for index, message in enumerate(history) if message.role == "assistant"]
     # Where a window may start: the whole history, or a later turn that does not start with a tool's result.
     cuts = [0] + [drop for drop, start in enumerate(starts) if drop and (history + new)[start].role != "tool"]
 
     def render(drop: int) -> Window:
         kept = system + history[starts[drop]:] + new
-        return Window(kept, renderer.render(kept, tools=tools), drop)
+        return Window(kept, renderer.render(kept, add_generation_prompt, tools=tools), drop)
 
     window = render(next((drop for drop in cuts if drop >= dropped_turns), cuts[-1]))
     if len(window.prompt_ids) + room <= context:

@@ -131,7 +131,7 @@ class Metrics:
     def observe_turn(self, result: TurnResult) -> None:
         """A finished turn (cancelled included): its latencies, tokens and cache outcome."""
         name, seconds = self.model_name, result.timings
-        if result.completion_tokens or result.finish_reason != "cancelled":  # a first token was sampled
+        if result.sampled:
             self.ttft.labels(name).observe(seconds["ttft_ms"] / 1000)
             self.e2e.labels(name).observe(seconds["total_ms"] / 1000)
             self.prefill_time.labels(name).observe(seconds["prefill_ms"] / 1000)

@@ -65,7 +65,7 @@ class StatsRecorder:
 
     def record_turn(self, result: TurnResult) -> None:
         now, ms = self._clock(), result.timings
-        started = result.completion_tokens > 0 or result.finish_reason != "cancelled"
+        started = result.sampled
         self._turns.append(TurnRecord(
             finished_at=now, first_token_at=now - (ms["total_ms"] - ms["ttft_ms"]) / 1000 if started else None,
             ttft_s=ms["ttft_ms"] / 1000, e2e_s=ms["total_ms"] / 1000,

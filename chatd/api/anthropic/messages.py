@@ -39,8 +39,8 @@ from chatd.api.anthropic.threads import Continuation, Threads
 from chatd.api.constants import ARGUMENTS_FRAGMENT, SESSION_HEADER, WORKER, WORKER_HEADER
 from chatd.api.conversations import Conversations, salted
 from chatd.api.http_errors import ApiError, refusals, store_call
-from chatd.api.protocol import ErrorMessage
 from chatd.api.tool_calling import RequestRefused, ToolSetup
+from chatd.api.turn_errors import ErrorMessage
 from chatd.api.turns import StartedTurn, TurnRunner
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed, TurnResult

@@ -45,8 +45,8 @@ from chatd.api.openai.responses_schema import (
     ResponseRequest,
     ResponseUsage,
 )
-from chatd.api.protocol import ErrorMessage
 from chatd.api.tool_calling import ToolSetup
+from chatd.api.turn_errors import ErrorMessage
 from chatd.api.turns import StartedTurn
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed, TurnResult

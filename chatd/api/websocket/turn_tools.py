@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from chatd.api.protocol import NamedTool, ToolFields, ToolResult
 from chatd.api.tool_calling import Function, RequestRefused, ToolFormat, ToolSetup, checked_schema, tool_setup
+from chatd.api.websocket.protocol import NamedTool, ToolFields, ToolResult
 from sessions import Message
 
 

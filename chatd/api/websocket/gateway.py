@@ -14,9 +14,11 @@ from collections import Counter
 from collections.abc import Callable
 
 from chatd.api.auth import KeyRing
-from chatd.api.client_socket import ClientGone, ClientSocket
 from chatd.api.constants import WORKER
-from chatd.api.protocol import (
+from chatd.api.tool_calling import RequestRefused, ToolFormat, ToolSetup, compile_grammar, format_for
+from chatd.api.turns import StartedTurn, TurnRunner
+from chatd.api.websocket.client_socket import ClientGone, ClientSocket
+from chatd.api.websocket.protocol import (
     Auth,
     AuthOk,
     CacheReport,
@@ -40,10 +42,8 @@ from chatd.api.protocol import (
     Usage,
     parse_client_message,
 )
-from chatd.api.tool_calling import RequestRefused, ToolFormat, ToolSetup, compile_grammar, format_for
-from chatd.api.turn_log import TurnLogs
-from chatd.api.turn_tools import result_messages, setup_for
-from chatd.api.turns import StartedTurn, TurnRunner
+from chatd.api.websocket.turn_log import TurnLogs
+from chatd.api.websocket.turn_tools import result_messages, setup_for
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed, TurnResult
 from sessions import Lease, Session, StoreUnavailable, ToolCall

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from chatd.api.protocol import ChatDelta, ChatDone, ErrorMessage
+from chatd.api.websocket.protocol import ChatDelta, ChatDone, ErrorMessage
 from chatd.engine.turn import Turn
 
 OutMessage = ChatDelta | ChatDone | ErrorMessage

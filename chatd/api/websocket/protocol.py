@@ -1,4 +1,5 @@
-"""The websocket protocol: JSON text frames, each with a `type`. See docs/protocol.md."""
+"""The websocket protocol: JSON text frames, each with a `type`. See docs/protocol.md. Its `error` frame is every
+API's refusal of a turn (`chatd.api.turn_errors`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from chatd.api.constants import FUNCTION_NAME, MAX_NEW_TOKENS_CAP
-
-ErrorCode = Literal["bad_request", "unauthorized", "unknown_session", "unknown_turn", "busy", "rate_limited",
-                    "limit_exceeded", "too_long", "unavailable", "conflict", "internal"]
+from chatd.api.turn_errors import ErrorMessage
 
 
 class _Message(BaseModel):
@@ -307,17 +306,6 @@ class SessionClosed(BaseModel):
 
     type: Literal["session.closed"] = "session.closed"
     session_id: str
-
-
-class ErrorMessage(BaseModel):
-    """A request that failed: a code, a message, and whether to retry."""
-
-    type: Literal["error"] = "error"
-    turn_id: str | None = None
-    code: ErrorCode
-    message: str
-    retryable: bool = False
-    retry_after_s: float | None = None  # when to retry, for rate_limited
 
 
 ServerMessage = Annotated[AuthOk | SessionReady | ChatDelta | ChatDone | SessionClosed | ErrorMessage,
