@@ -119,12 +119,14 @@ class Conversations:
 
     async def begin(self, session: Session, content: str | list[Message], params: SamplingParams, turn_id: str,
                     owner: str | None, client: str, expected_version: int | None = None, api: str = "openai",
-                    setup: ToolSetup | None = None, keep_for_s: float | None = None) -> StartedTurn | ErrorMessage:
+                    setup: ToolSetup | None = None, keep_for_s: float | None = None,
+                    generate: bool = True) -> StartedTurn | ErrorMessage:
         """`TurnRunner.begin_turn` for a claimed session; the claim is released when it does not start."""
         try:
             started = await self.turns.begin_turn(session, content, params, turn_id, owner, client, api=api,
                                                   expected_version=expected_version,
-                                                  tools=setup or ToolSetup(self.tool_format()), keep_for_s=keep_for_s)
+                                                  tools=setup or ToolSetup(self.tool_format()), keep_for_s=keep_for_s,
+                                                  generate=generate)
         except BaseException:
             self.turns.release_claim(session.session_id)
             raise

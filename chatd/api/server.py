@@ -32,6 +32,7 @@ from chatd.api.http_responses import json_response, static_response, text_respon
 from chatd.api.kv_blocks import KVBlocksApi
 from chatd.api.openai.chat_completions import OpenAIApi
 from chatd.api.openai.errors import openai_response
+from chatd.api.openai.response_turns import ResponseTurns
 from chatd.api.openai.responses import ResponsesApi
 from chatd.api.openai.tokenize import TokenizeApi
 from chatd.api.turn_errors import ErrorCode
@@ -126,7 +127,8 @@ class ChatServer:
         retention_s = settings.session_retention_s
         responses = (RedisResponseStore(self.sessions, retention_s)
                      if isinstance(self.sessions, RedisSessionStore) else InMemoryResponseStore(retention_s))
-        self.responses = ResponsesApi(admission, self.conversations, responses)
+        self.response_turns = ResponseTurns(admission, self.conversations, responses)
+        self.responses = ResponsesApi(self.response_turns)
         self.faults = FaultRoutes(self.engine, self.sessions, settings, self.keys)
         self.app = self._build_app()
         self._uvicorn: uvicorn.Server | None = None

@@ -87,7 +87,7 @@ class ResponseRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    input: str | list[InputItemIn]
+    input: str | list[InputItemIn] = Field(default_factory=list)
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -103,6 +103,10 @@ class ResponseRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
+    # False: a warm-up, its prompt prefilled into the session's cache and nothing generated (WebSocket mode's
+    # field; `prompt_cache_options.prewarm` says the same).
+    generate: bool = True
+    prompt_cache_options: dict[str, Any] | None = None
     # Accepted only where they change nothing.
     reasoning: Any = None
     background: bool | None = None
@@ -124,10 +128,20 @@ class ResponseRequest(BaseModel):
         if self.previous_response_id and self.conversation:
             raise RequestRefused("conversation", "give previous_response_id or conversation, not both")
         items = self.items()
+        if self.warm_up:
+            if not items and not self.instructions and not self.tools and not self.previous_response_id:
+                raise RequestRefused("input", "a warm-up (generate: false) prefills instructions, tools, the response "
+                                              "it continues or input: it names none")
+            return
         if not items or isinstance(items[-1], FunctionCallItem) or \
                 (isinstance(items[-1], InputMessage) and items[-1].role != "user"):
             raise RequestRefused("input", "the last input item must be the user's message or a function call's "
                                           "output: chatd answers it")
+
+    @property
+    def warm_up(self) -> bool:
+        """Whether this only prefills its prompt (`generate: false`, or `prompt_cache_options.prewarm`)."""
+        return not self.generate or bool((self.prompt_cache_options or {}).get("prewarm"))
 
     def items(self) -> list[InputMessage | FunctionCallItem | FunctionCallOutputItem]:
         return [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
@@ -154,7 +168,12 @@ class ResponseRequest(BaseModel):
         """(what `input` adds before the turn, the turn's new messages: those after its last reply)."""
         messages = self.messages()
         replies = [index for index, message in enumerate(messages) if message.role == "assistant"]
-        new_from = replies[-1] + 1 if replies else len(messages) - 1
+        if replies:
+            new_from = replies[-1] + 1
+        elif self.warm_up:  # (all of a warm-up's input is its turn's, but a leading system message)
+            new_from = 1 if messages and messages[0].role == "system" else 0
+        else:
+            new_from = len(messages) - 1
         return messages[:new_from], messages[new_from:]
 
     def check_outputs(self, earlier_calls: Iterable[str] = ()) -> None:
@@ -275,10 +294,10 @@ class ResponseUsage(BaseModel):
 
 
 class IncompleteDetails(BaseModel):
-    """Why a response is incomplete: its reply reached max_output_tokens, or (`grammar_error`) the model could
-    not go on within its tools' or format's grammar."""
+    """Why a response is incomplete: its reply reached max_output_tokens, (`grammar_error`) the model could not go
+    on within its tools' or format's grammar, or (`steered`) it stopped for the client's new input."""
 
-    reason: Literal["max_output_tokens", "grammar_error"] = "max_output_tokens"
+    reason: Literal["max_output_tokens", "grammar_error", "steered"] = "max_output_tokens"
 
 
 class ResponseError(BaseModel):
