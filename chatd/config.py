@@ -157,6 +157,9 @@ class Settings(BaseSettings):
     max_connections: int = Field(1024, ge=1, description="open websocket connections beyond which the handshake "
                                                          "gets HTTP 503")
     max_sessions_per_connection: int = Field(16, ge=1, description="sessions one connection may open or use")
+    responses_ws_max_age_s: float = Field(3600.0, gt=0, description="how long a Responses WebSocket connection "
+                                          "lasts (OpenAI's: 60 minutes); then websocket_connection_limit_reached and "
+                                          "close code 1001, once its responses have finished")
     rate_limit_per_min: float | None = Field(None, gt=0, description="turns per minute per API key (per client "
                                                                      "address without keys); none: unlimited")
     turn_log_ttl_s: float = Field(60.0, gt=0, description="how long a finished turn's events stay available "

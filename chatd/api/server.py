@@ -27,13 +27,14 @@ from chatd.api.anthropic.messages import AnthropicApi
 from chatd.api.anthropic.threads import Threads
 from chatd.api.auth import KeyRing
 from chatd.api.conversations import Conversations
-from chatd.api.http_errors import install_error_handlers
+from chatd.api.http_errors import ApiError, install_error_handlers
 from chatd.api.http_responses import json_response, static_response, text_response
 from chatd.api.kv_blocks import KVBlocksApi
 from chatd.api.openai.chat_completions import OpenAIApi
 from chatd.api.openai.errors import openai_response
 from chatd.api.openai.response_turns import ResponseTurns
 from chatd.api.openai.responses import ResponsesApi
+from chatd.api.openai.responses_socket import ResponsesSockets
 from chatd.api.openai.tokenize import TokenizeApi
 from chatd.api.turn_errors import ErrorCode
 from chatd.api.turns import TurnRunner
@@ -129,6 +130,7 @@ class ChatServer:
                      if isinstance(self.sessions, RedisSessionStore) else InMemoryResponseStore(retention_s))
         self.response_turns = ResponseTurns(admission, self.conversations, responses)
         self.responses = ResponsesApi(self.response_turns)
+        self.response_sockets = ResponsesSockets(self.response_turns, settings)
         self.faults = FaultRoutes(self.engine, self.sessions, settings, self.keys)
         self.app = self._build_app()
         self._uvicorn: uvicorn.Server | None = None
@@ -183,6 +185,7 @@ class ChatServer:
         if cancelled := await self.turns.drain(self.settings.shutdown_timeout_s):
             log.warning("shutting down: cancelled %d turns still running after %.0f s", cancelled,
                         self.settings.shutdown_timeout_s)
+        await self.response_sockets.close_all(CLOSE_TIMEOUT_S)  # their last events sent, then 1001
 
     async def wait_ready(self) -> None:
         """Wait until the model is loaded; raise if loading failed."""
@@ -252,6 +255,7 @@ class ChatServer:
         app.include_router(self.faults.router)
         install_error_handlers(app, openai_response, {"/v1/messages": anthropic_response})
         app.add_api_websocket_route("/ws", self._websocket)
+        app.add_api_websocket_route("/v1/responses", self._responses_socket)
         app.add_api_route("/healthz", self._healthz, methods=["GET"])
         app.add_api_route("/readyz", self._readyz, methods=["GET"])
         app.add_api_route("/livez", lambda: text_response(http.HTTPStatus.OK, "ok\n"), methods=["GET"])
@@ -281,6 +285,24 @@ class ChatServer:
         finally:
             self._websockets -= 1
 
+    async def _responses_socket(self, websocket: WebSocket) -> None:
+        """OpenAI's Responses WebSocket mode: the key is checked before the upgrade (an HTTP 401 in OpenAI's error
+        body, no socket); no subprotocol or beta header is needed."""
+        _, owner = self.keys.bearer(websocket.headers)
+        refusal = openai_response(ApiError(401, "missing or unknown API key: send Authorization: Bearer <key>",
+                                           code="invalid_api_key")) \
+            if self.keys.required and owner is None else self._refuse_connection(websocket)
+        if refusal is not None:
+            await websocket.send_denial_response(refusal)
+            return
+        self._websockets += 1
+        try:
+            await websocket.accept()
+            client = owner or (websocket.client.host if websocket.client else "unknown")
+            await self.response_sockets.serve(ClientSocket(websocket), owner, client)
+        finally:
+            self._websockets -= 1
+
     async def _healthz(self) -> Response:
         if self.engine.failure is not None:
             return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE, f"engine failed: {self.engine.failure}\n")
@@ -307,6 +329,15 @@ class ChatServer:
     def _refuse_websocket(self, websocket: WebSocket) -> Response | None:
         """Refuse a handshake from a browser page of another origin (403), over --max-connections
         (503), or with a wrong Bearer key (401)."""
+        if (refusal := self._refuse_connection(websocket)) is not None:
+            return refusal
+        sent, owner = self.keys.bearer(websocket.headers)
+        if sent and owner is None:
+            return text_response(http.HTTPStatus.UNAUTHORIZED, "unknown API key\n")
+        return None
+
+    def _refuse_connection(self, websocket: WebSocket) -> Response | None:
+        """Refuse a handshake from a browser page of another origin (403), or over --max-connections (503)."""
         origin = websocket.headers.get("Origin")
         if (self.settings.allowed_origins and origin is not None and origin not in self.settings.allowed_origins
                 and urlsplit(origin).netloc != websocket.headers.get("Host")):  # chatd's own pages may connect
@@ -314,9 +345,6 @@ class ChatServer:
         if self._websockets >= self.settings.max_connections:
             return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE,
                                  f"too many connections (the limit is {self.settings.max_connections}); retry later\n")
-        sent, owner = self.keys.bearer(websocket.headers)
-        if sent and owner is None:
-            return text_response(http.HTTPStatus.UNAUTHORIZED, "unknown API key\n")
         return None
 
 
