@@ -203,7 +203,8 @@ class ChatServer:
                          kv=self._kv_layout(),
                          redis=self.sessions.state() if isinstance(self.sessions, RedisSessionStore) else {},
                          prefix_index=self.conversations.index.local_state(),
-                         message_threads=dict(self.threads.counts))
+                         message_threads=dict(self.threads.counts),
+                         responses_websocket=self.response_sockets.live())
 
     def _kv_layout(self) -> dict:
         """The model's layers and windows, and what a session of N tokens holds against what its windows need

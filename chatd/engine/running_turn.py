@@ -79,11 +79,18 @@ class RunningTurn:
             return "length"
         if self.turn.cancelled.is_set():
             return "cancelled"
-        if self.turn.steered.is_set() and (self.turn.call_trigger is None or
-                                           self.turn.call_trigger not in self.stream.text):
+        if self.turn.steered.is_set() and not self._in_call():
             return "steered"
         self.next_input = token
         return None
+
+    def _in_call(self) -> bool:
+        """Whether the reply has opened a tool call, or may be opening one (its text ends with the start of the
+        trigger): a steer lets the call be finished."""
+        trigger, text = self.turn.call_trigger, self.stream.text
+        if trigger is None:
+            return False
+        return trigger in text or any(text.endswith(trigger[:length]) for length in range(1, len(trigger)))
 
     def result(self, finish: FinishReason) -> TurnResult:
         if text := self.stream.finish():

@@ -49,6 +49,8 @@ class LiveState:
     redis: dict = field(default_factory=dict)  # with --redis-url: its mode and nodes (`RedisSessionStore.nodes`)
     prefix_index: dict = field(default_factory=dict)  # this worker's own prefix index: sessions, forgotten
     message_threads: dict[str, int] = field(default_factory=dict)  # Anthropic threads: created, continued, not_found
+    # Responses WebSockets: connections, lanes, queued creates now; creates, warm-ups and steers by outcome so far
+    responses_websocket: dict[str, int] = field(default_factory=dict)
 
     def tier_bytes(self, tier: str) -> tuple[int, int]:
         """Bytes in use and the budget of a tier (0, 0 when it does not exist)."""
@@ -338,7 +340,27 @@ def _engine_families(live: LiveState, name: list[str], label: list[str]):
         (CounterMetricFamily, "chatd:message_threads_not_found", "Continues of an Anthropic message thread that was "
          "not found (unknown, expired, another key's).", live.message_threads.get("not_found", 0)),
     ]
-    return threads, *(_single(family, metric, text, name, label, value) for family, metric, text, value in singles)
+    ws = live.responses_websocket
+    singles += [
+        (GaugeMetricFamily, "chatd:responses_ws_connections", "Open Responses WebSocket connections.",
+         ws.get("connections", 0)),
+        (GaugeMetricFamily, "chatd:responses_ws_lanes", "Lanes (stream_id) of the open Responses WebSockets.",
+         ws.get("lanes", 0)),
+        (GaugeMetricFamily, "chatd:responses_ws_queued_creates", "response.create events waiting in their lanes.",
+         ws.get("queued", 0)),
+        (CounterMetricFamily, "chatd:responses_ws_creates", "response.create events taken (steered successors "
+         "not counted).", ws.get("creates", 0)),
+        (CounterMetricFamily, "chatd:responses_ws_warmups", "Warm-ups (generate: false) run: prompts prefilled into "
+         "a session's cache with nothing generated.", ws.get("warmups", 0)),
+    ]
+    steers = CounterMetricFamily("chatd:responses_ws_steers", "response.steer events, by outcome: accepted, then "
+                                 "successors, pending (waiting for tool outputs), or a failure's code.",
+                                 labels=[*label, "outcome"])
+    for key, value in sorted(ws.items()):
+        if key.startswith("steers_"):
+            steers.add_metric([*name, key.removeprefix("steers_")], value)
+    return threads, steers, *(_single(family, metric, text, name, label, value)
+                              for family, metric, text, value in singles)
 
 
 def _speculation_families(live: LiveState, name: list[str], label: list[str]):

@@ -145,6 +145,8 @@ class StatsRecorder:
         return {"running": live.running, "waiting": live.waiting, "tiers": tiers, "kv": live.kv, "arena": arena,
                 "redis": live.redis, "engine": engine, "prefix_index": live.prefix_index,
                 "threads": {kind: live.message_threads.get(kind, 0) for kind in ("created", "continued", "not_found")},
+                "responses_websocket": {"connections": 0, "lanes": 0, "queued": 0, "creates": 0, "warmups": 0,
+                                        **live.responses_websocket},
                 "sessions": {"connected": live.connected_sessions, "idle": live.cache.get("idle_sessions", 0)}}
 
     def _window(self, start: float, end: float, live: LiveState, tokens: tuple[np.ndarray, np.ndarray]) -> dict:
