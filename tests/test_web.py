@@ -180,6 +180,9 @@ async def test_dashboard_draws_live_charts_after_traffic(server, browser):
     await expect(page.locator("#summary")).to_contain_text(re.compile(
         r"Speculation: draft tokens / accepted \(acceptance\)\d+ / \d+ \((\d+%|–)\)"))
     assert server.engine.cache_stats["spec_max_tokens"] > 0, "speculation is on by default"
+    await expect(page.locator("#summary")).to_contain_text(re.compile(
+        r"Responses WebSockets: connections / lanes / queued creates0 / 0 / 0"))
+    await expect(page.locator("#summary")).to_contain_text("Steers: accepted / successors / pending / refused")
     first_update = await page.locator("#updated").inner_text()
     await asyncio.sleep(3.5)
     assert await page.locator("#updated").inner_text() != first_update  # it refreshes by itself

@@ -58,6 +58,7 @@ function tiles(stats) {
     ["Redis chunks: bytes written / not moved", `${mb(chunks.written_bytes ?? 0)} / ${mb((chunks.not_sent_bytes ?? 0) + (chunks.not_copied_bytes ?? 0) + (chunks.not_fetched_bytes ?? 0))}`],
     ...engineRows(now.engine || {}, now.tiers.remote),
     ...redisRows(now.redis || {}),
+    ...responsesSocketRows(now.responses_websocket || {}),
   ];
   const body = byId("summary");
   body.replaceChildren(...rows.map(([name, value]) => {
@@ -85,6 +86,18 @@ function engineRows(engine, remote) {
     ["Redis: round trip, turns fetching", `${ms(remote.round_trip_ms)} ms, ${engine.fetching ?? 0}`],
     ["Redis write queue: snapshots / dropped", `${queue.writes ?? 0} (${mb(queue.bytes ?? 0)}) / ${sum(dropped)}`],
   ]);
+}
+
+function responsesSocketRows(ws) {
+  const steers = (outcome) => ws[`steers_${outcome}`] ?? 0;
+  const refused = Object.entries(ws).filter(([key]) => key.startsWith("steers_") &&
+    !["steers_accepted", "steers_successors", "steers_pending"].includes(key)).reduce((a, [, b]) => a + b, 0);
+  return [
+    ["Responses WebSockets: connections / lanes / queued creates", `${ws.connections ?? 0} / ${ws.lanes ?? 0} / ${ws.queued ?? 0}`],
+    ["Responses WebSockets: creates / warm-ups", `${ws.creates ?? 0} / ${ws.warmups ?? 0}`],
+    ["Steers: accepted / successors / pending / refused",
+      `${steers("accepted")} / ${steers("successors")} / ${steers("pending")} / ${refused}`],
+  ];
 }
 
 function speculationRow(speculation) {
