@@ -12,6 +12,7 @@ from websockets.asyncio.client import connect
 from chatd.cli.client import ChatClient, ChatError
 from chatd.cli.nginx_process import NginxProcess, nginx_binary
 from chatd.cli.server_process import ServerProcess
+from chatd.config import Settings
 from sessions.redis_store import RedisSessionStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +39,9 @@ def test_compose_file_parses_and_names_files_that_exist():
     for upstream in ("chatd-1", "chatd-2"):
         assert f"server {upstream}:8765" in nginx_conf
     assert "hash $chatd_session_key consistent;" in nginx_conf and "least_conn;" in nginx_conf
+    # A Responses WebSocket lasts --responses-ws-max-age-s: the proxy never cuts it first.
+    for timeout in re.findall(r"proxy_(?:read|send)_timeout (\d+)s;", nginx_conf):
+        assert int(timeout) > Settings().responses_ws_max_age_s
 
 
 def start_worker(checkpoint: Path, redis_url: str, *flags: str) -> ServerProcess:

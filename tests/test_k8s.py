@@ -156,6 +156,8 @@ def test_the_ingress_hashes_on_the_session_id_the_gateway_routes_by():
     header the OpenAI API reads, else the websocket's ?session_id=), and nothing else."""
     ingress = by_kind(render(K8S / "base"))["Ingress"][0]
     annotations = ingress["metadata"]["annotations"]
+    for timeout in ("proxy-read-timeout", "proxy-send-timeout"):  # a Responses WebSocket's hour, then its drain
+        assert int(annotations[f"nginx.ingress.kubernetes.io/{timeout}"]) > Settings().responses_ws_max_age_s
     key = annotations["nginx.ingress.kubernetes.io/upstream-hash-by"]
     shipped = (ROOT / "deploy/nginx/chatd.conf").read_text()
     sources = re.search(r"map \$(\w+) \$chatd_session_key \{\s*''\s*\$(\w+);", shipped).groups()
