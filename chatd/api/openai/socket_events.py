@@ -96,6 +96,7 @@ def steer_messages(value: Any) -> list[InputMessage] | None:
 
 
 def steer_id() -> str:
+    """A new steering submission's id, as `response.steer.accepted` gives it."""
     return "steer_" + secrets.token_hex(12)
 
 
