@@ -3,7 +3,7 @@
 A chatd server runs in this process with SmolLM2; its session store and prefix index are filled with
 --sessions conversations of about --history-tokens tokens, all with the same system prompt (the hard
 case: every session shares its first blocks). Then the time of the API's matching step (render the
-request, look up the index, read and verify the candidates, claim the session) is measured for a
+request, look up the index, read and verify the candidates, pick a free session) is measured for a
 request that continues one of them, and compared with the TTFT of such a turn. With --redis-url (an
 empty database: it is flushed), sessions and the index are in Redis, as with several workers, and the
 Redis memory the index takes per session is reported too.
@@ -74,7 +74,6 @@ async def measure(sessions: list[int], history_tokens: int, repeats: int, redis_
                 started = time.perf_counter()
                 session, _, _ = await server.conversations.place(None, scenario["system"], own, "Any news?", None)
                 samples.append(time.perf_counter() - started)
-                server.turns.release_claim(session.session_id)
                 assert session.messages == own, "the request must continue its own session"
             count = len(server.conversations.index.local)
             rows.append({"sessions": count, "match_ms": 1000 * statistics.median(samples),

@@ -8,7 +8,8 @@ conversation. Per call: the time to its first output event (a tool-only reply's 
 the time to the call) and the time to its end; and the loop's end-to-end time.
 
 lanes: sixteen customers at once, each a streamed reply of the same length: sixteen lanes on one socket against
-sixteen HTTP clients, alternating; output tokens per second over the wall time of each batch.
+sixteen HTTP clients, alternating (which goes first alternates too), after one uncounted batch each way; every
+batch sixteen new conversations of its own; output tokens per second over the wall time of each batch.
 
     .venv/bin/python bench/responses_ws.py [--rounds 20] [--lanes 16] [--tokens 48] [--repeats 3]
 """
@@ -67,11 +68,15 @@ async def agent(client: openai.AsyncOpenAI, model: str, rounds: int, tokens: int
     """The three ways, alternating round by round: per-call times and each loop's total."""
     base = dict(model=model, instructions=INSTRUCTIONS, tools=TOOLS, tool_choice="required",
                 max_output_tokens=tokens, temperature=0)
-    first_input = [{"role": "user", "content": "Where are my orders A-1001 to A-1020? Look each one up."}]
+    first_input = {way: [{"role": "user", "content": f"Where are my orders {letter}-1001 to {letter}-1020? Look each "
+                                                     "one up."}]  # (each way its own conversation: nothing shared)
+                   for way, letter in (("socket", "A"), ("http_previous", "B"), ("http_whole", "C"))}
     times = {way: {"first_ms": [], "end_ms": [], "total_ms": 0.0} for way in ("socket", "http_previous", "http_whole")}
+    # (one uncounted call first: the server's first call with these tools pays once for what every later one reuses)
+    await http_round(client, {**base, "input": "Where is my order Z-1?", "store": False})
     async with client.responses.connect() as connection:
         previous = {"socket": None, "http_previous": None}
-        whole: list = list(first_input)
+        whole: list = list(first_input["http_whole"])
         whole_last = None
         for index in range(rounds):
             for way in times:
@@ -82,7 +87,7 @@ async def agent(client: openai.AsyncOpenAI, model: str, rounds: int, tokens: int
                     fields = {**base, "input": whole, "store": False}
                 else:
                     last = previous[way]
-                    fields = {**base, "input": outputs(last) if last else first_input,
+                    fields = {**base, "input": outputs(last) if last else first_input[way],
                               **({"previous_response_id": last.id} if last else {})}
                 first, end, response = await (socket_round(connection, fields) if way == "socket"
                                               else http_round(client, fields))
@@ -98,29 +103,44 @@ async def agent(client: openai.AsyncOpenAI, model: str, rounds: int, tokens: int
 
 
 async def lanes(client: openai.AsyncOpenAI, model: str, count: int, tokens: int, repeats: int) -> dict[str, list]:
-    """Output tokens per second of `count` concurrent replies: lanes of one socket, and separate HTTP clients."""
+    """Output tokens per second of `count` concurrent replies: lanes of one socket, and separate HTTP clients. Every
+    batch is sixteen new conversations of its own (a batch that resent another's prompts would branch from their
+    caches and skip their prefill), after one batch each way that is not counted; the way that goes first alternates."""
     fields = dict(model=model, instructions=INSTRUCTIONS, max_output_tokens=tokens, temperature=0)
     rates: dict[str, list] = {"socket": [], "http": []}
+
+    def prompt(lane: int, batch: int) -> str:
+        return f"Customer {lane} (ticket {batch}): my internet is slow in the evening."
+
     async with client.responses.connect() as connection:
-        for repeat in range(repeats):
+        async def over_socket(batch: int) -> float:
             started = time.perf_counter()
             for lane in range(count):
-                await connection.response.create(stream_id=f"c{lane}", input=f"Customer {lane} (round {repeat}): "
-                                                 "my internet is slow in the evening.", **fields)
+                await connection.response.create(stream_id=f"c{lane}", input=prompt(lane, batch), **fields)
             produced, ended = 0, 0
             async for event in connection:
                 if event.type in ENDS:
+                    assert event.type in ("response.completed", "response.incomplete"), event
                     produced += event.response.usage.output_tokens
                     ended += 1
                     if ended == count:
                         break
-            rates["socket"].append(produced / (time.perf_counter() - started))
+            return produced / (time.perf_counter() - started)
+
+        async def over_http(batch: int) -> float:
             started = time.perf_counter()
-            finals = await asyncio.gather(*(http_round(client, {**fields, "input": f"Customer {lane} (round "
-                                                                f"{repeat}): my internet is slow in the evening."})
+            finals = await asyncio.gather(*(http_round(client, {**fields, "input": prompt(lane, batch)})
                                             for lane in range(count)))
-            rates["http"].append(sum(final.usage.output_tokens for *_, final in finals) /
-                                 (time.perf_counter() - started))
+            return sum(final.usage.output_tokens for *_, final in finals) / (time.perf_counter() - started)
+
+        ways = {"socket": over_socket, "http": over_http}
+        batch = 0
+        for repeat in range(-1, repeats):
+            for way in (list(ways) if repeat % 2 else list(ways)[::-1]):
+                batch += 1
+                rate = await ways[way](batch)
+                if repeat >= 0:
+                    rates[way].append(rate)
     return rates
 
 

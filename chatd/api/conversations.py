@@ -20,9 +20,8 @@ from cache_store.lookup import common_prefix_length
 from chatd.api.http_errors import ApiError
 from chatd.api.tool_calling import ToolFormat, ToolSetup, format_for
 from chatd.api.turn_errors import ErrorMessage
-from chatd.api.turns import StartedTurn, TurnRunner
+from chatd.api.turns import MOVED_ON, StartedTurn, TurnPlan, TurnRequest, TurnRunner
 from chatd.config import Settings
-from chatd.engine.sampling import SamplingParams
 from chatd.engine.scheduler import Engine
 from chatd.engine.turn import TurnFailed, TurnResult
 from chatd.model.prompt import PromptRenderer
@@ -59,14 +58,14 @@ class Conversations:
 
     async def place(self, owner: str | None, system: str | None, history: list[Message], content: str | list[Message],
                     hint: str | None, setup: ToolSetup | None = None) -> tuple[Session, list[int], bool]:
-        """The session this request runs in, claimed for it, the request's plain prompt ids, and whether the
-        session is one it continues: the matched session when the request extends it exactly and it is free;
-        otherwise a new one, branched from the best match's cache."""
+        """The session this request runs in, the request's plain prompt ids, and whether the session is one it
+        continues: the matched session when the request extends it exactly and no turn holds it; otherwise a new one,
+        branched from the best match's cache."""
         plain_ids = self.render(system, history, content, setup)
         matches = []
         for session in await self._candidates(owner, plain_ids, hint):
             if session.system == system and _same(session.messages, history) and \
-                    self.turns.try_claim(session.session_id):
+                    not self.turns.is_claimed(session.session_id):
                 return session, plain_ids, True
             spliced = _splice(history, session.messages)
             prompt_ids = plain_ids if spliced == history and _ids_of(spliced) == _ids_of(history) else \
@@ -76,63 +75,43 @@ class Conversations:
 
     async def branch(self, owner: str | None, system: str | None, history: list[Message], plain_ids: list[int],
                      matches: list[tuple[Session, list[Message], list[int]]]) -> Session:
-        """A new session, claimed, for `history`: its cache starts as a copy of the part it shares with the
-        match (session, spliced history, prompt ids) that shares the most, when that is a block or more."""
+        """A new session for `history`: its cache starts as a copy of the part it shares with the match (session,
+        spliced history, prompt ids) that shares the most, when that is a block or more."""
         best, best_history, best_ids, shared = None, history, plain_ids, 0
         for session, spliced, prompt_ids in matches:
             if (reach := common_prefix_length(session.token_ids, prompt_ids)) > shared:
                 best, best_history, best_ids, shared = session, spliced, prompt_ids, reach
         session = await self.sessions.create(system, owner=owner, messages=best_history)
-        self.turns.try_claim(session.session_id)  # new: nobody else can know it yet
         if best is not None and shared >= BLOCK:
             self.engine.fork_session(best.session_id, session.session_id, best_ids)
         return session
 
     async def branch_from(self, owner: str | None, system: str | None, history: list[Message],
                           content: str | list[Message], source: Session, setup: ToolSetup | None = None) -> Session:
-        """A new session, claimed, for `history` (its replies spliced with `source`'s ids), its cache a copy
-        of the part it shares with `source`'s."""
+        """A new session for `history` (its replies spliced with `source`'s ids), its cache a copy of the part it
+        shares with `source`'s."""
         spliced = _splice(history, source.messages)
         prompt_ids = self.render(system, spliced, content, setup)
         return await self.branch(owner, system, history, prompt_ids, [(source, spliced, prompt_ids)])
 
     async def start(self, owner: str | None, client: str, system: str | None, history: list[Message],
-                    content: list[Message], hint: str | None, params: SamplingParams, turn_id: str, setup: ToolSetup,
-                    api: str, keep_for_s: float | None = None) -> tuple[Session, StartedTurn]:
+                    content: list[Message], hint: str | None, plan: TurnPlan, turn_id: str, api: str
+                    ) -> tuple[Session, StartedTurn]:
         """The request's session and its started turn: the session it continues, or a branch of its own when
-        another worker runs or ran a turn of the matched session meanwhile (an identical conversation elsewhere).
-        An `ApiError` when it cannot start. `keep_for_s`: how long the turn's cache stays resident ahead of LRU."""
+        another turn holds it or another worker ran one of it meanwhile (an identical conversation elsewhere).
+        An `ApiError` when it cannot start."""
         try:
-            session, _, matched = await self.place(owner, system, history, content, hint, setup)
-            started = await self.begin(session, content, params, turn_id, owner, client, api=api,
-                                       expected_version=session.version if matched else None, setup=setup,
-                                       keep_for_s=keep_for_s)
-            if isinstance(started, ErrorMessage) and started.code in ("busy", "conflict") and matched:
-                session = await self.branch_from(owner, system, history, content, session, setup)
-                started = await self.begin(session, content, params, turn_id, owner, client, api=api, setup=setup,
-                                           keep_for_s=keep_for_s)
+            session, _, matched = await self.place(owner, system, history, content, hint, plan.setup)
+            started = await self.turns.start(TurnRequest(session.session_id, turn_id, owner, client, api, plan,
+                                                         expected_version=session.version if matched else None))
+            if isinstance(started, ErrorMessage) and started.code in MOVED_ON and matched:
+                session = await self.branch_from(owner, system, history, content, session, plan.setup)
+                started = await self.turns.start(TurnRequest(session.session_id, turn_id, owner, client, api, plan))
         except StoreUnavailable as error:
             raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
         if isinstance(started, ErrorMessage):
             raise ApiError.of(started)
         return session, started
-
-    async def begin(self, session: Session, content: str | list[Message], params: SamplingParams, turn_id: str,
-                    owner: str | None, client: str, expected_version: int | None = None, api: str = "openai",
-                    setup: ToolSetup | None = None, keep_for_s: float | None = None,
-                    generate: bool = True) -> StartedTurn | ErrorMessage:
-        """`TurnRunner.begin_turn` for a claimed session; the claim is released when it does not start."""
-        try:
-            started = await self.turns.begin_turn(session, content, params, turn_id, owner, client, api=api,
-                                                  expected_version=expected_version,
-                                                  tools=setup or ToolSetup(self.tool_format()), keep_for_s=keep_for_s,
-                                                  generate=generate)
-        except BaseException:
-            self.turns.release_claim(session.session_id)
-            raise
-        if isinstance(started, ErrorMessage):
-            self.turns.release_claim(session.session_id)
-        return started
 
     async def relay(self, owner: str | None, started: StartedTurn) -> tuple[str | TurnResult, asyncio.Queue]:
         """Relay a started turn's events into a queue (the conversation it reaches indexed when it ends) and wait

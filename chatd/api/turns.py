@@ -1,6 +1,7 @@
-"""The life of a turn, shared by the websocket gateway and the OpenAI-compatible API: one turn per
-session (claimed before the first await), the rate limit, the session's lease, the engine, the relay of
-its events in a task of its own, recording the completed turn, and the drain at shutdown."""
+"""The life of a turn, shared by every API (the websocket gateway, chat completions, Responses over HTTP and its
+WebSocket mode, Messages): one way it starts (`TurnRunner.start`: one turn per session, claimed before the first
+await, the rate limit, the session's lease and a fresh read, the version check, the engine), the relay of its events
+in a task of its own, recording the completed turn, and the drain at shutdown."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from chatd.api.rate_limit import RateLimiter
+from chatd.api.tool_calling import ToolSetup
 from chatd.api.turn_errors import ErrorMessage
 from chatd.config import Settings
 from chatd.engine.sampling import SamplingParams
@@ -28,6 +30,9 @@ from sessions import (
 )
 
 log = logging.getLogger(__name__)
+# Why a matched session cannot take a request's turn, so that the request branches from it instead: a turn holds it,
+# another worker moved it on, or it is gone.
+MOVED_ON = ("busy", "conflict", "unknown_session")
 SHARE_WAIT_S = 2.0  # at most this long a reply waits for its cache to reach Redis (--remote-kv)
 
 
@@ -40,8 +45,38 @@ class StartedTurn:
     inputs: list[Message]  # the turn's new messages, recorded with the reply
     events: asyncio.Queue[TurnEvent]
     lease: Lease
+    setup: ToolSetup | None = None  # how the model sees tools and how the reply is read
     parse: Callable[[str], tuple[str, list[ToolCall]]] = lambda text: (text, [])  # the reply's prose and calls
     reply: tuple[str, list[ToolCall]] = ("", [])  # as recorded: prose and calls (with their ids)
+
+
+@dataclass
+class TurnPlan:
+    """What a turn runs: its new input, how it samples, how the model sees tools and how its reply is read, how long
+    its cache stays resident ahead of plain LRU (an Anthropic cache breakpoint's ttl), and whether it samples at
+    all (without `generate`, a warm-up: the prompt prefilled into the session's cache and recorded)."""
+
+    new: str | Sequence[Message]
+    params: SamplingParams
+    setup: ToolSetup | None = None
+    keep_for_s: float | None = None
+    generate: bool = True
+
+
+@dataclass
+class TurnRequest:
+    """A turn asked of a session: `owner` is whose caches it reads and writes (a key, or its `cache_salt`'s scope),
+    `client` whose rate limit it counts against. `plan` is fixed, or made from the session as the lease reads it
+    (the websocket's turn depends on the session's tools). With `expected_version`, a session another worker moved
+    past it is `conflict`: a stateless request matched it at that version and must run on exactly that history."""
+
+    session_id: str
+    turn_id: str
+    owner: str | None
+    client: str
+    api: str
+    plan: TurnPlan | Callable[[Session], Awaitable[TurnPlan | ErrorMessage]]
+    expected_version: int | None = None
 
 
 class TurnRunner:
@@ -68,81 +103,84 @@ class TurnRunner:
         return self._turns.get(session_id)
 
     def is_claimed(self, session_id: str) -> bool:
+        """Whether a turn holds the session now (a request choosing among sessions passes over a claimed one)."""
         return session_id in self._claims
 
-    def try_claim(self, session_id: str) -> bool:
-        """Claim the session for one turn (synchronously: nothing can interleave); False if it has one."""
+    async def start(self, request: TurnRequest) -> StartedTurn | ErrorMessage:
+        """The one way a turn starts, for every API: the session claimed (one turn per session, before the first
+        await), the client's rate limit, the session's lease and a fresh copy of the session read with it, the
+        version the request was matched at, the plan made against that copy, then the engine; or why not. The claim
+        and the lease are released here when the turn does not start, and by its forwarder when it does."""
+        session_id = request.session_id
+        if self.draining:
+            return _shutting_down(request.turn_id)
         if session_id in self._claims:
-            return False
+            return ErrorMessage(turn_id=request.turn_id, code="busy", retryable=True,
+                                message=f"session {session_id} is already running a turn")
         self._claims.add(session_id)
-        return True
-
-    def release_claim(self, session_id: str) -> None:
-        self._claims.discard(session_id)
-
-    async def take_lease(self, session_id: str, turn_id: str, client: str
-                         ) -> tuple[Lease, Session | None] | ErrorMessage:
-        """The rate limit, then the session's lease and the session as read with it (fresh: another worker may have
-        written; None if it does not exist), or why not."""
-        if (wait := self.rate_limit.acquire(client)) is not None:
-            return ErrorMessage(turn_id=turn_id, code="rate_limited", retryable=True, retry_after_s=round(wait, 2),
-                                message=f"over {self.settings.rate_limit_per_min:g} turns per minute; "
-                                        f"retry in {wait:.1f} s")
+        lease: Lease | None = None
+        outcome: StartedTurn | ErrorMessage | None = None
         try:
-            lease = await self.store.lease(session_id)
-        except SessionBusy as error:
-            return ErrorMessage(turn_id=turn_id, code="busy", retryable=True, message=str(error))
-        try:
-            return lease, lease.session or await self.store.get(session_id)
-        except BaseException:
-            await lease.release()
-            raise
+            outcome = self._over_rate_limit(request)
+            if outcome is None:
+                try:
+                    lease = await self.store.lease(session_id)
+                except SessionBusy as error:
+                    outcome = ErrorMessage(turn_id=request.turn_id, code="busy", retryable=True, message=str(error))
+            if lease is not None:
+                outcome = await self._submit(request, lease, lease.session or await self.store.get(session_id))
+        finally:
+            if not isinstance(outcome, StartedTurn):
+                if lease is not None:
+                    await lease.release()
+                self._claims.discard(session_id)
+        return outcome
 
-    async def begin_turn(self, session: Session, new: str | Sequence[Message], params: SamplingParams, turn_id: str,
-                         owner: str | None, client: str, api: str = "websocket",
-                         expected_version: int | None = None, tools=None,
-                         keep_for_s: float | None = None, lease: Lease | None = None,
-                         generate: bool = True) -> StartedTurn | ErrorMessage:
-        """Start a turn of a claimed session in the engine (rate limit, lease, a fresh copy of the
-        session), or say why not. Shared by the websocket and the OpenAI-compatible API. With
-        `expected_version`, a session that another worker moved past it is `conflict` (a stateless request
-        matched it at that version, and must run on exactly that history). `tools` (a `ToolSetup`) says how
-        the model sees the tools and how its reply is read; `keep_for_s`, how long its cache stays resident ahead of
-        plain LRU (an Anthropic cache breakpoint's ttl). With `lease` (from `take_lease`), `session` is the copy read
-        with it. Without `generate`, a warm-up: the prompt is prefilled into the session's cache and recorded."""
-        if lease is None:
-            leased = await self.take_lease(session.session_id, turn_id, client)
-            if isinstance(leased, ErrorMessage):
-                return leased
-            lease, session = leased[0], leased[1] or session
-        if expected_version is not None and session.version != expected_version:
-            await lease.release()
+    def _over_rate_limit(self, request: TurnRequest) -> ErrorMessage | None:
+        if (wait := self.rate_limit.acquire(request.client)) is None:
+            return None
+        return ErrorMessage(turn_id=request.turn_id, code="rate_limited", retryable=True,
+                            retry_after_s=round(wait, 2), message=f"over {self.settings.rate_limit_per_min:g} turns "
+                                                                  f"per minute; retry in {wait:.1f} s")
+
+    async def _submit(self, request: TurnRequest, lease: Lease, session: Session | None
+                      ) -> StartedTurn | ErrorMessage:
+        """The leased session's turn into the engine, or why not: the session gone, moved past the version the
+        request was matched at (another worker's turn: it must run on exactly that history), the plan refused, or
+        the shutdown begun while the store answered."""
+        turn_id = request.turn_id
+        if session is None:
+            return ErrorMessage(turn_id=turn_id, code="unknown_session", message=f"no session {request.session_id!r}")
+        if request.expected_version is not None and session.version != request.expected_version:
             return ErrorMessage(turn_id=turn_id, code="conflict", retryable=True,
                                 message="another worker completed a turn of this session meanwhile")
-        if self.draining:  # the shutdown began while the store answered
-            await lease.release()
-            return ErrorMessage(turn_id=turn_id, code="unavailable", retryable=True,
-                                message="the server is shutting down; reconnect and send the message again")
+        plan = request.plan if isinstance(request.plan, TurnPlan) else await request.plan(session)
+        if isinstance(plan, ErrorMessage):
+            return plan
+        if self.draining:
+            return _shutting_down(turn_id)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TurnEvent] = asyncio.Queue()
+        tools = plan.setup
         turn = Turn(
             turn_id=turn_id,
             session_id=session.session_id,
-            messages=tools.engine_messages(session.prompt_messages(new)) if tools else session.prompt_messages(new),
-            params=params,
-            owner=owner,
+            messages=tools.engine_messages(session.prompt_messages(plan.new)) if tools else
+            session.prompt_messages(plan.new),
+            params=plan.params,
+            owner=request.owner,
             tools=tools.template_tools() if tools else None,
             emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
             session_version=session.version,
             dropped_turns=session.dropped_turns,
-            keep_for_s=keep_for_s,
-            generate=generate,
+            keep_for_s=plan.keep_for_s,
+            generate=plan.generate,
             call_trigger=tools.call_trigger if tools else None,
         )
         self._turns[session.session_id] = turn
-        self._on_request(api)
+        self._on_request(request.api)
         self.engine.submit(turn)
-        started = StartedTurn(turn, session, as_inputs(new), events, lease)
+        started = StartedTurn(turn, session, as_inputs(plan.new), events, lease, tools)
         if tools is not None:
             started.parse = tools.parse
         return started
@@ -229,3 +267,8 @@ class TurnRunner:
         if self._forwarders:
             await asyncio.wait(set(self._forwarders))
         return len(late)
+
+
+def _shutting_down(turn_id: str) -> ErrorMessage:
+    return ErrorMessage(turn_id=turn_id, code="unavailable", retryable=True,
+                        message="the server is shutting down; reconnect and send the message again")

@@ -41,7 +41,7 @@ from chatd.api.conversations import Conversations, salted
 from chatd.api.http_errors import ApiError, refusals, store_call
 from chatd.api.tool_calling import RequestRefused, ToolSetup
 from chatd.api.turn_errors import ErrorMessage
-from chatd.api.turns import StartedTurn, TurnRunner
+from chatd.api.turns import MOVED_ON, StartedTurn, TurnPlan, TurnRequest, TurnRunner
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed, TurnResult
 from sessions import Message, Session, ToolCall
@@ -113,8 +113,8 @@ class AnthropicApi:
         else:
             system, history, content = body.conversation()
             session, started = await self.conversations.start(
-                scope, client, system, history, content, body.session_id or hint, params, message_id, setup,
-                "anthropic", keep_for_s=ttl)
+                scope, client, system, history, content, body.session_id or hint,
+                TurnPlan(content, params, setup, keep_for_s=ttl), message_id, "anthropic")
         started.parse = _anthropic_reader(started.parse, setup.call_trigger)
         first, events = await self.conversations.relay(scope, started)
         headers = {SESSION_HEADER: session.session_id, WORKER_HEADER: WORKER}
@@ -142,20 +142,19 @@ class AnthropicApi:
         (only the new messages are prefilled), else of a branch from that point (its cache a copy of the part they
         share)."""
         session, previous, new = continuation.session, continuation.previous, body.new_messages()
-        if session.version == previous.version and self.turns.try_claim(session.session_id):
-            started = await self.conversations.begin(session, new, params, message_id, scope, client,
-                                                     expected_version=previous.version, api="anthropic", setup=setup,
-                                                     keep_for_s=ttl)
+        plan = TurnPlan(new, params, setup, keep_for_s=ttl)
+        if session.version == previous.version and not self.turns.is_claimed(session.session_id):
+            started = await self.turns.start(TurnRequest(session.session_id, message_id, scope, client, "anthropic",
+                                                         plan, expected_version=previous.version))
             if not isinstance(started, ErrorMessage):
                 return session, started
-            if started.code not in ("busy", "conflict"):
+            if started.code not in MOVED_ON:
                 raise ApiError.of(started)
-        # (moved on since, or running on another worker: a branch from the held reply's point)
+        # (moved on since, or running here or on another worker: a branch from the held reply's point)
         history = continuation.history
         ids = self.conversations.render(previous.system, history, new, setup)
         branch = await self.conversations.branch(scope, previous.system, history, ids, [(session, history, ids)])
-        started = await self.conversations.begin(branch, new, params, message_id, scope, client, api="anthropic",
-                                                 setup=setup, keep_for_s=ttl)
+        started = await self.turns.start(TurnRequest(branch.session_id, message_id, scope, client, "anthropic", plan))
         if isinstance(started, ErrorMessage):
             raise ApiError.of(started)
         return branch, started

@@ -42,7 +42,7 @@ from chatd.api.openai.chat_schema import (
 )
 from chatd.api.openai.errors import openai_body
 from chatd.api.tool_calling import ToolSetup
-from chatd.api.turns import StartedTurn, TurnRunner
+from chatd.api.turns import StartedTurn, TurnPlan, TurnRunner
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed, TurnResult
 from sessions import ToolCall
@@ -81,7 +81,7 @@ class OpenAIApi:
         system, history, content = body.conversation()
         session, started = await self.conversations.start(
             scope, client, system, history, content, body.session_id or body.prompt_cache_key or x_session_id,
-            params, turn_id, setup, "openai")
+            TurnPlan(content, params, setup), turn_id, "openai")
         first, events = await self.conversations.relay(scope, started)
         headers = {SESSION_HEADER: session.session_id, WORKER_HEADER: WORKER}
         if body.stream:

@@ -31,7 +31,7 @@ from chatd.api.openai.responses_schema import (
 )
 from chatd.api.tool_calling import ToolSetup
 from chatd.api.turn_errors import ErrorMessage
-from chatd.api.turns import StartedTurn
+from chatd.api.turns import MOVED_ON, StartedTurn, TurnPlan, TurnRequest
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed, TurnResult
 from sessions import Message, Session, StoreUnavailable, ToolCall
@@ -114,10 +114,14 @@ class ResponseTurns:
     async def _start(self, owner: str | None, scope: str | None, body: ResponseRequest, params: SamplingParams,
                      response_id: str, client: str, setup: ToolSetup, socket: SocketResponses | None
                      ) -> tuple[Session, StartedTurn | ErrorMessage]:
-        """The session the response runs in, claimed, and its turn started (or why not). `owner`: the key's id;
-        `scope`: whose sessions and caches (the key's, or its `cache_salt`'s)."""
+        """The session the response runs in and its turn started (or why not). `owner`: the key's id; `scope`: whose
+        sessions and caches (the key's, or its `cache_salt`'s)."""
         extra, new = body.split()
-        begin = {"api": "responses", "setup": setup, "generate": not body.warm_up}
+        plan = TurnPlan(new, params, setup, generate=not body.warm_up)
+
+        def request(session: Session, expected_version: int | None = None) -> TurnRequest:
+            return TurnRequest(session.session_id, response_id, scope, client, "responses", plan, expected_version)
+
         if conversation_id := body.conversation_id():
             if extra or not body.store:
                 raise ApiError(400, "a response in a conversation takes only new input (a user message or function "
@@ -126,10 +130,11 @@ class ResponseTurns:
             _, session = await self.owned_conversation(owner, conversation_id)
             with refusals():
                 body.check_outputs(_call_ids(session.messages))
-            if not self.turns.try_claim(session.session_id):
+            started = await self.turns.start(request(session))
+            if isinstance(started, ErrorMessage) and started.code == "busy":
                 raise ApiError(409, f"a response of conversation {conversation_id!r} is running; wait for it",
                                param="conversation", code="conflict")
-            return session, await self.conversations.begin(session, new, params, response_id, scope, client, **begin)
+            return session, started
         system = body.instructions
         if body.previous_response_id:
             session, fresh = await self._from_previous(owner, scope, body, extra, new, setup, socket)
@@ -141,29 +146,28 @@ class ResponseTurns:
         if not body.store and not fresh and (socket is None or session.session_id not in socket.owned):
             # Nothing may be left behind: the turn runs in a session of its own, deleted after the reply (or, on a
             # socket, when it closes).
-            self.turns.release_claim(session.session_id)
             session = await self.conversations.branch_from(scope, session.system, session.messages, new, session, setup)
             fresh = True
         if not body.store and socket is not None:
             socket.owned.add(session.session_id)
-        started = await self.conversations.begin(session, new, params, response_id, scope, client,
-                                                 expected_version=None if fresh else session.version, **begin)
-        if isinstance(started, ErrorMessage) and started.code in ("busy", "conflict") and not fresh:
-            # Another worker runs or ran a turn of that session meanwhile: this response branches from its point.
+        started = await self.turns.start(request(session, None if fresh else session.version))
+        if isinstance(started, ErrorMessage) and started.code in MOVED_ON and not fresh:
+            # Another turn holds that session, or another worker ran one of it meanwhile: this response branches
+            # from its point.
             if body.previous_response_id:
                 session, _ = await self._from_previous(owner, scope, body, extra, new, setup, socket, branch=True)
             else:
                 session = await self.conversations.branch_from(scope, system, extra, new, session, setup)
             if not body.store and socket is not None:
                 socket.owned.add(session.session_id)
-            started = await self.conversations.begin(session, new, params, response_id, scope, client, **begin)
+            started = await self.turns.start(request(session))
         return session, started
 
     async def _from_previous(self, owner: str | None, scope: str | None, body: ResponseRequest, extra: list[Message],
                              new: list[Message], setup: ToolSetup, socket: SocketResponses | None,
                              branch: bool = False) -> tuple[Session, bool]:
-        """The session that continues `previous_response_id`, claimed, and whether it is new: its own when
-        that response is its latest point and nothing is added before the new input (unless `branch`);
+        """The session that continues `previous_response_id`, and whether it is new: its own when that response is
+        its latest point, no turn holds it and nothing is added before the new input (unless `branch`);
         otherwise a branch from that point. A previous response of another `cache_salt` is not found; the
         responses a socket made are found there first (its `store: false` ones only there)."""
         found = socket.find(body.previous_response_id) if socket is not None else None
@@ -180,7 +184,7 @@ class ResponseTurns:
             body.check_outputs(_call_ids(session.messages[:previous.messages]))
         system = body.instructions if body.instructions is not None else session.system
         if not branch and session.version == previous.version and not extra and system == session.system and \
-                self.turns.try_claim(session.session_id):
+                not self.turns.is_claimed(session.session_id):
             return session, False
         history = session.messages[:previous.messages] + extra
         ids = self.conversations.render(system, history, new, setup)

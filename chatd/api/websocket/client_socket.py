@@ -50,5 +50,5 @@ class ClientSocket:
         if self._websocket.application_state != WebSocketState.DISCONNECTED:
             try:
                 await self._websocket.close(code, reason)
-            except (RuntimeError, OSError):
+            except (WebSocketDisconnect, RuntimeError, OSError):
                 pass  # already closed by the client

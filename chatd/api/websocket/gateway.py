@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 from chatd.api.auth import KeyRing
 from chatd.api.constants import WORKER
-from chatd.api.tool_calling import RequestRefused, ToolFormat, ToolSetup, compile_grammar, format_for
-from chatd.api.turns import StartedTurn, TurnRunner
+from chatd.api.tool_calling import RequestRefused, ToolFormat, compile_grammar, format_for
+from chatd.api.turns import StartedTurn, TurnPlan, TurnRequest, TurnRunner
 from chatd.api.websocket.client_socket import ClientGone, ClientSocket
 from chatd.api.websocket.protocol import (
     Auth,
@@ -46,7 +46,7 @@ from chatd.api.websocket.turn_log import TurnLogs
 from chatd.api.websocket.turn_tools import result_messages, setup_for
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed, TurnResult
-from sessions import Lease, Session, StoreUnavailable, ToolCall
+from sessions import Session, StoreUnavailable, ToolCall
 
 log = logging.getLogger(__name__)
 MAX_FAILED_AUTH = 5
@@ -169,29 +169,28 @@ class Gateway:
         session = await self.store.get(session_id)
         return session if session is not None and session.owner == connection.owner else None
 
-    async def _attach(self, connection: Connection, session_id: str | None, turn_id: str | None = None) -> bool:
-        """Count the session (None: a new one) against the connection's limit; False, with an error
-        sent, if over it."""
+    def _attach(self, connection: Connection, session_id: str | None, turn_id: str | None = None
+                ) -> ErrorMessage | None:
+        """Count the session (None: a new one) against the connection's limit; the error to send if over it."""
         if session_id in connection.sessions:
-            return True
+            return None
         limit = self.settings.max_sessions_per_connection
         if len(connection.sessions) >= limit:
-            await connection.send(ErrorMessage(
-                turn_id=turn_id, code="limit_exceeded",
-                message=f"this connection already uses {limit} sessions, the most allowed; "
-                        "close one (session.close) or open another connection"))
-            return False
+            return ErrorMessage(turn_id=turn_id, code="limit_exceeded",
+                                message=f"this connection already uses {limit} sessions, the most allowed; "
+                                        "close one (session.close) or open another connection")
         if session_id is None:
-            return True
+            return None
         connection.sessions.add(session_id)
         self._attached[session_id] += 1
         if self._attached[session_id] == 1:
             self.engine.session_connected(session_id, True)
-        return True
+        return None
 
     async def open_session(self, connection: Connection, message: SessionOpen) -> None:
         if message.session_id is None:
-            if not await self._attach(connection, None):
+            if refusal := self._attach(connection, None):
+                await connection.send(refusal)
                 return
             try:
                 setup_for(ToolFormat(), message.tool_options())  # checked now, not at the first turn
@@ -200,14 +199,15 @@ class Gateway:
                 return
             session = await self.store.create(message.system, owner=connection.owner,
                                               tool_options=message.tool_options() or None)
-            await self._attach(connection, session.session_id)
+            self._attach(connection, session.session_id)  # (room for it was checked above)
             await connection.send(SessionReady(session_id=session.session_id, turns=0, resumed=False, worker=WORKER))
             return
         session = await self._owned_session(connection, message.session_id)
         if session is None:
             await connection.send(_unknown_session(message.session_id))
             return
-        if not await self._attach(connection, session.session_id):
+        if refusal := self._attach(connection, session.session_id):
+            await connection.send(refusal)
             return
         history = [HistoryMessage(role=m.role, content=m.content, tool_calls=_calls_out(m.tool_calls),
                                   tool_call_id=m.tool_call_id) for m in session.messages]
@@ -215,47 +215,47 @@ class Gateway:
                                            worker=WORKER, history=history))
 
     async def start_turn(self, connection: Connection, message: ChatRequest) -> None:
-        """Claim the session for this turn before anything else can interleave (the first await),
-        then start the turn; the claim is released on every path, by its forwarder once it has one."""
+        """Start the turn (`TurnRunner.start`: claim, rate limit, lease, fresh read) and relay it, or send why not;
+        another key's session is answered as a missing one."""
         turn_id = message.turn_id or secrets.token_urlsafe(8)
         refusal = self._refuse_turn(connection, message, turn_id)
         if refusal is not None:
             await connection.send(refusal)
             return
-        session_id = message.session_id
-        if not self.turns.try_claim(session_id):
-            await connection.send(ErrorMessage(turn_id=turn_id, code="busy", retryable=True,
-                                               message=f"session {session_id} is already running a turn"))
-            return
-        forwarding = False
-        try:
-            forwarding = await self._start_claimed_turn(connection, message, turn_id)
-        finally:
-            if not forwarding:
-                self.turns.release_claim(session_id)
+        async def plan(session: Session) -> TurnPlan | ErrorMessage:
+            """The turn as the session read with its lease says (its tools), or why not."""
+            if session.owner != connection.owner:
+                return _unknown_session(message.session_id, turn_id)
+            if refusal := self._attach(connection, session.session_id, turn_id):
+                return refusal
+            try:
+                setup = setup_for(self._tool_format(session, message), session.tool_options, message)
+                new = message.content or result_messages(session.messages, message.tool_results or ())
+                grammar = await compile_grammar(self.engine.grammars, setup, "response_format") \
+                    if setup.grammar() is not None else None
+            except RequestRefused as error:
+                return ErrorMessage(turn_id=turn_id, code="bad_request", message=_naming(error))
+            except ModelLoading:
+                return ErrorMessage(turn_id=turn_id, code="unavailable", retryable=True,
+                                    message="the model is still loading; tools need it: retry shortly")
+            return TurnPlan(new, SamplingParams(**message.params.model_dump(), grammar=grammar), setup)
 
-    async def _start_claimed_turn(self, connection: Connection, message: ChatRequest, turn_id: str) -> bool:
-        """The rest of `start_turn`; True once a forwarder owns the claim. The session's lease comes first: the
-        session is read with it, in the same round trip to Redis (then checked to be this key's)."""
-        leased = await self.turns.take_lease(message.session_id, turn_id, connection.client)
-        if isinstance(leased, ErrorMessage):
-            if leased.code == "busy" and await self._owned_session(connection, message.session_id) is None:
-                leased = _unknown_session(message.session_id, turn_id)  # (another key's session: as a missing one)
-            await connection.send(leased)
-            return False
-        lease, session = leased
-        begun = None
-        try:
-            begun = await self._begin_leased_turn(connection, message, turn_id, lease, session)
-        finally:
-            if begun is None:
-                await lease.release()
-        if begun is None:
-            return False
-        started, setup = begun
+        started = await self.turns.start(TurnRequest(message.session_id, turn_id, connection.owner,
+                                                     connection.client, "websocket", plan))
+        if isinstance(started, ErrorMessage):
+            if started.code == "busy" and await self._owned_session(connection, message.session_id) is None:
+                started = _unknown_session(message.session_id, turn_id)  # (another key's session: as a missing one)
+            await connection.send(started)
+            return
+        self._relay(connection, started)
+
+    def _relay(self, connection: Connection, started: StartedTurn) -> None:
+        """The turn's deltas (its prose: tool calls are held back for `chat.done`) and its end, through its turn log
+        (which a reconnecting client resumes)."""
+        turn_id = started.turn.turn_id
         turn_log = self.turn_logs.start(started.turn, connection.owner, connection)
         seq = itertools.count()
-        prose = setup.prose_stream()
+        prose = started.setup.prose_stream()
 
         async def publish_text(text: str) -> None:
             if text:
@@ -271,35 +271,6 @@ class Gateway:
             await turn_log.publish(_reply(turn_id, event, started))
 
         self.turns.forward(started, on_text, on_end)
-        return True
-
-    async def _begin_leased_turn(self, connection: Connection, message: ChatRequest, turn_id: str, lease: Lease,
-                                 session: Session | None) -> tuple[StartedTurn, ToolSetup] | None:
-        """Start the turn in the engine (and say how its reply is read), or send why not (None)."""
-        if session is None or session.owner != connection.owner:  # (another key's: answered as a missing one)
-            await connection.send(_unknown_session(message.session_id, turn_id))
-            return None
-        if not await self._attach(connection, session.session_id, turn_id):
-            return None
-        try:
-            setup = setup_for(self._tool_format(session, message), session.tool_options, message)
-            new = message.content or result_messages(session.messages, message.tool_results or ())
-            grammar = await compile_grammar(self.engine.grammars, setup, "response_format") \
-                if setup.grammar() is not None else None
-        except RequestRefused as error:
-            await connection.send(ErrorMessage(turn_id=turn_id, code="bad_request", message=_naming(error)))
-            return None
-        except ModelLoading:
-            await connection.send(ErrorMessage(turn_id=turn_id, code="unavailable", retryable=True,
-                                               message="the model is still loading; tools need it: retry shortly"))
-            return None
-        params = SamplingParams(**message.params.model_dump(), grammar=grammar)
-        started = await self.turns.begin_turn(session, new, params, turn_id, connection.owner, connection.client,
-                                              tools=setup, lease=lease)
-        if isinstance(started, ErrorMessage):
-            await connection.send(started)
-            return None
-        return started, setup
 
     def _tool_format(self, session: Session, message: ChatRequest) -> ToolFormat:
         """How the served model sees tools; `ModelLoading` until it is loaded, for a turn that involves them
@@ -312,10 +283,7 @@ class Gateway:
         return ToolFormat()
 
     def _refuse_turn(self, connection: Connection, message: ChatRequest, turn_id: str) -> ErrorMessage | None:
-        """The checks that need no session: shutdown, limits, capacity, a duplicate turn id."""
-        if self.turns.draining:
-            return ErrorMessage(turn_id=turn_id, code="unavailable", retryable=True,
-                                message="the server is shutting down; reconnect and send the message again")
+        """The checks that need no session: limits, capacity, a duplicate turn id (the shutdown: `TurnRunner.start`)."""
         cap = self.settings.max_new_tokens
         if message.params.max_new_tokens > cap:
             return ErrorMessage(turn_id=turn_id, code="limit_exceeded",
@@ -347,7 +315,8 @@ class Gateway:
                 message=f"no turn {message.turn_id!r} to resume: it never ran here or finished more than "
                         f"{self.settings.turn_log_ttl_s:g} s ago"))
             return
-        if not await self._attach(connection, turn_log.turn.session_id, message.turn_id):
+        if refusal := self._attach(connection, turn_log.turn.session_id, message.turn_id):
+            await connection.send(refusal)
             return
         await turn_log.subscribe(connection, message.last_seq)
 
