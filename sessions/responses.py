@@ -3,9 +3,10 @@
 A stored response names its session and where in it the response ended (the session's version and
 message count after it), so that `previous_response_id` continues the session when that is its latest
 point and branches from it otherwise. A conversation is a session; what the Conversations API adds
-(its metadata, its creation time) is kept beside it. In memory, or in Redis (`chatd:response:{<id>}`,
-`chatd:{<session id>}:conversation`, one hash tag each) with the sessions' retention TTL, so that
-responses survive restarts and every worker sees them.
+(its metadata, its creation time) is kept beside it. Each output item's id names the response that made it, so that
+a client that refers to an earlier reply by its id (`item_reference`, as the AI SDK does) is answered with it. In
+memory, or in Redis (`chatd:response:{<id>}`, `chatd:response_item:{<item id>}`, `chatd:{<session id>}:conversation`,
+one hash tag each) with the sessions' retention TTL, so that responses survive restarts and every worker sees them.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class ResponseStore(Protocol):
 
     async def get(self, response_id: str) -> StoredResponse | None: ...
 
+    async def find_item(self, item_id: str) -> StoredResponse | None:
+        """The stored response whose output holds the item `item_id`."""
+
     async def delete(self, response_id: str) -> bool: ...
 
     async def put_conversation(self, conversation: ConversationInfo) -> None: ...
@@ -69,9 +73,16 @@ class InMemoryResponseStore:
         self.retention_s, self._clock = retention_s, clock
         self._responses: LRUCache[str, tuple[float, StoredResponse]] = LRUCache(LOCAL_RESPONSES)
         self._conversations: dict[str, ConversationInfo] = {}
+        self._items: LRUCache[str, str] = LRUCache(4 * LOCAL_RESPONSES)  # output item id -> response id
 
     async def put(self, response: StoredResponse) -> None:
         self._responses[response.response_id] = (self._clock(), response)
+        for item_id in output_item_ids(response):
+            self._items[item_id] = response.response_id
+
+    async def find_item(self, item_id: str) -> StoredResponse | None:
+        response_id = self._items.get(item_id)
+        return await self.get(response_id) if response_id is not None else None
 
     async def get(self, response_id: str) -> StoredResponse | None:
         kept = self._responses.get(response_id)
@@ -103,10 +114,18 @@ class RedisResponseStore:
     async def put(self, response: StoredResponse) -> None:
         key = _response_key(response.response_id)
         await self._call(self._sessions.write(key, ("SET", key, json.dumps(asdict(response)), "EX", self._ttl_s)))
+        for item_id in output_item_ids(response):
+            item_key = _item_key(item_id)
+            await self._call(self._sessions.write(item_key, ("SET", item_key, response.response_id, "EX",
+                                                             self._ttl_s)))
 
     async def get(self, response_id: str) -> StoredResponse | None:
         raw = await self._call(self._redis.get(_response_key(response_id)))
         return StoredResponse(**json.loads(raw)) if raw is not None else None
+
+    async def find_item(self, item_id: str) -> StoredResponse | None:
+        raw = await self._call(self._redis.get(_item_key(item_id)))
+        return await self.get(raw.decode()) if raw is not None else None
 
     async def delete(self, response_id: str) -> bool:
         return bool(await self._call(self._redis.delete(_response_key(response_id))))
@@ -128,3 +147,11 @@ class RedisResponseStore:
 
 def _response_key(response_id: str) -> str:
     return f"chatd:response:{{{response_id}}}"
+
+
+def _item_key(item_id: str) -> str:
+    return f"chatd:response_item:{{{item_id}}}"
+
+
+def output_item_ids(response: StoredResponse) -> list[str]:
+    return [item["id"] for item in response.body.get("output", []) if isinstance(item.get("id"), str)]

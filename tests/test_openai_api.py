@@ -207,3 +207,41 @@ async def test_a_failure_mid_stream_is_one_error_event(tiny):
         assert error["type"] == "server_error" and "decode" in error["message"]
         after = await http.post("/v1/chat/completions", json={**body, "stream": False})  # the server goes on
         assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"] is not None
+
+
+async def test_a_cap_above_the_servers_limit_stops_there_and_null_means_the_default(tiny):
+    """Clients ask for more tokens than a server gives (the AI SDK 4096, litellm 128000) and send null for
+    parameters they leave out: the reply stops at --max-new-tokens with `length` (`max_tokens` for Anthropic), and a
+    request without a cap generates up to that limit too, not a smaller default."""
+    settings = Settings(port=0, model=MODEL, verify_sample_rate=0.0, max_new_tokens=12)
+    async with ChatServer(settings, load=lambda: tiny) as server:
+        await server.wait_ready()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as http:
+            nulls = {"temperature": None, "top_p": None, "n": None, "frequency_penalty": None,
+                     "presence_penalty": None, "parallel_tool_calls": None, "stream": None}
+            for cap in ({"max_tokens": 128000}, {"max_completion_tokens": 4096}, {}):
+                response = await http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": f"Hello {cap}"}], **cap, **nulls})
+                assert response.status_code == 200, response.text
+                body = response.json()
+                assert body["usage"]["completion_tokens"] <= 12
+                assert body["choices"][0]["finish_reason"] in ("length", "stop")
+            for cap in ({"max_output_tokens": 4096}, {}):
+                response = await http.post("/v1/responses", json={
+                    "model": MODEL, "input": f"Hello {cap}", "store": None, "temperature": None, "top_p": None,
+                    "parallel_tool_calls": None, **cap})
+                assert response.status_code == 200, response.text
+                assert response.json()["usage"]["output_tokens"] <= 12
+            response = await http.post("/v1/messages", json={"model": MODEL, "max_tokens": 128000, "messages": [
+                {"role": "user", "content": "Hello"}]})
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["output_tokens"] <= 12
+            for bad in ({"max_tokens": 0}, {"temperature": 3}):  # still refused: below 1, out of range
+                response = await http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": "Hello"}], **bad})
+                assert response.status_code == 400, response.text
+        # The tiny model never ends a reply of its own: a reply that reached the limit says so.
+        client = client_for(server)
+        completion = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                          max_tokens=5000, temperature=0)
+        assert completion.usage.completion_tokens == 12 and completion.choices[0].finish_reason == "length"

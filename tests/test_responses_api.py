@@ -231,3 +231,58 @@ async def test_the_openai_agents_sdk_runs_a_two_turn_agent(smollm2):
         stored = await client.responses.retrieve(second.last_response_id)
         assert stored.previous_response_id == first.last_response_id
         assert stored.output_text == second.final_output and stored.usage.input_tokens_details.cached_tokens > 0
+
+
+async def test_item_references_resolve_to_stored_items_on_any_worker(tiny, redis_db):
+    """The AI SDK's history with `store` on: earlier replies sent as `item_reference` by their ids. Each resolves to
+    the stored item (on another worker through Redis), the conversation continues its session from the cache and
+    answers as the whole conversation sent as text does; reasoning items are passed over; another key's item, an
+    unknown id and an image part are refused naming the item."""
+    settings = Settings(port=0, model=MODEL, redis_url=redis_db.url, api_key=["key-a", "key-b"])
+    async with ChatServer(settings, load=lambda: tiny) as one, ChatServer(settings, load=lambda: tiny) as two, \
+            ChatServer(Settings(port=0, model=MODEL, session_cache=False), load=lambda: tiny) as reference:
+        for started in (one, two, reference):
+            await started.wait_ready()
+        first = await respond(client_for(one, "key-a"), QUESTIONS[0], instructions=SYSTEM)
+        history = [{"role": "user", "content": QUESTIONS[0]}, {"type": "reasoning", "id": "rs_1", "summary": []},
+                   {"type": "item_reference", "id": first.output[0].id},
+                   {"role": "user", "content": QUESTIONS[1]}]
+        second = await client_for(one, "key-a").responses.create(model=MODEL, input=history, instructions=SYSTEM,
+                                                                  max_output_tokens=8, temperature=0)
+        texts = [{"role": "user", "content": QUESTIONS[0]}, {"role": "assistant", "content": first.output_text},
+                 {"role": "user", "content": QUESTIONS[1]}]
+        solo = await client_for(reference).responses.create(model=MODEL, instructions=SYSTEM, input=texts,
+                                                             max_output_tokens=8, temperature=0)
+        assert second.output_text == solo.output_text
+        assert second.usage.input_tokens == solo.usage.input_tokens
+        assert second.usage.input_tokens_details.cached_tokens >= 0.6 * second.usage.input_tokens
+        # On the other worker (the items through Redis; the cache is the first worker's, so it recomputes).
+        third = await client_for(two, "key-a").responses.create(
+            model=MODEL, instructions=SYSTEM, max_output_tokens=8, temperature=0, input=history + [
+                {"type": "item_reference", "id": second.output[0].id}, {"role": "user", "content": QUESTIONS[2]}])
+        solo = await client_for(reference).responses.create(model=MODEL, instructions=SYSTEM, input=texts + [
+            {"role": "assistant", "content": second.output_text}, {"role": "user", "content": QUESTIONS[2]}],
+            max_output_tokens=8, temperature=0)
+        assert third.output_text == solo.output_text and third.usage.input_tokens == solo.usage.input_tokens
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{one.port}") as http:
+            refusals = [
+                ("key-b", [{"role": "user", "content": "hi"}, {"type": "item_reference", "id": first.output[0].id},
+                           {"role": "user", "content": "and?"}], "input[1].id"),
+                ("key-a", [{"type": "item_reference", "id": "msg_unknown"}, {"role": "user", "content": "x"}],
+                 "input[0].id"),
+                ("key-a", [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                                        {"type": "input_image", "image_url": "data:,"}]}],
+                 "input[0].content[1]"),
+                ("key-a", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                           {"role": "user", "content": 5}], "input[2].content"),
+            ]
+            for key, items, param in refusals:
+                response = await http.post("/v1/responses", json={"model": MODEL, "input": items},
+                                           headers={"Authorization": f"Bearer {key}"})
+                assert response.status_code == 400, response.text
+                assert response.json()["error"]["param"] == param, response.json()
+            response = await http.post("/v1/chat/completions", headers={"Authorization": "Bearer key-a"}, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "tool_choice": {"type": "function"}})
+            assert response.status_code == 400 and response.json()["error"]["param"].startswith("tool_choice"), \
+                response.text

@@ -17,7 +17,7 @@ from chatd.engine.grammar import CompiledGrammar
 from chatd.engine.scheduler import Engine
 
 
-class TurnRequest(Protocol):
+class ReplyBody(Protocol):
     """A request body that asks for a reply: the model it names, and what of it this server cannot do."""
 
     model: str
@@ -45,18 +45,15 @@ class Admission:
                            code="invalid_api_key")
         return owner
 
-    def open(self, request: Request, body: TurnRequest, requested: int | None, default: int, param: str
-             ) -> tuple[str | None, int]:
+    def open(self, request: Request, body: ReplyBody, requested: int | None) -> tuple[str | None, int]:
         """A reply's opening checks, in the order a client learns of its mistakes (who it is, what the body asks
-        that cannot be done, the model, the tokens, then the server's state): the key's id and the reply's token
-        cap (`requested`, or `default`, named `param`)."""
+        that cannot be done, the model, then the server's state): the key's id and the reply's token cap."""
         owner = self.authenticate(request)
         with refusals():
             body.refuse_unsupported()
         self.check_model(body.model)
-        max_new_tokens = self.max_new_tokens(requested, default, param)
         self.refuse_when_unavailable()
-        return owner, max_new_tokens
+        return owner, self.max_new_tokens(requested)
 
     def model_names(self) -> set[str]:
         names = {self.settings.model}
@@ -70,13 +67,12 @@ class Admission:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.settings.model!r}",
                            param="model", code="model_not_found")
 
-    def max_new_tokens(self, requested: int | None, default: int, param: str) -> int:
-        """The tokens a reply may have: `requested`, or `default` within the server's cap; 400 over the cap."""
-        tokens = requested or min(default, self.settings.max_new_tokens)
-        if tokens > self.settings.max_new_tokens:
-            raise ApiError(400, f"{param} {tokens} is over this server's cap of {self.settings.max_new_tokens}",
-                           param=param, code="limit_exceeded")
-        return tokens
+    def max_new_tokens(self, requested: int | None) -> int:
+        """The tokens a reply may have: what the client asked for, up to the server's limit (`--max-new-tokens`),
+        which is also the limit without a request. Clients ask for more than any server will give (4096 for a model
+        the AI SDK does not know, 128000 from litellm): the reply stops at the limit with `length`, as at OpenAI's
+        and Anthropic's own, rather than refusing the request."""
+        return min(requested or self.settings.max_new_tokens, self.settings.max_new_tokens)
 
     def refuse_when_unavailable(self) -> None:
         if self.engine.failure is not None:

@@ -5,8 +5,8 @@ the server installs one handler that picks the shape by the route's path."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, Iterator
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -67,9 +67,37 @@ def install_error_handlers(app, default: ErrorShape, shapes: dict[str, ErrorShap
     app.add_exception_handler(ApiError, lambda request, error: shape(request)(error))
 
     async def invalid_body(request: Request, error: RequestValidationError) -> Response:
-        first = error.errors()[0] if error.errors() else {}
-        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
-        return shape(request)(ApiError(400, f"invalid request: {first.get('msg', 'malformed body')}"
-                                            f"{f' (at {where})' if where else ''}", param=where, code="bad_request"))
+        message, where = _first_problem(error.errors(), error.body)
+        return shape(request)(ApiError(400, f"invalid request: {message}{f' (at {where})' if where else ''}",
+                                       param=where, code="bad_request"))
 
     app.add_exception_handler(RequestValidationError, invalid_body)
+
+
+def _first_problem(errors: Sequence[dict], body: Any) -> tuple[str, str | None]:
+    """The validation error to tell the client, and where in its body, named as the client wrote it (`input[2].content`,
+    `tool_choice`): pydantic's locations also name the union branches it tried (`str`, `literal['none','auto']`,
+    a model's name), which are not in the body. Of a union's branches, the one that got furthest into the body."""
+    best: tuple[int, str, str | None] = (-1, "malformed body", None)
+    for problem in errors:
+        path = _sent_path(problem.get("loc", ())[1:], body, problem.get("type") == "missing")
+        if len(path) > best[0]:
+            where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path).lstrip(".")
+            best = (len(path), problem.get("msg", "malformed body"), where or None)
+    return best[1], best[2]
+
+
+def _sent_path(location: Sequence[Any], body: Any, missing: bool) -> list[str | int]:
+    """The parts of `location` that name something in `body` (and, for a `missing` field, its name, the last)."""
+    path: list[str | int] = []
+    node = body
+    for index, part in enumerate(location):
+        named = isinstance(part, str) and (part in node or missing and index == len(location) - 1) \
+            if isinstance(node, dict) else False
+        if named:
+            path.append(part)
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            path.append(part)
+            node = node[part]
+    return path

@@ -76,7 +76,7 @@ class AnthropicApi:
 
     async def create(self, request: Request, body: MessagesRequest,
                      x_session_id: Annotated[str | None, Header()] = None) -> Response:
-        owner, max_new_tokens = self.admission.open(request, body, body.max_tokens, body.max_tokens, "max_tokens")
+        owner, max_new_tokens = self.admission.open(request, body, body.max_tokens)
         if body.thread is not None:
             Threads.refuse_unsupported(body)
         client = owner or (request.client.host if request.client else "unknown")

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from chatd.api import tool_calling
-from chatd.api.constants import FUNCTION_NAME, MAX_NEW_TOKENS_CAP
+from chatd.api.constants import FUNCTION_NAME
 from chatd.api.tool_calling import RequestRefused
 from sessions import Message, ToolCall
 
@@ -245,7 +245,7 @@ class MessagesRequest(CountTokensRequest):
     """`POST /v1/messages`. Unknown fields are ignored (clients add their own); fields that would change the
     meaning of the reply are refused by `refuse_unsupported`, not ignored."""
 
-    max_tokens: int = Field(ge=1, le=MAX_NEW_TOKENS_CAP)
+    max_tokens: int = Field(ge=1)  # (above the server's --max-new-tokens: the reply stops there, `max_tokens`)
     stop_sequences: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(None, max_length=16)
     temperature: float = Field(1.0, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

@@ -48,7 +48,6 @@ from chatd.engine.turn import TurnFailed, TurnResult
 from sessions import ToolCall
 
 log = logging.getLogger(__name__)
-DEFAULT_MAX_TOKENS = 256
 
 
 class OpenAIApi:
@@ -69,8 +68,7 @@ class OpenAIApi:
 
     async def chat_completions(self, request: Request, body: ChatCompletionRequest,
                                x_session_id: Annotated[str | None, Header()] = None) -> Response:
-        owner, max_new_tokens = self.admission.open(request, body, body.max_completion_tokens or body.max_tokens,
-                                                    DEFAULT_MAX_TOKENS, "max_tokens")
+        owner, max_new_tokens = self.admission.open(request, body, body.max_completion_tokens or body.max_tokens)
         with refusals():
             setup = body.tool_setup(self.conversations.tool_format())
         client = owner or (request.client.host if request.client else "unknown")

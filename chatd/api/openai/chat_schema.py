@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from chatd.api.constants import FUNCTION_NAME, MAX_NEW_TOKENS_CAP
+from chatd.api.constants import FUNCTION_NAME
+from chatd.api.openai.request_body import RequestBody
 from chatd.api.tool_calling import (
     Function,
     RequestRefused,
@@ -120,11 +121,9 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(RequestBody):
     """Unknown fields are ignored (clients add their own); fields that would change the meaning of
     the reply are refused by `refuse_unsupported`, not ignored."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     messages: list[ChatMessageIn] = Field(min_length=1)
@@ -176,8 +175,6 @@ class ChatCompletionRequest(BaseModel):
             raise RequestRefused("logit_bias", "logit_bias is not supported")
         if self.messages[-1].role not in ("user", "tool"):
             raise RequestRefused("messages", "the last message must be the user's or a tool's result: chatd answers it")
-        if (self.max_completion_tokens or self.max_tokens or 0) > MAX_NEW_TOKENS_CAP:
-            raise RequestRefused("max_tokens", f"max_tokens is at most {MAX_NEW_TOKENS_CAP}")
 
     def conversation(self) -> tuple[str | None, list[Message], list[Message]]:
         """(system prompt, the history, the turn's new messages: those after the last reply), the way a chatd

@@ -20,8 +20,11 @@ from chatd.api.conversations import Conversations, salted
 from chatd.api.http_errors import ApiError, refusals, store_call
 from chatd.api.openai.responses_schema import (
     ConversationRef,
+    FunctionCallItem,
     IncompleteDetails,
+    InputMessage,
     InputTokensDetails,
+    ItemReference,
     OutputFunctionCall,
     OutputMessage,
     OutputText,
@@ -37,7 +40,6 @@ from chatd.engine.turn import TurnFailed, TurnResult
 from sessions import Message, Session, StoreUnavailable, ToolCall
 from sessions.responses import ConversationInfo, ResponseStore, StoredResponse
 
-DEFAULT_MAX_OUTPUT_TOKENS = 256
 ResponseEvent = str | TurnResult | TurnFailed  # the reply's text as it comes, then how it ended
 
 
@@ -84,14 +86,14 @@ class ResponseTurns:
         whose events then come into the returned queue; an `ApiError` when it cannot start. `socket`: the WebSocket
         connection it came on (its responses are found first, and its `store: false` sessions are its own), `lane`
         its `stream_id`."""
+        body = await self._resolve_references(owner, body)
         with refusals():
             body.refuse_unsupported()
             setup = body.tool_setup(self.conversations.tool_format())
             if not body.previous_response_id and not body.conversation_id():
                 body.check_outputs()  # otherwise against the history, once it is read
         self.admission.check_model(body.model)
-        max_new_tokens = self.admission.max_new_tokens(body.max_output_tokens, DEFAULT_MAX_OUTPUT_TOKENS,
-                                                       "max_output_tokens")
+        max_new_tokens = self.admission.max_new_tokens(body.max_output_tokens)
         self.admission.refuse_when_unavailable()
         scope = salted(owner, body.cache_salt)  # whose sessions and caches (the stored response stays the key's)
         grammar = None if body.warm_up else await self.admission.compile(setup, "text.format")
@@ -110,6 +112,25 @@ class ResponseTurns:
         self.turns.forward(started, events.put, lambda event: self._ended(
             owner, scope, body, created, started, event, events, socket, lane))
         return OpenedResponse(body, created, started, setup, events)
+
+    async def _resolve_references(self, owner: str | None, body: ResponseRequest) -> ResponseRequest:
+        """`body` with each `item_reference` replaced by the output item it names, from this key's stored responses
+        (a 400 naming `input[i].id` when there is none)."""
+        if isinstance(body.input, str) or not any(isinstance(item, ItemReference) for item in body.input):
+            return body
+        items = []
+        for index, item in enumerate(body.input):
+            if isinstance(item, ItemReference):
+                stored = await store_call(self.store.find_item(item.id))
+                output = stored.body.get("output", []) if stored is not None and stored.owner == owner else []
+                found = next((sent for sent in output if sent.get("id") == item.id), None)
+                if found is None:
+                    raise ApiError(400, f"input[{index}] refers to item {item.id!r}, which no stored response of this "
+                                        "key holds", param=f"input[{index}].id", code="not_found")
+                item = (FunctionCallItem if found.get("type") == "function_call" else InputMessage).model_validate(
+                    found)
+            items.append(item)
+        return body.model_copy(update={"input": items})
 
     async def _start(self, owner: str | None, scope: str | None, body: ResponseRequest, params: SamplingParams,
                      response_id: str, client: str, setup: ToolSetup, socket: SocketResponses | None

@@ -10,7 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from chatd.api.constants import FUNCTION_NAME, MAX_NEW_TOKENS_CAP
+from chatd.api.constants import FUNCTION_NAME
+from chatd.api.openai.request_body import RequestBody
 from chatd.api.tool_calling import Function, RequestRefused, ToolFormat, ToolSetup, checked_schema, tool_setup
 from sessions import Message, ToolCall
 
@@ -22,6 +23,14 @@ class InputText(BaseModel):
     text: str
 
 
+class MediaPart(BaseModel):
+    """An image, file or audio part: read so that it is refused by name (the served model reads text only)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["input_image", "input_file", "input_audio"]
+
+
 class InputMessage(BaseModel):
     """One message item of `input` (or of a conversation's `items`)."""
 
@@ -29,10 +38,11 @@ class InputMessage(BaseModel):
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputText]
+    content: str | list[Annotated[InputText | MediaPart, Field(discriminator="type")]]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return self.content if isinstance(self.content, str) else \
+            "".join(part.text for part in self.content if isinstance(part, InputText))
 
     def message(self) -> Message:
         return Message("system" if self.role == "developer" else self.role, self.text())
@@ -65,7 +75,25 @@ class FunctionCallOutputItem(BaseModel):
         return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
 
 
-InputItemIn = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem, Field(union_mode="left_to_right")]
+class ItemReference(BaseModel):
+    """An earlier output item named by its id (`msg_…`, `fc_…`), as clients with `store` on send their history (the
+    AI SDK): replaced by the item itself before anything else reads the input."""
+
+    type: Literal["item_reference"]
+    id: str = Field(min_length=1, max_length=128)
+
+
+class ReasoningItem(BaseModel):
+    """A reasoning item a client carries over from another model: passed over (the served model does not reason)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["reasoning"]
+
+
+InputItemIn = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem | ItemReference | ReasoningItem,
+                        Field(union_mode="left_to_right")]
+SentItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ItemReference | ReasoningItem
 
 
 class FunctionTool(BaseModel):
@@ -80,11 +108,9 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
-class ResponseRequest(BaseModel):
+class ResponseRequest(RequestBody):
     """Unknown fields are ignored; fields that would change the meaning of the reply are refused by
     `refuse_unsupported`, naming the parameter."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     input: str | list[InputItemIn] = Field(default_factory=list)
@@ -123,11 +149,15 @@ class ResponseRequest(BaseModel):
                                                "chains; a conversation is one session already")
         for item in self.include or []:
             raise RequestRefused("include", f"include {item!r} is not supported")
-        if (self.max_output_tokens or 0) > MAX_NEW_TOKENS_CAP:
-            raise RequestRefused("max_output_tokens", f"max_output_tokens is at most {MAX_NEW_TOKENS_CAP}")
         if self.previous_response_id and self.conversation:
             raise RequestRefused("conversation", "give previous_response_id or conversation, not both")
-        items = self.items()
+        for index, item in enumerate(self.items()):
+            for part_index, part in enumerate(item.content if isinstance(item, InputMessage) and
+                                              isinstance(item.content, list) else ()):
+                if isinstance(part, MediaPart):
+                    raise RequestRefused(f"input[{index}].content[{part_index}]", f"{part.type} parts are not "
+                                         "supported: the served model reads text only")
+        items = [item for item in self.items() if not isinstance(item, ReasoningItem)]
         if self.warm_up:
             if not items and not self.instructions and not self.tools and not self.previous_response_id:
                 raise RequestRefused("input", "a warm-up (generate: false) prefills instructions, tools, the response "
@@ -143,14 +173,15 @@ class ResponseRequest(BaseModel):
         """Whether this only prefills its prompt (`generate: false`, or `prompt_cache_options.prewarm`)."""
         return not self.generate or bool((self.prompt_cache_options or {}).get("prewarm"))
 
-    def items(self) -> list[InputMessage | FunctionCallItem | FunctionCallOutputItem]:
+    def items(self) -> list[SentItem]:
+        """`input` as items, as the client sent them (after its item references are resolved: `with_items`)."""
         return [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
 
     def messages(self) -> list[Message]:
         """`input` as a session's messages: a reply's text and the calls after it are one assistant message,
         a call's output a tool message."""
         messages: list[Message] = []
-        for item in self.items():
+        for item in self.items():  # (reasoning items are passed over)
             if isinstance(item, FunctionCallItem):
                 call = ToolCall(item.call_id, item.name, item.arguments)
                 if messages and messages[-1].role == "assistant":
@@ -160,7 +191,7 @@ class ResponseRequest(BaseModel):
                     messages.append(Message("assistant", "", tool_calls=(call,)))
             elif isinstance(item, FunctionCallOutputItem):
                 messages.append(Message("tool", item.text(), tool_call_id=item.call_id))
-            else:
+            elif isinstance(item, InputMessage):
                 messages.append(item.message())
         return messages
 
@@ -224,7 +255,8 @@ class ResponseRequest(BaseModel):
 
     def input_record(self) -> list[dict]:
         """The input items as stored with the response and listed by its input_items."""
-        return [json.loads(item.model_dump_json(exclude_none=True)) for item in self.items()]
+        return [json.loads(item.model_dump_json(exclude_none=True)) for item in self.items()
+                if not isinstance(item, ReasoningItem)]
 
     def conversation_id(self) -> str | None:
         if isinstance(self.conversation, dict):
