@@ -191,3 +191,34 @@ async def test_the_agents_sdk_runs_a_support_agent_with_two_tools_over_several_t
     for before, after in zip(responses, responses[1:], strict=False):  # each round reads all before it from cache
         assert after.usage.input_tokens_details.cached_tokens >= before.usage.input_tokens + \
             before.usage.output_tokens - 1
+
+
+async def test_allowed_tools_restrict_the_calls_and_keep_every_tool_in_the_prompt(openai_pair):
+    """pydantic-ai's way of offering some of the tools for a turn: `tool_choice: allowed_tools`. Every call made is
+    an allowed one, on both OpenAI routes, and the prompt is the one with every tool (its cache stays valid whichever
+    subset a turn allows)."""
+    client, _ = openai_pair
+    question = "My order NW-2231 never arrived. Look it up please."
+    allowed = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "open_ticket"}]}
+    restricted = await client.responses.create(model=MODEL, instructions=SYSTEM, input=question, tools=TOOLS,
+                                               tool_choice=allowed, parallel_tool_calls=False, max_output_tokens=64,
+                                               temperature=0, store=False)
+    free = await client.responses.create(model=MODEL, instructions=SYSTEM, input=question, tools=TOOLS,
+                                         tool_choice="required", parallel_tool_calls=False, max_output_tokens=64,
+                                         temperature=0, store=False)
+    assert [call.name for call in _calls(restricted)] == ["open_ticket"]
+    jsonschema.validate(json.loads(_calls(restricted)[0].arguments), TICKET)
+    assert [call.name for call in _calls(free)] == ["lookup_order"]  # (what it calls when it may call either)
+    assert restricted.usage.input_tokens == free.usage.input_tokens
+    chat_tools = [{"type": "function", "function": {key: tool[key] for key in ("name", "description", "parameters")}}
+                  for tool in TOOLS]
+    completion = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        tools=chat_tools, parallel_tool_calls=False, max_tokens=64, temperature=0,
+        tool_choice={"type": "allowed_tools", "allowed_tools": {
+            "mode": "required", "tools": [{"type": "function", "function": {"name": "open_ticket"}}]}})
+    assert [call.function.name for call in completion.choices[0].message.tool_calls] == ["open_ticket"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.create(model=MODEL, input=question, tools=TOOLS, tool_choice={
+            "type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "refund"}]})
+    assert refused.value.body["param"] == "tool_choice"

@@ -10,7 +10,8 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from starlette.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import PlainTextResponse, Response
 
 from chatd.api.tool_calling import RequestRefused
 from chatd.api.turn_errors import ErrorMessage
@@ -72,6 +73,25 @@ def install_error_handlers(app, default: ErrorShape, shapes: dict[str, ErrorShap
                                        param=where, code="bad_request"))
 
     app.add_exception_handler(RequestValidationError, invalid_body)
+
+    async def no_route(request: Request, error: StarletteHTTPException) -> Response:
+        """An unknown path or a method a path does not take: in the API's shape under /v1 (clients parse it), as
+        text naming what is served elsewhere."""
+        if not request.url.path.startswith("/v1/"):
+            if error.status_code != 404:
+                return PlainTextResponse(f"{error.detail}\n", error.status_code, getattr(error, "headers", None))
+            served = sorted({route.path for route in request.app.routes if not route.path.startswith("/web/")})
+            return PlainTextResponse(f"not found: chatd serves {', '.join(served)}\n", 404)
+        if error.status_code == 405:
+            allowed = error.headers.get("Allow", "") if error.headers else ""
+            return shape(request)(ApiError(405, f"{request.method} is not allowed on {request.url.path}"
+                                                f"{f' (it takes {allowed})' if allowed else ''}",
+                                           code="method_not_allowed"))
+        return shape(request)(ApiError(error.status_code, f"no route {request.method} {request.url.path}"
+                                       if error.status_code == 404 else str(error.detail),
+                                       code="not_found" if error.status_code == 404 else None))
+
+    app.add_exception_handler(StarletteHTTPException, no_route)
 
 
 def _first_problem(errors: Sequence[dict], body: Any) -> tuple[str, str | None]:

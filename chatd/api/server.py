@@ -269,10 +269,6 @@ class ChatServer:
                           methods=["GET"])
         app.add_api_route("/web/{name:path}", lambda name: static_response(self.settings.web_dir, name),
                           methods=["GET"])
-        app.add_exception_handler(404, lambda request, error: text_response(
-            http.HTTPStatus.NOT_FOUND, "not found: chatd serves /ws, /v1/chat/completions, /v1/responses, "
-                                       "/v1/conversations, /v1/models, /, "
-                                       "/dashboard, /metrics, /v1/stats and /healthz\n"))
         return app
 
     async def _websocket(self, websocket: WebSocket) -> None:

@@ -233,8 +233,9 @@ def format_for(chat_template: str | None) -> ToolFormat:
 
 
 def tool_setup(format: ToolFormat, functions: Sequence[Function], choice: str | None, parallel: bool,
-               response_schema: dict | None, param: str = "tools") -> ToolSetup:
-    """The request's tools checked (schemas, unique names, a `tool_choice` that names a listed tool)."""
+               response_schema: dict | None, param: str = "tools", allowed: Sequence[str] | None = None) -> ToolSetup:
+    """The request's tools checked (schemas, unique names, a `tool_choice` that names a listed tool, `allowed`: the
+    listed tools the model may call, OpenAI's `allowed_tools`)."""
     names = [f.name for f in functions]
     if len(set(names)) != len(names):
         raise RequestRefused(param, f"{param} lists a function name twice")
@@ -246,7 +247,14 @@ def tool_setup(format: ToolFormat, functions: Sequence[Function], choice: str | 
     if choice not in ("none", "auto", "required") and choice not in names:
         raise RequestRefused("tool_choice", f"tool_choice names {choice!r}, which is not among the tools "
                                             f"({', '.join(names)})")
-    return ToolSetup(format, tuple(functions), choice, parallel, response_schema)
+    for name in allowed or ():
+        if name not in names:
+            raise RequestRefused("tool_choice", f"tool_choice allows {name!r}, which is not among the tools "
+                                                f"({', '.join(names)})")
+    if allowed is not None and not allowed:
+        raise RequestRefused("tool_choice", "tool_choice allowed_tools lists no tool")
+    return ToolSetup(format, tuple(functions), choice, parallel, response_schema,
+                     tuple(allowed) if allowed is not None else None)
 
 
 @dataclass(frozen=True)
@@ -258,6 +266,9 @@ class ToolSetup:
     choice: str = "auto"  # none, auto, required, or the one function's name
     parallel: bool = True
     response_schema: dict | None = None  # the reply itself must be JSON for this schema
+    # The tools the model may call (OpenAI's `allowed_tools`); all of them are still in the prompt, so that a
+    # conversation whose allowed subset changes keeps its cached prefix. None: every tool.
+    allowed: tuple[str, ...] | None = None
 
     @property
     def calls_possible(self) -> bool:
@@ -268,7 +279,8 @@ class ToolSetup:
         answer = f"answer: %json {json.dumps(self.response_schema)}\n" if self.response_schema is not None else ""
         if not self.calls_possible:
             return GrammarSpec("json_schema", json.dumps(self.response_schema)) if answer else None
-        functions = [f for f in self.functions if self.choice in ("auto", "required", f.name)]
+        functions = [f for f in self.functions if self.choice in ("auto", "required", f.name)
+                     and (self.allowed is None or f.name in self.allowed)]
         calls = self.format.call_rule(functions, self.parallel and self.choice in ("auto", "required"))
         if self.choice != "auto":
             return GrammarSpec("lark", "start: calls\n" + calls)

@@ -13,8 +13,8 @@ from chatd.api.http_errors import ApiError
 
 OVERLOADED = 529
 _TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-         409: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-         OVERLOADED: "overloaded_error"}
+         405: "invalid_request_error", 409: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
+         500: "api_error", OVERLOADED: "overloaded_error"}
 
 
 def anthropic_status(error: ApiError) -> int:

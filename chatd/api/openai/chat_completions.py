@@ -58,6 +58,7 @@ class OpenAIApi:
         self.created = int(time.time())
         self.router = APIRouter(prefix="/v1")
         self.router.add_api_route("/models", self.models, methods=["GET"], response_model=ModelList)
+        self.router.add_api_route("/models/{model:path}", self.model, methods=["GET"], response_model=ModelCard)
         self.router.add_api_route("/chat/completions", self.chat_completions, methods=["POST"],
                                   response_model=ChatCompletion,
                                   responses={code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)})
@@ -65,6 +66,12 @@ class OpenAIApi:
     async def models(self, request: Request) -> ModelList:
         self.admission.authenticate(request)
         return ModelList(data=[ModelCard(id=self.admission.settings.model, created=self.created)])
+
+    async def model(self, request: Request, model: str) -> ModelCard:
+        """The served model by its name (OpenAI's `models.retrieve`); another name is a 404 in OpenAI's shape."""
+        self.admission.authenticate(request)
+        self.admission.check_model(model)
+        return ModelCard(id=model, created=self.created)
 
     async def chat_completions(self, request: Request, body: ChatCompletionRequest,
                                x_session_id: Annotated[str | None, Header()] = None) -> Response:

@@ -98,6 +98,25 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+class AllowedFunction(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class AllowedTools(BaseModel):
+    """`allowed_tools`: the listed tools the model may call, `auto` (or answer) or `required`."""
+
+    mode: Literal["auto", "required"]
+    tools: list[AllowedFunction] = Field(max_length=128)
+
+
+class AllowedToolsChoice(BaseModel):
+    """`tool_choice` restricting the reply to some of the tools (all of them stay in the prompt)."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class JsonSchemaFormat(BaseModel):
     """`response_format.json_schema`: the schema the reply must follow."""
 
@@ -147,7 +166,7 @@ class ChatCompletionRequest(RequestBody):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[ToolDefinition] | None = Field(None, max_length=128)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool = True
     functions: list[Any] | None = None
     function_call: Any = None
@@ -199,8 +218,12 @@ class ChatCompletionRequest(RequestBody):
                                              "response_format.json_schema.schema")
         functions = [Function(t.function.name, t.function.description, t.function.parameters or
                               {"type": "object", "properties": {}}) for t in self.tools or ()]
-        choice = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
-        return tool_setup(format, functions, choice, self.parallel_tool_calls, response_schema)
+        choice, allowed = self.tool_choice, None
+        if isinstance(choice, NamedToolChoice):
+            choice = choice.function.name
+        elif isinstance(choice, AllowedToolsChoice):
+            choice, allowed = choice.allowed_tools.mode, [tool.function.name for tool in choice.allowed_tools.tools]
+        return tool_setup(format, functions, choice, self.parallel_tool_calls, response_schema, allowed=allowed)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

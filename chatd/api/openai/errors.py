@@ -9,8 +9,9 @@ from starlette.responses import JSONResponse, Response
 from chatd.api.http_errors import ApiError
 from chatd.api.openai.chat_schema import ErrorBody, ErrorResponse
 
-_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
-         429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         405: "invalid_request_error", 409: "conflict_error", 429: "rate_limit_error", 500: "server_error",
+         503: "service_unavailable"}
 
 
 def openai_body(error: ApiError) -> ErrorResponse:

@@ -232,13 +232,21 @@ class ResponseRequest(RequestBody):
                 raise RequestRefused(f"tools[{index}].{where}", f"tools[{index}].{where}: {first['msg']}") from None
             functions.append(Function(function.name, function.description,
                                       function.parameters or {"type": "object", "properties": {}}))
-        choice = self.tool_choice
-        if isinstance(choice, dict):
+        choice, allowed = self.tool_choice, None
+        if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+            tools = choice.get("tools")
+            if choice.get("mode") not in ("auto", "required") or not isinstance(tools, list) or \
+                    not all(isinstance(tool, dict) and isinstance(tool.get("name"), str) for tool in tools):
+                raise RequestRefused("tool_choice", "allowed_tools takes mode auto or required and tools: "
+                                                    "[{\"type\": \"function\", \"name\": …}]")
+            choice, allowed = choice["mode"], [tool["name"] for tool in tools]
+        elif isinstance(choice, dict):
             if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-                raise RequestRefused("tool_choice", "tool_choice must be none, auto, required or "
-                                                    "{\"type\": \"function\", \"name\": …}")
+                raise RequestRefused("tool_choice", "tool_choice must be none, auto, required, "
+                                                    "{\"type\": \"function\", \"name\": …} or allowed_tools")
             choice = choice["name"]
-        return tool_setup(format, functions, choice, self.parallel_tool_calls is not False, self.response_schema())
+        return tool_setup(format, functions, choice, self.parallel_tool_calls is not False, self.response_schema(),
+                          allowed=allowed)
 
     def response_schema(self) -> dict | None:
         """The JSON Schema `text.format` holds the reply to, if any."""
