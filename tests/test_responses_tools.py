@@ -222,3 +222,41 @@ async def test_allowed_tools_restrict_the_calls_and_keep_every_tool_in_the_promp
         await client.responses.create(model=MODEL, input=question, tools=TOOLS, tool_choice={
             "type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "refund"}]})
     assert refused.value.body["param"] == "tool_choice"
+
+
+async def test_a_call_cut_by_the_token_limit_is_never_text_on_the_openai_routes(openai_pair):
+    """A call the token limit cuts while it is written ends `length` (Responses: `incomplete`) with no call and none
+    of its markup, streamed or not; the next turn, sent back as the client holds it, answers as a cacheless server."""
+    client, uncached = openai_pair
+    question = "Where is my order NW-2231? It never arrived."
+    chat_tools = [{"type": "function", "function": {key: tool[key] for key in ("name", "description", "parameters")}}
+                  for tool in TOOLS]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    chat = dict(model=MODEL, messages=messages, tools=chat_tools, tool_choice="required", max_tokens=6,
+                temperature=0)
+    cut = await client.chat.completions.create(**chat)
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
+    text = cut.choices[0].message.content or ""
+    streamed, finish = [], None
+    async for chunk in await client.chat.completions.create(stream=True, **chat):
+        for choice in chunk.choices:
+            streamed.append(choice.delta.content or "")
+            assert not choice.delta.tool_calls
+            finish = choice.finish_reason or finish
+    assert finish == "length" and "".join(streamed) == text
+    for reply in (text, "".join(streamed)):
+        assert "<tool_call>" not in reply and "lookup_order" not in reply and "{" not in reply, reply
+    responses = dict(model=MODEL, instructions=SYSTEM, input=question, tools=TOOLS, tool_choice="required",
+                     max_output_tokens=6, temperature=0)
+    response = await client.responses.create(**responses)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert not _calls(response) and "<tool_call>" not in response.output_text and "{" not in response.output_text
+    events = [event async for event in await client.responses.create(stream=True, **responses)]
+    assert events[-1].type == "response.incomplete" and not _calls(events[-1].response)
+    assert not any(event.type.startswith("response.function_call") for event in events)
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text == response.output_text
+    follow = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "Please just answer."}]
+    answers = [await each.chat.completions.create(model=MODEL, messages=follow, max_tokens=16, temperature=0)
+               for each in (client, uncached)]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content

@@ -299,10 +299,15 @@ class ToolSetup:
         return self.format.engine_messages(messages, self.functions)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The reply's prose and its calls."""
+        """The reply's prose and its calls. The prose never holds the raw text of a call that could not be read (one
+        cut by the token limit while it was being written): the reply is then its prose before the call, on every
+        API, as it was streamed (the stream holds back text from where a call opens)."""
         if not self.calls_possible:
             return text, []
-        return self.format.parse(text)
+        prose, calls = self.format.parse(text)
+        if not calls and self.format.trigger in text:
+            prose = text[:text.index(self.format.trigger)].rstrip()
+        return prose, calls
 
     @property
     def call_trigger(self) -> str | None:

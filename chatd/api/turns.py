@@ -205,8 +205,8 @@ class TurnRunner:
                                                   "was recorded); send the message again")
             if isinstance(event, TurnResult):
                 self._on_turn(event)
+                started.reply = started.parse(event.content)  # (a cancelled reply is read too: as far as it got)
                 if event.finish_reason != "cancelled":
-                    started.reply = started.parse(event.content)
                     event = await self._record(started, event)
                 if isinstance(event, TurnResult) and self.settings.remote_kv:
                     # (the lease goes while the cache reaches Redis: the client hears of its turn after both)
@@ -233,10 +233,12 @@ class TurnRunner:
         """Append the completed turn to the session; what the client is told if that fails."""
         session, (content, calls) = started.session, started.reply
         reply = None if result.finish_reason == "prefilled" else content  # (a warm-up adds its input alone)
+        # The reply's ids say what the model wrote; a reply recorded as less (its prose, a call cut by the token
+        # limit dropped) is rendered from its text next time, as the client that holds it sends it back.
+        reply_ids = result.reply_ids if calls or content == result.content else None
         try:
             await self.store.append_turn(session, started.inputs, reply, result.conversation_ids, started.lease,
-                                         dropped_turns=result.dropped_turns, reply_ids=result.reply_ids,
-                                         tool_calls=calls)
+                                         dropped_turns=result.dropped_turns, reply_ids=reply_ids, tool_calls=calls)
         except VersionConflict:  # (Redis's copy of that version may be the other worker's: it stays)
             self.engine.drop_cache(session.session_id)
             return TurnFailed("conflict", "another worker recorded a turn of this session first; "

@@ -115,7 +115,7 @@ class AnthropicApi:
             session, started = await self.conversations.start(
                 scope, client, system, history, content, body.session_id or hint,
                 TurnPlan(content, params, setup, keep_for_s=ttl), message_id, "anthropic")
-        started.parse = _anthropic_reader(started.parse, setup.call_trigger)
+        started.parse = _anthropic_reader(started.parse)
         first, events = await self.conversations.relay(scope, started)
         headers = {SESSION_HEADER: session.session_id, WORKER_HEADER: WORKER}
         settle = None
@@ -291,15 +291,11 @@ def _input(call: ToolCall) -> dict:
     return arguments if isinstance(arguments, dict) else {}
 
 
-def _anthropic_reader(parse, trigger: str | None):
-    """A reply's reader whose calls carry Anthropic's `toolu_` ids (recorded so: the client sends them back), and
-    whose prose never holds the raw text of a call it could not read (one cut by `max_tokens` while it was being
-    written: the reply is then its prose before the call, and `stop_reason` says `max_tokens`)."""
+def _anthropic_reader(parse):
+    """A reply's reader whose calls carry Anthropic's `toolu_` ids (recorded so: the client sends them back)."""
 
     def read(text: str) -> tuple[str, list[ToolCall]]:
         prose, calls = parse(text)
-        if not calls and trigger is not None and trigger in text:
-            prose = text[:text.index(trigger)].rstrip()
         return prose, [ToolCall("toolu_" + call.id.removeprefix("call_"), call.name, call.arguments)
                        for call in calls]
 

@@ -129,7 +129,7 @@ class OpenAIApi:
                 yield f"data: {openai_body(ApiError.of(event)).model_dump_json()}\n\n"
                 return
             text, calls = started.reply
-            if rest := prose.rest(text, bool(calls)):
+            if rest := prose.rest(text, bool(calls) or prose.opened):
                 yield chunk(ChunkDelta(content=rest))
             for index, call in enumerate(calls):
                 yield chunk(ChunkDelta(tool_calls=[ToolCallDelta(index=index, id=call.id, type="function",

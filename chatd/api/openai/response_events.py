@@ -44,7 +44,7 @@ async def response_events(opened: OpenedResponse, first: ResponseEvent | None = 
             for opening in events_of.message_opened():
                 yield opening
             opened_message = True
-        if rest := prose.rest(started.reply[0], bool(started.reply[1])):
+        if rest := prose.rest(started.reply[0], bool(started.reply[1]) or prose.opened):
             yield events_of.text_delta(rest)
         if opened_message:
             for closing in events_of.message_done(items.pop(0)):

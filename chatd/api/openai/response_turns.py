@@ -290,7 +290,7 @@ def finished(created: ResponseObject, result: TurnResult, reply: tuple[str, list
     output: list[OutputMessage | OutputFunctionCall] = []
     if result.finish_reason != "prefilled" and (prose or not calls):
         output.append(OutputMessage(id="msg_" + created.id[5:], status=status,
-                                    content=[OutputText(text=prose if calls else result.content)]))
+                                    content=[OutputText(text=prose)]))
     output += [function_call(call) for call in calls]
     return created.model_copy(update={
         "status": status, "incomplete_details": incomplete, "output": output,

@@ -266,7 +266,7 @@ class Gateway:
 
         async def on_end(event: TurnResult | TurnFailed) -> None:
             if isinstance(event, TurnResult):
-                await publish_text(prose.rest(started.reply[0], bool(started.reply[1])))
+                await publish_text(prose.rest(started.reply[0], bool(started.reply[1]) or prose.opened))
             self.turn_logs.finish(turn_log)
             await turn_log.publish(_reply(turn_id, event, started))
 
@@ -367,7 +367,7 @@ def _reply(turn_id: str, event: TurnResult | TurnFailed, started: StartedTurn) -
         turn_id=turn_id,
         finish_reason="tool_calls" if calls else "grammar_error" if event.finish_reason == "grammar" else
         event.finish_reason,
-        content=prose if calls else event.content,
+        content=prose,
         tool_calls=_calls_out(calls),
         usage=Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                     cached_tokens=event.cached_tokens),
