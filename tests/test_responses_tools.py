@@ -10,6 +10,7 @@ import dataclasses
 import json
 from typing import Annotated, Literal
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -260,3 +261,40 @@ async def test_a_call_cut_by_the_token_limit_is_never_text_on_the_openai_routes(
     answers = [await each.chat.completions.create(model=MODEL, messages=follow, max_tokens=16, temperature=0)
                for each in (client, uncached)]
     assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+
+
+# What OpenAI's spec requires of every response object (typed clients that validate responses reject one without).
+REQUIRED = {"id", "object", "created_at", "status", "error", "incomplete_details", "instructions", "model", "output",
+            "parallel_tool_calls", "metadata", "tool_choice", "tools", "temperature", "top_p", "usage", "completed_at",
+            "truncation", "presence_penalty", "frequency_penalty", "top_logprobs", "reasoning", "max_tool_calls",
+            "background", "service_tier", "safety_identifier", "prompt_cache_key", "max_output_tokens",
+            "previous_response_id", "text", "user", "store"}
+
+
+async def test_every_response_object_has_what_the_spec_requires(openai_pair):
+    """A plain, a streamed, a tool and an incomplete reply, read raw: every required field, echoed tools with
+    `strict`, and the SDK's own model reads each."""
+    client, _ = openai_pair
+    bodies = []
+    async with httpx.AsyncClient(base_url=str(client.base_url), timeout=120) as http:
+        for extra in ({"input": "Say hello.", "max_output_tokens": 64},
+                      {"input": "Where is NW-2231?", "tools": TOOLS, "tool_choice": "required",
+                       "max_output_tokens": 64, "prompt_cache_key": "desk-7", "safety_identifier": "user-1"},
+                      {"input": "Tell me a long story about routers.", "max_output_tokens": 4}):
+            response = await http.post("responses", json={"model": MODEL, "temperature": 0, **extra})
+            assert response.status_code == 200, response.text
+            bodies.append(response.json())
+        async with http.stream("POST", "responses", json={"model": MODEL, "input": "Say hello.", "stream": True,
+                                                          "max_output_tokens": 64, "temperature": 0}) as stream:
+            events = [json.loads(line.removeprefix("data: ")) async for line in stream.aiter_lines()
+                      if line.startswith("data: ")]
+        bodies += [event["response"] for event in events if "response" in event]
+    statuses = {body["status"] for body in bodies}
+    assert {"completed", "incomplete", "in_progress"} <= statuses
+    for body in bodies:
+        assert REQUIRED <= set(body), REQUIRED - set(body)
+        assert all(tool["strict"] is True for tool in body["tools"])
+        assert (body["completed_at"] is not None) == (body["status"] == "completed")
+        openai.types.responses.Response.model_validate(body)
+    assert bodies[1]["prompt_cache_key"] == "desk-7" and bodies[1]["safety_identifier"] == "user-1"
+    assert bodies[1]["output"][0]["type"] == "function_call"

@@ -274,9 +274,11 @@ def _created(body: ResponseRequest) -> ResponseObject:
                           conversation=ConversationRef(id=cid) if (cid := body.conversation_id()) else None,
                           metadata=body.metadata or {}, user=body.user, store=body.store,
                           temperature=body.temperature, top_p=body.top_p, max_output_tokens=body.max_output_tokens,
-                          tools=body.tools or [], tool_choice=body.tool_choice or "auto",
+                          tools=[{**tool, "strict": tool.get("strict") is not False} for tool in body.tools or []],
+                          tool_choice=body.tool_choice or "auto",
                           parallel_tool_calls=body.parallel_tool_calls is not False,
-                          text=body.text or {"format": {"type": "text"}})
+                          text=body.text or {"format": {"type": "text"}}, safety_identifier=body.safety_identifier,
+                          prompt_cache_key=body.prompt_cache_key)
 
 
 def finished(created: ResponseObject, result: TurnResult, reply: tuple[str, list[ToolCall]]) -> ResponseObject:
@@ -294,8 +296,11 @@ def finished(created: ResponseObject, result: TurnResult, reply: tuple[str, list
     output += [function_call(call) for call in calls]
     return created.model_copy(update={
         "status": status, "incomplete_details": incomplete, "output": output,
+        "completed_at": int(time.time()) if status == "completed" else None,
         "usage": ResponseUsage(input_tokens=result.prompt_tokens,
-                               input_tokens_details=InputTokensDetails(cached_tokens=result.cached_tokens),
+                               input_tokens_details=InputTokensDetails(
+                                   cached_tokens=result.cached_tokens,
+                                   cache_write_tokens=result.prompt_tokens - result.cached_tokens),
                                output_tokens=result.completion_tokens,
                                total_tokens=result.prompt_tokens + result.completion_tokens)})
 

@@ -133,6 +133,8 @@ class ResponseRequest(RequestBody):
     # field; `prompt_cache_options.prewarm` says the same).
     generate: bool = True
     prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_key: str | None = Field(None, max_length=128)
+    safety_identifier: str | None = Field(None, max_length=256)
     # Accepted only where they change nothing.
     reasoning: Any = None
     background: bool | None = None
@@ -312,9 +314,11 @@ class ListedFunctionOutput(BaseModel):
 
 
 class InputTokensDetails(BaseModel):
-    """The input tokens a cache covered."""
+    """The input tokens a cache covered, and those the turn prefilled and wrote into its session's cache (read from
+    it by the conversation's next turn)."""
 
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(BaseModel):
@@ -378,6 +382,18 @@ class ResponseObject(BaseModel):
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    # The rest of what OpenAI's spec requires of a response (typed clients validate it), with chatd's values.
+    completed_at: int | None = None
+    truncation: Literal["auto", "disabled"] = "auto"  # (chatd drops the oldest turns of a conversation too long)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_logprobs: int = 0
+    reasoning: dict[str, Any] | None = None  # (the served models do not reason apart)
+    max_tool_calls: int | None = None
+    background: bool = False
+    service_tier: str = "default"
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
 
 class ResponseDeleted(BaseModel):
