@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import httpx
 import openai
@@ -245,3 +246,28 @@ async def test_a_cap_above_the_servers_limit_stops_there_and_null_means_the_defa
         completion = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                           max_tokens=5000, temperature=0)
         assert completion.usage.completion_tokens == 12 and completion.choices[0].finish_reason == "length"
+
+
+async def test_models_by_id_and_unknown_routes_answer_in_the_apis_shape(server, caplog):
+    """`GET /v1/models/{id}` (the SDK's `models.retrieve`); a path or method chatd does not serve is an error body
+    the client's SDK parses (OpenAI's, Anthropic's under /v1/messages), each refusal logged once with its route."""
+    caplog.set_level(logging.INFO, logger="chatd.api.http_errors")
+    client = client_for(server)
+    assert (await client.models.retrieve(MODEL)).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.models.retrieve("gpt-9")
+    assert missing.value.body["code"] == "model_not_found"
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as http:
+        wrong_method = await http.put("/v1/responses")
+        assert wrong_method.status_code == 405
+        assert wrong_method.json()["error"]["code"] == "method_not_allowed"
+        assert "POST" in wrong_method.json()["error"]["message"]
+        nowhere = await http.post("/v1/nothing/here", json={})
+        assert nowhere.status_code == 404 and nowhere.json()["error"]["type"] == "not_found_error"
+        anthropic = await http.get("/v1/messages/unknown")
+        assert anthropic.status_code in (404, 405) and anthropic.json()["type"] == "error"
+        page = await http.get("/no-such-page")
+        assert page.status_code == 404 and "/dashboard" in page.text and "/v1/responses" in page.text
+    refusals = [record.getMessage() for record in caplog.records if "refused" in record.getMessage()]
+    assert any("PUT /v1/responses refused: 405 method_not_allowed" in line for line in refusals), refusals
+    assert any("GET /v1/models/gpt-9 refused: 404 model_not_found" in line for line in refusals), refusals

@@ -5,6 +5,7 @@ the server installs one handler that picks the shape by the route's path."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -19,6 +20,7 @@ from chatd.engine.turn import TurnFailed
 from sessions import StoreUnavailable
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # chatd's error codes (websocket protocol and engine) as HTTP statuses.
 _STATUS = {"bad_request": 400, "limit_exceeded": 400, "too_long": 400, "unauthorized": 401, "unknown_session": 404,
@@ -62,15 +64,20 @@ def install_error_handlers(app, default: ErrorShape, shapes: dict[str, ErrorShap
     """Every failure of the HTTP routes, a malformed body included, in the shape of the API whose path prefix it
     came through (`shapes`), else `default`'s."""
 
-    def shape(request: Request) -> ErrorShape:
-        return next((render for prefix, render in shapes.items() if request.url.path.startswith(prefix)), default)
+    def refused(request: Request, error: ApiError) -> Response:
+        """The refusal in the API's shape, logged once (its route, status and code: an operator sees why clients
+        fail without turning on debug logs)."""
+        log.info("%s %s refused: %d %s: %s", request.method, request.url.path, error.status, error.code,
+                 error.message)
+        return next((render for prefix, render in shapes.items() if request.url.path.startswith(prefix)),
+                    default)(error)
 
-    app.add_exception_handler(ApiError, lambda request, error: shape(request)(error))
+    app.add_exception_handler(ApiError, refused)
 
     async def invalid_body(request: Request, error: RequestValidationError) -> Response:
         message, where = _first_problem(error.errors(), error.body)
-        return shape(request)(ApiError(400, f"invalid request: {message}{f' (at {where})' if where else ''}",
-                                       param=where, code="bad_request"))
+        return refused(request, ApiError(400, f"invalid request: {message}{f' (at {where})' if where else ''}",
+                                         param=where, code="bad_request"))
 
     app.add_exception_handler(RequestValidationError, invalid_body)
 
@@ -80,16 +87,16 @@ def install_error_handlers(app, default: ErrorShape, shapes: dict[str, ErrorShap
         if not request.url.path.startswith("/v1/"):
             if error.status_code != 404:
                 return PlainTextResponse(f"{error.detail}\n", error.status_code, getattr(error, "headers", None))
-            served = sorted({route.path for route in request.app.routes if not route.path.startswith("/web/")})
+            served = sorted({"/ws", *(path for path in request.app.openapi()["paths"] if "{" not in path)})
             return PlainTextResponse(f"not found: chatd serves {', '.join(served)}\n", 404)
         if error.status_code == 405:
             allowed = error.headers.get("Allow", "") if error.headers else ""
-            return shape(request)(ApiError(405, f"{request.method} is not allowed on {request.url.path}"
-                                                f"{f' (it takes {allowed})' if allowed else ''}",
-                                           code="method_not_allowed"))
-        return shape(request)(ApiError(error.status_code, f"no route {request.method} {request.url.path}"
-                                       if error.status_code == 404 else str(error.detail),
-                                       code="not_found" if error.status_code == 404 else None))
+            return refused(request, ApiError(405, f"{request.method} is not allowed on {request.url.path}"
+                                                  f"{f' (it takes {allowed})' if allowed else ''}",
+                                             code="method_not_allowed"))
+        return refused(request, ApiError(error.status_code, f"no route {request.method} {request.url.path}"
+                                         if error.status_code == 404 else str(error.detail),
+                                         code="not_found" if error.status_code == 404 else None))
 
     app.add_exception_handler(StarletteHTTPException, no_route)
 
