@@ -74,3 +74,31 @@ async def test_langchain_chat_openai_reports_cache_reads(smollm2):
             second = chunk if second is None else second + chunk
         details = second.usage_metadata["input_token_details"]
         assert details["cache_read"] > 0.5 * second.usage_metadata["input_tokens"]
+
+
+async def test_vllm_sampling_extensions_fix_reply_lengths_as_benchmark_clients_expect(openai_pair, smollm2):
+    """GuideLLM and `vllm bench` send `ignore_eos` (with `stop: null`) to fix each reply's length: honoured, not
+    ignored; `min_tokens` holds every ending token back until then; `stop_token_ids` end a reply at a token; an id
+    the model does not have is a 400 naming it."""
+    client, _ = openai_pair
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi!"}]
+    plain = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 40, "it ends on its own"
+    fixed = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                                 stop=None, extra_body={"ignore_eos": True})
+    assert fixed.usage.completion_tokens == 40 and fixed.choices[0].finish_reason == "length"
+    assert fixed.choices[0].message.content.startswith(plain.choices[0].message.content.rstrip()[:10])
+    floor = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                                 extra_body={"min_tokens": plain.usage.completion_tokens + 5})
+    assert floor.usage.completion_tokens >= plain.usage.completion_tokens + 5
+    words = plain.choices[0].message.content.split()
+    stop_id = smollm2.tokenizer.encode(" " + words[2], add_special_tokens=False)[0]
+    stopped = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                                   extra_body={"stop_token_ids": [stop_id]})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens < plain.usage.completion_tokens
+    assert plain.choices[0].message.content.startswith(stopped.choices[0].message.content)
+    for bad, param in (({"stop_token_ids": [10**9]}, "stop_token_ids[0]"), ({"min_tokens": 50}, "min_tokens")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, extra_body=bad)
+        assert refused.value.body["param"] == param

@@ -74,6 +74,16 @@ class Admission:
         and Anthropic's own, rather than refusing the request."""
         return min(requested or self.settings.max_new_tokens, self.settings.max_new_tokens)
 
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """400 for a token id the served model does not have (once it is loaded: before, the request waits)."""
+        if self.engine.loaded is None:
+            return
+        for index, token_id in enumerate(token_ids):
+            if not 0 <= token_id < self.engine.loaded.vocab_size:
+                raise ApiError(400, f"{param}[{index}]: {token_id} is not a token of the served model (its ids are "
+                                    f"0 to {self.engine.loaded.vocab_size - 1})", param=f"{param}[{index}]",
+                               code="bad_request")
+
     def refuse_when_unavailable(self) -> None:
         if self.engine.failure is not None:
             raise ApiError(503, f"the engine failed: {self.engine.failure}", code="unavailable")

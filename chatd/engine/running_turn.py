@@ -59,9 +59,19 @@ class RunningTurn:
             self.entry.release()
             self.entry = None
 
+    def held_back(self, stop_token_ids: frozenset[int]) -> list[int]:
+        """The ending tokens the reply may not sample now (a grammar, where there is one, decides its end alone):
+        every ending token before `min_tokens`, the model's own with `ignore_eos`."""
+        params = self.turn.params
+        if self.grammar is not None:
+            return []
+        if len(self.generated) < params.min_tokens:
+            return sorted(stop_token_ids | set(params.stop_token_ids))
+        return sorted(stop_token_ids) if params.ignore_eos else []
+
     def accept(self, token: int, stop_token_ids: frozenset[int]) -> FinishReason | None:
         """Take one sampled token: stream its text and say whether the turn ends here."""
-        if token in stop_token_ids:
+        if token in stop_token_ids or token in self.turn.params.stop_token_ids:
             return "stop"
         self.generated.append(token)
         self.token_times.append(time.perf_counter())

@@ -11,7 +11,8 @@ from chatd.engine.grammar import CompiledGrammar
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one reply is sampled: length, temperature, top-k, top-p, seed, stop strings and the grammar it follows."""
+    """How one reply is sampled: length, temperature, top-k, top-p, seed, stop strings, the grammar it follows and
+    the tokens that may end it."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -20,6 +21,11 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     grammar: CompiledGrammar | None = None
+    # vLLM's extensions, which benchmark clients send to fix a reply's length: the model's end-of-sequence tokens
+    # never end it (`ignore_eos`), no ending token before `min_tokens`, and more token ids that end it.
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
 
 class TokenSampler:

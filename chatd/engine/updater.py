@@ -153,6 +153,9 @@ class StepUpdater:
             if (allowed := masked_logits(self._grammars, running.grammar, logits, mask)) is None:
                 running.grammar.error = running.grammar.error or "the grammar allows no next token"
                 return True, "grammar"
+            if held := running.held_back(self._stop_token_ids):
+                allowed = allowed.clone()
+                allowed[..., held] = float("-inf")
             return True, running.accept(running.sampler.next_token(allowed), self._stop_token_ids)
         except Exception as error:
             self._endings.fail(running, error, "sampling")

@@ -51,6 +51,11 @@ class LoadedModel:
     weights: str | None = None  # the digest of its weight files (`weights_digest`); None: of its parameters
 
     @property
+    def vocab_size(self) -> int:
+        """How many token ids the model's logits cover."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
     def max_context(self) -> int:
         text = self.model.config.get_text_config(decoder=True)
         return int(getattr(text, "max_position_embeddings", 2048))

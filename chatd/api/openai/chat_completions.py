@@ -79,8 +79,11 @@ class OpenAIApi:
         with refusals():
             setup = body.tool_setup(self.conversations.tool_format())
         client = owner or (request.client.host if request.client else "unknown")
+        self.admission.check_token_ids(body.stop_token_ids, "stop_token_ids")
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
-                                seed=body.seed, stop=body.stop_list(), grammar=await self.admission.compile(setup))
+                                seed=body.seed, stop=body.stop_list(), grammar=await self.admission.compile(setup),
+                                ignore_eos=body.ignore_eos, min_tokens=min(body.min_tokens, max_new_tokens),
+                                stop_token_ids=tuple(body.stop_token_ids))
         turn_id = "chatcmpl-" + secrets.token_urlsafe(12)
         scope = salted(owner, body.cache_salt)
         system, history, content = body.conversation()

@@ -158,6 +158,10 @@ class ChatCompletionRequest(RequestBody):
     session_id: str | None = Field(None, max_length=128)  # chatd's hint: continue this session
     prompt_cache_key: str | None = Field(None, max_length=128)  # OpenAI's name for the same hint
     cache_salt: str | None = Field(None, max_length=256)  # vLLM's field: caches shared only among the same salt
+    # vLLM's sampling extensions (benchmark clients fix reply lengths with them)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     # Accepted at their neutral values only.
     n: int = 1
     frequency_penalty: float = 0.0
@@ -192,6 +196,8 @@ class ChatCompletionRequest(RequestBody):
                 raise RequestRefused(name, f"{name} other than 0 is not supported")
         if self.logit_bias:
             raise RequestRefused("logit_bias", "logit_bias is not supported")
+        if self.min_tokens > (self.max_completion_tokens or self.max_tokens or self.min_tokens):
+            raise RequestRefused("min_tokens", "min_tokens is more than max_tokens")
         if self.messages[-1].role not in ("user", "tool"):
             raise RequestRefused("messages", "the last message must be the user's or a tool's result: chatd answers it")
 
