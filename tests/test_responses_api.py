@@ -286,3 +286,22 @@ async def test_item_references_resolve_to_stored_items_on_any_worker(tiny, redis
                 "tool_choice": {"type": "function"}})
             assert response.status_code == 400 and response.json()["error"]["param"].startswith("tool_choice"), \
                 response.text
+
+
+async def test_store_false_resending_the_whole_history_reads_it_from_the_cache(servers):
+    """OpenAI's prompt cache does not depend on `store`: a client that keeps its own history and sends it whole with
+    `store: false` reads it from the cache on every later turn (matched like a chat completion), answers as a cacheless
+    server, and none of its responses is stored."""
+    server, reference = servers
+    client, solo = client_for(server), client_for(reference)
+    history: list[dict] = []
+    for turn, question in enumerate(QUESTIONS[:4]):
+        history.append({"role": "user", "content": question})
+        got, expected = [await each.responses.create(model=MODEL, instructions=SYSTEM, input=history, store=False,
+                                                     max_output_tokens=8, temperature=0) for each in (client, solo)]
+        assert got.output_text == expected.output_text
+        if turn:
+            assert got.usage.input_tokens_details.cached_tokens >= 0.7 * got.usage.input_tokens, got.usage
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(got.id)
+        history.append({"role": "assistant", "content": got.output_text})

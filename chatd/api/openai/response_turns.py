@@ -1,7 +1,7 @@
 """Where a response of the Responses API runs, whichever transport carries it (HTTP, or the WebSocket mode): the
 checks of its body, the session it continues (a stored response's, one its socket made, a conversation's, or a
 stateless match), its turn started, and what is kept once it ends (the stored response; a `store: false` response's
-session forgotten, or kept while its socket lives).
+branch forgotten, or kept while its socket lives; a stateless one's session kept for the next resend).
 
 A stored response is a point in a chatd session, so continuing from the session's latest response is a session turn
 resumed from its cache (only the new input is prefilled); continuing from an earlier one branches a new session from
@@ -105,7 +105,7 @@ class ResponseTurns:
         except StoreUnavailable as error:
             raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
         if isinstance(started, ErrorMessage):
-            if not body.store and (socket is None or session.session_id not in socket.owned):
+            if _disposable(body, socket):
                 await self._forget(session.session_id)
             raise ApiError.of(started)
         events: asyncio.Queue[ResponseEvent] = asyncio.Queue()
@@ -164,7 +164,8 @@ class ResponseTurns:
                 system, extra = (extra[0].content if system is None else system), extra[1:]
             session, _, matched = await self.conversations.place(scope, system, extra, new, None, setup)
             fresh = not matched
-        if not body.store and not fresh and (socket is None or session.session_id not in socket.owned):
+        if not body.store and not fresh and (_disposable(body, socket) or
+                                             socket is not None and session.session_id not in socket.owned):
             # Nothing may be left behind: the turn runs in a session of its own, deleted after the reply (or, on a
             # socket, when it closes).
             session = await self.conversations.branch_from(scope, session.system, session.messages, new, session, setup)
@@ -230,13 +231,13 @@ class ResponseTurns:
                 except StoreUnavailable:
                     event = TurnFailed("unavailable", "the reply could not be stored; send the input again")
             if isinstance(event, TurnResult):
-                if body.store:
+                if body.store or socket is None and not _disposable(body, socket):
                     await self.conversations.ended(scope, session.session_id, event)
                 if socket is not None:
                     socket.latest[lane] = stored
                     if body.store:
                         socket.owned.discard(session.session_id)  # (a stored response's session outlives the socket)
-        if not body.store and socket is None:
+        if _disposable(body, socket):
             await self._forget(session.session_id)
         await events.put(event)
 
@@ -264,6 +265,15 @@ class ResponseTurns:
                            code="not_found")
         # A websocket session named as a conversation is one: it gets its record when first named.
         return info or ConversationInfo(conversation_id, owner, int(session.created_at)), session
+
+
+def _disposable(body: ResponseRequest, socket: SocketResponses | None) -> bool:
+    """Whether the response's session goes once its reply is sent: a `store: false` response that continues a
+    previous one over HTTP (its branch is its alone). A stateless `store: false` response keeps its session, matched
+    and indexed as a chat completion's, so that a client resending its history reads it from the cache (OpenAI's
+    prompt cache does not depend on `store`; the response itself is never stored); a socket's `store: false`
+    sessions go when it closes."""
+    return not body.store and socket is None and body.previous_response_id is not None
 
 
 def _created(body: ResponseRequest) -> ResponseObject:
