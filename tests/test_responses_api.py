@@ -305,3 +305,30 @@ async def test_store_false_resending_the_whole_history_reads_it_from_the_cache(s
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(got.id)
         history.append({"role": "assistant", "content": got.output_text})
+
+
+async def test_conversation_items_are_added_listed_in_either_order_and_read_from_the_cache(servers):
+    """openai-agents' `OpenAIConversationsSession` keeps a run's history with `conversations.items.create` and reads
+    it newest first: items added are recorded and prefilled into the conversation's cache (its next response reads
+    them from it), listed in either order with a cursor, and retrieved by id; a tool output that answers no call is
+    refused naming it."""
+    server, _ = servers
+    client = client_for(server)
+    conversation = await client.conversations.create(items=[{"role": "system", "content": SYSTEM}])
+    added = await client.conversations.items.create(conversation.id, items=[
+        {"role": "user", "content": QUESTIONS[0]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "lookup_line", "arguments": "{\"line\": \"7\"}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "{\"status\": \"down\"}"}])
+    assert [item.type for item in added.data] == ["message", "message", "function_call", "function_call_output"]
+    oldest = [item.id async for item in client.conversations.items.list(conversation.id, order="asc")]
+    newest = [item.id async for item in client.conversations.items.list(conversation.id, order="desc", limit=2)]
+    assert len(oldest) == 5 and newest == oldest[::-1], (oldest, newest)  # (pages of 2, followed by the cursor)
+    assert (await client.conversations.items.retrieve(added.data[0].id, conversation_id=conversation.id)).id == \
+        added.data[0].id
+    answer = await respond(client, QUESTIONS[1], conversation=conversation.id)
+    assert answer.usage.input_tokens_details.cached_tokens >= 0.8 * answer.usage.input_tokens, answer.usage
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.conversations.items.create(conversation.id, items=[
+            {"type": "function_call_output", "call_id": "call_9", "output": "x"}])
+    assert refused.value.body["param"] == "items[0].call_id"

@@ -86,7 +86,7 @@ class ResponseTurns:
         whose events then come into the returned queue; an `ApiError` when it cannot start. `socket`: the WebSocket
         connection it came on (its responses are found first, and its `store: false` sessions are its own), `lane`
         its `stream_id`."""
-        body = await self._resolve_references(owner, body)
+        body = await self.resolve_references(owner, body)
         with refusals():
             body.refuse_unsupported()
             setup = body.tool_setup(self.conversations.tool_format())
@@ -113,7 +113,7 @@ class ResponseTurns:
             owner, scope, body, created, started, event, events, socket, lane))
         return OpenedResponse(body, created, started, setup, events)
 
-    async def _resolve_references(self, owner: str | None, body: ResponseRequest) -> ResponseRequest:
+    async def resolve_references(self, owner: str | None, body: ResponseRequest) -> ResponseRequest:
         """`body` with each `item_reference` replaced by the output item it names, from this key's stored responses
         (a 400 naming `input[i].id` when there is none)."""
         if isinstance(body.input, str) or not any(isinstance(item, ItemReference) for item in body.input):
@@ -150,7 +150,7 @@ class ResponseTurns:
                                code="bad_request")
             _, session = await self.owned_conversation(owner, conversation_id)
             with refusals():
-                body.check_outputs(_call_ids(session.messages))
+                body.check_outputs(call_ids(session.messages))
             started = await self.turns.start(request(session))
             if isinstance(started, ErrorMessage) and started.code == "busy":
                 raise ApiError(409, f"a response of conversation {conversation_id!r} is running; wait for it",
@@ -203,7 +203,7 @@ class ResponseTurns:
                            "found (its conversation expired, or it was made with another cache_salt)",
                            param="previous_response_id", code="previous_response_not_found")
         with refusals():
-            body.check_outputs(_call_ids(session.messages[:previous.messages]))
+            body.check_outputs(call_ids(session.messages[:previous.messages]))
         system = body.instructions if body.instructions is not None else session.system
         if not branch and session.version == previous.version and not extra and system == session.system and \
                 not self.turns.is_claimed(session.session_id):
@@ -321,5 +321,5 @@ def function_call(call: ToolCall) -> OutputFunctionCall:
                               arguments=call.arguments)
 
 
-def _call_ids(messages: list[Message]) -> list[str]:
+def call_ids(messages: list[Message]) -> list[str]:
     return [call.id for message in messages for call in message.tool_calls]

@@ -11,19 +11,22 @@ Turns run through the same `TurnRunner`, tools, grammars, keys, limits, leases a
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator
+from typing import Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from chatd.api.constants import SESSION_HEADER, WORKER, WORKER_HEADER
 from chatd.api.http_errors import ApiError, store_call
 from chatd.api.openai.response_events import response_events
-from chatd.api.openai.response_turns import ResponseTurns, finished, function_call
+from chatd.api.openai.response_turns import ResponseTurns, call_ids, finished, function_call
 from chatd.api.openai.responses_schema import (
     ConversationCreate,
     ConversationDeleted,
+    ConversationItemsAdd,
     ConversationObject,
     InputItem,
     ItemList,
@@ -32,6 +35,10 @@ from chatd.api.openai.responses_schema import (
     ResponseDeleted,
     ResponseRequest,
 )
+from chatd.api.tool_calling import RequestRefused, ToolSetup
+from chatd.api.turn_errors import ErrorMessage
+from chatd.api.turns import TurnPlan, TurnRequest
+from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed
 from sessions import Message, Session
 from sessions.responses import ConversationInfo, StoredResponse
@@ -54,6 +61,10 @@ class ResponsesApi:
         self.router.add_api_route("/conversations/{conversation_id}", self.retrieve_conversation, methods=["GET"])
         self.router.add_api_route("/conversations/{conversation_id}", self.delete_conversation, methods=["DELETE"])
         self.router.add_api_route("/conversations/{conversation_id}/items", self.conversation_items, methods=["GET"])
+        self.router.add_api_route("/conversations/{conversation_id}/items", self.add_conversation_items,
+                                  methods=["POST"])
+        self.router.add_api_route("/conversations/{conversation_id}/items/{item_id}", self.conversation_item,
+                                  methods=["GET"])
 
     # ##### Responses #####
 
@@ -116,11 +127,57 @@ class ResponsesApi:
         await self.conversations.index.remove(session.session_id)
         return JSONResponse(ConversationDeleted(id=conversation_id).model_dump())
 
-    async def conversation_items(self, request: Request, conversation_id: str) -> Response:
+    async def conversation_items(self, request: Request, conversation_id: str, order: Literal["asc", "desc"] = "desc",
+                                 limit: int = Query(20, ge=1, le=100), after: str | None = None) -> Response:
+        """A page of the conversation's items, newest first unless `order=asc` (OpenAI's default and cursor)."""
         _, session = await self._conversation(request, conversation_id)
-        messages = ([Message("system", session.system)] if session.system is not None else []) + session.messages
-        items = [item for index, message in enumerate(messages)
-                 for item in _listed_message(f"{conversation_id}_{index}", message)]
+        items = _items_of(conversation_id, session)
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            items = items[next((index + 1 for index, item in enumerate(items) if item.id == after), len(items)):]
+        page = _item_list(items[:limit])
+        page.has_more = len(items) > limit
+        return JSONResponse(page.model_dump())
+
+    async def conversation_item(self, request: Request, conversation_id: str, item_id: str) -> Response:
+        _, session = await self._conversation(request, conversation_id)
+        found = next((item for item in _items_of(conversation_id, session) if item.id == item_id), None)
+        if found is None:
+            raise ApiError(404, f"item {item_id!r} not found in conversation {conversation_id!r}", param="item_id",
+                           code="not_found")
+        return JSONResponse(found.model_dump())
+
+    async def add_conversation_items(self, request: Request, conversation_id: str, body: ConversationItemsAdd
+                                     ) -> Response:
+        """Items appended to the conversation (openai-agents' `OpenAIConversationsSession` keeps its history so):
+        a warm-up turn of its session, so that they are recorded and prefilled into its cache as a turn's input is;
+        answered with the items as listed."""
+        owner = self.admission.authenticate(request)
+        self.admission.refuse_when_unavailable()
+        _, session = await self._conversation(request, conversation_id)
+        warm_up = await self.response_turns.resolve_references(owner, ResponseRequest(
+            model=self.admission.settings.model, input=body.items, generate=False))
+        try:
+            warm_up.check_outputs(call_ids(session.messages))
+        except RequestRefused as error:  # (named as this body names them)
+            raise ApiError(400, str(error).replace("input[", "items["), param=error.param.replace("input", "items", 1),
+                           code="bad_request") from None
+        messages = warm_up.messages()
+        if messages and messages[0].role == "system":
+            raise ApiError(400, "a system or developer item may only start a conversation", param="items[0]",
+                           code="bad_request")
+        before = len(session.messages) + (session.system is not None)
+        started = await self.turns.start(TurnRequest(
+            session.session_id, "conv_items_" + secrets.token_hex(8), owner, owner or "unknown", "responses",
+            TurnPlan(messages, SamplingParams(max_new_tokens=1), ToolSetup(self.conversations.tool_format()),
+                     generate=False)))
+        if isinstance(started, ErrorMessage):
+            raise ApiError(409, f"a response of conversation {conversation_id!r} is running; wait for it",
+                           param="conversation_id", code="conflict") if started.code == "busy" else \
+                ApiError.of(started)
+        await self.conversations.result(*await self.conversations.relay(owner, started))
+        items = _items_of(conversation_id, started.session)[before:]
         return JSONResponse(_item_list(items).model_dump())
 
     # ##### Lookups #####
@@ -159,6 +216,13 @@ def _listed_input(item_id: str, item: dict) -> InputItem | OutputFunctionCall | 
     content = item["content"]
     parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else content
     return InputItem(id=f"msg_{item_id}", role=item["role"], content=parts)
+
+
+def _items_of(conversation_id: str, session: Session) -> list[InputItem | OutputFunctionCall | ListedFunctionOutput]:
+    """A conversation's items, oldest first: its system prompt, then each message as `_listed_message` lists it."""
+    messages = ([Message("system", session.system)] if session.system is not None else []) + session.messages
+    return [item for index, message in enumerate(messages)
+            for item in _listed_message(f"{conversation_id}_{index}", message)]
 
 
 def _item_list(items: list[InputItem]) -> ItemList:

@@ -433,6 +433,15 @@ class ConversationCreate(BaseModel):
     metadata: dict[str, str] | None = Field(None, max_length=16)
 
 
+class ConversationItemsAdd(BaseModel):
+    """The body of POST /v1/conversations/{id}/items: input items appended to the conversation (at most 20, as
+    OpenAI's)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    items: list[InputItemIn] = Field(min_length=1, max_length=20)
+
+
 class ConversationObject(BaseModel):
     """A conversation, as created and retrieved."""
 
