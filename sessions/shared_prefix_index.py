@@ -16,17 +16,21 @@ lookups use what this worker has seen, exactly as before there was a shared inde
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Sequence
 
 import redis.asyncio as redis
+from cachetools import LRUCache
 
 from sessions.encoding import UNREACHABLE, pack_hashes, prefix_block_key, redis_key, unpack_hashes
 from sessions.prefix_index import MAX_CANDIDATES, PrefixIndex, block_hashes
 from sessions.redis_client import RedisEvents
 
 log = logging.getLogger(__name__)
+LOCAL_CACHE_KEYS = 100_000  # the prompt cache keys this worker remembers (the oldest forgotten beyond)
 BACK_OFF_S = 5.0  # after Redis failed a call, how long the local index answers alone
 
 
@@ -39,6 +43,7 @@ class SharedPrefixIndex:
         self._ttl_s = max(1, int(retention_s))
         self.errors = 0  # Redis calls that failed: the local index answered instead
         self._down_until = float("-inf")
+        self._cache_keys: LRUCache[str, str] = LRUCache(LOCAL_CACHE_KEYS)  # (owner, prompt_cache_key) -> session id
 
     def local_state(self) -> dict[str, int]:
         """This worker's own index: the sessions it holds, and those it forgot to stay within its bounds."""
@@ -62,6 +67,28 @@ class SharedPrefixIndex:
                 await pipe.execute()
         except UNREACHABLE as error:
             self._failed("writing to", error)
+
+    async def note_cache_key(self, owner: str | None, cache_key: str, session_id: str) -> None:
+        """`cache_key` (OpenAI's `prompt_cache_key`) last ran a turn in `session_id`: the next request with it, on any
+        worker, tries that session first."""
+        key = _cache_key(owner, cache_key)
+        self._cache_keys[key] = session_id
+        if self._shared():
+            try:
+                await self._redis.set(key, session_id, ex=self._ttl_s)
+            except UNREACHABLE as error:
+                self._failed("writing to", error)
+
+    async def cache_key_session(self, owner: str | None, cache_key: str) -> str | None:
+        """The session `cache_key` last ran a turn in, within `owner`'s scope (None: none known)."""
+        key = _cache_key(owner, cache_key)
+        if self._shared():
+            try:
+                found = await self._redis.get(key)
+                return found.decode() if found is not None else None
+            except UNREACHABLE as error:
+                self._failed("reading from", error)
+        return self._cache_keys.get(key)
 
     async def remove(self, session_id: str, owner: str | None = None, token_ids: Sequence[int] = ()) -> None:
         """Forget a session (ended, or found gone): from the blocks of the chain it indexed and from those of
@@ -123,3 +150,9 @@ class SharedPrefixIndex:
         self._down_until = time.monotonic() + BACK_OFF_S
         log.warning("%s the shared prefix index failed (%s: %s); this worker's own index answers for %.0f s",
                     what.capitalize(), type(error).__name__, error, BACK_OFF_S)
+
+
+def _cache_key(owner: str | None, cache_key: str) -> str:
+    """Where a prompt cache key's session is named: hashed with its owner (keys never meet across scopes)."""
+    digest = hashlib.sha256(json.dumps([owner, cache_key]).encode()).hexdigest()[:32]
+    return f"chatd:cache_key:{{{digest}}}"

@@ -271,3 +271,39 @@ async def test_models_by_id_and_unknown_routes_answer_in_the_apis_shape(server, 
     refusals = [record.getMessage() for record in caplog.records if "refused" in record.getMessage()]
     assert any("PUT /v1/responses refused: 405 method_not_allowed" in line for line in refusals), refusals
     assert any("GET /v1/models/gpt-9 refused: 404 model_not_found" in line for line in refusals), refusals
+
+
+async def test_prompt_cache_key_finds_its_own_conversation_first_on_any_worker(tiny, redis_db):
+    """Two customers' identical conversations, each under its own `prompt_cache_key`: each key's next request, on
+    either worker and on either OpenAI route, continues the session its key last ran in."""
+    settings = Settings(port=0, model=MODEL, verify_sample_rate=0.0, redis_url=redis_db.url)
+    async with ChatServer(settings, load=lambda: tiny) as one, ChatServer(settings, load=lambda: tiny) as two:
+        await one.wait_ready()
+        await two.wait_ready()
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "My router blinks."}]
+        sessions, replies = {}, {}
+        for key in ("desk-a", "desk-b"):
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{one.port}") as http:
+                response = await http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0, "prompt_cache_key": key})
+            sessions[key] = response.headers["x-chatd-session-id"]
+            replies[key] = response.json()["choices"][0]["message"]["content"]
+        assert replies["desk-a"] == replies["desk-b"] and sessions["desk-a"] != sessions["desk-b"]
+        follow = messages + [{"role": "assistant", "content": replies["desk-a"]}, {"role": "user", "content": "Now?"}]
+        for key in ("desk-a", "desk-b"):  # (the index alone would offer the later one, desk-b's, first)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{two.port}") as http:
+                response = await http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": follow, "max_tokens": 4, "temperature": 0, "prompt_cache_key": key})
+            assert response.headers["x-chatd-session-id"] == sessions[key], key
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{one.port}") as http:
+            response = await http.post("/v1/responses", json={
+                "model": MODEL, "instructions": SYSTEM, "max_output_tokens": 4, "temperature": 0,
+                "prompt_cache_key": "desk-c", "input": [{"role": "user", "content": "My router blinks."}]})
+            first = response.headers["x-chatd-session-id"]
+            text = response.json()["output"][0]["content"][0]["text"]
+            response = await http.post("/v1/responses", json={
+                "model": MODEL, "instructions": SYSTEM, "max_output_tokens": 4, "temperature": 0, "store": False,
+                "prompt_cache_key": "desk-c", "input": [{"role": "user", "content": "My router blinks."},
+                                                        {"role": "assistant", "content": text},
+                                                        {"role": "user", "content": "Now?"}]})
+            assert response.headers["x-chatd-session-id"] == first

@@ -57,13 +57,14 @@ class Conversations:
                                      tools=setup.template_tools())
 
     async def place(self, owner: str | None, system: str | None, history: list[Message], content: str | list[Message],
-                    hint: str | None, setup: ToolSetup | None = None) -> tuple[Session, list[int], bool]:
+                    hint: str | None, setup: ToolSetup | None = None, cache_key: str | None = None
+                    ) -> tuple[Session, list[int], bool]:
         """The session this request runs in, the request's plain prompt ids, and whether the session is one it
         continues: the matched session when the request extends it exactly and no turn holds it; otherwise a new one,
         branched from the best match's cache."""
         plain_ids = self.render(system, history, content, setup)
         matches = []
-        for session in await self._candidates(owner, plain_ids, hint):
+        for session in await self._candidates(owner, plain_ids, hint, cache_key):
             if session.system == system and _same(session.messages, history) and \
                     not self.turns.is_claimed(session.session_id):
                 return session, plain_ids, True
@@ -95,13 +96,13 @@ class Conversations:
         return await self.branch(owner, system, history, prompt_ids, [(source, spliced, prompt_ids)])
 
     async def start(self, owner: str | None, client: str, system: str | None, history: list[Message],
-                    content: list[Message], hint: str | None, plan: TurnPlan, turn_id: str, api: str
-                    ) -> tuple[Session, StartedTurn]:
+                    content: list[Message], hint: str | None, plan: TurnPlan, turn_id: str, api: str,
+                    cache_key: str | None = None) -> tuple[Session, StartedTurn]:
         """The request's session and its started turn: the session it continues, or a branch of its own when
         another turn holds it or another worker ran one of it meanwhile (an identical conversation elsewhere).
-        An `ApiError` when it cannot start."""
+        An `ApiError` when it cannot start. `cache_key`: OpenAI's `prompt_cache_key`."""
         try:
-            session, _, matched = await self.place(owner, system, history, content, hint, plan.setup)
+            session, _, matched = await self.place(owner, system, history, content, hint, plan.setup, cache_key)
             started = await self.turns.start(TurnRequest(session.session_id, turn_id, owner, client, api, plan,
                                                          expected_version=session.version if matched else None))
             if isinstance(started, ErrorMessage) and started.code in MOVED_ON and matched:
@@ -113,14 +114,15 @@ class Conversations:
             raise ApiError.of(started)
         return session, started
 
-    async def relay(self, owner: str | None, started: StartedTurn) -> tuple[str | TurnResult, asyncio.Queue]:
+    async def relay(self, owner: str | None, started: StartedTurn, cache_key: str | None = None
+                    ) -> tuple[str | TurnResult, asyncio.Queue]:
         """Relay a started turn's events into a queue (the conversation it reaches indexed when it ends) and wait
         for the first: text, or the result. A turn that fails before its first token is an `ApiError` with its own
         status."""
         events: asyncio.Queue[str | TurnResult | TurnFailed] = asyncio.Queue()
 
         async def end(event: TurnResult | TurnFailed) -> None:
-            await self.ended(owner, started.session.session_id, event)
+            await self.ended(owner, started.session.session_id, event, cache_key)
             await events.put(event)
 
         self.turns.forward(started, events.put, end)
@@ -138,16 +140,23 @@ class Conversations:
             raise ApiError.of(first)
         return first
 
-    async def ended(self, owner: str | None, session_id: str, event: TurnResult | TurnFailed) -> None:
-        """A turn ended: index the conversation it reached, so that the next request that resends it finds it."""
+    async def ended(self, owner: str | None, session_id: str, event: TurnResult | TurnFailed,
+                    cache_key: str | None = None) -> None:
+        """A turn ended: index the conversation it reached, so that the next request that resends it finds it (and
+        the next with its `prompt_cache_key` tries it first)."""
         if isinstance(event, TurnResult) and event.finish_reason != "cancelled":
             await self.index.add(owner, session_id, event.conversation_ids)
+            if cache_key is not None:
+                await self.index.note_cache_key(owner, cache_key, session_id)
 
-    async def _candidates(self, owner: str | None, prompt_ids: list[int], hint: str | None) -> list[Session]:
-        """The owner's sessions that may hold this conversation: the hinted one, then the index's
-        matches, each verified against its real ids, longest shared prefix first."""
+    async def _candidates(self, owner: str | None, prompt_ids: list[int], hint: str | None,
+                          cache_key: str | None = None) -> list[Session]:
+        """The owner's sessions that may hold this conversation: the hinted one, the one its prompt cache key last
+        ran in, then the index's matches, each verified against its real ids, longest shared prefix first (on a
+        tie, in that order)."""
+        keyed = await self.index.cache_key_session(owner, cache_key) if cache_key is not None else None
         found: list[Session] = []
-        for session_id in ([hint] if hint else []) + await self.index.candidates(owner, prompt_ids):
+        for session_id in [known for known in (hint, keyed) if known] + await self.index.candidates(owner, prompt_ids):
             session = await self.sessions.get(session_id)
             if session is None:
                 await self.index.remove(session_id, owner, prompt_ids)

@@ -88,9 +88,9 @@ class OpenAIApi:
         scope = salted(owner, body.cache_salt)
         system, history, content = body.conversation()
         session, started = await self.conversations.start(
-            scope, client, system, history, content, body.session_id or body.prompt_cache_key or x_session_id,
-            TurnPlan(content, params, setup), turn_id, "openai")
-        first, events = await self.conversations.relay(scope, started)
+            scope, client, system, history, content, body.session_id or x_session_id, TurnPlan(content, params, setup),
+            turn_id, "openai", cache_key=body.prompt_cache_key)
+        first, events = await self.conversations.relay(scope, started, body.prompt_cache_key)
         headers = {SESSION_HEADER: session.session_id, WORKER_HEADER: WORKER}
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -156,7 +156,7 @@ class ChatCompletionRequest(RequestBody):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     session_id: str | None = Field(None, max_length=128)  # chatd's hint: continue this session
-    prompt_cache_key: str | None = Field(None, max_length=128)  # OpenAI's name for the same hint
+    prompt_cache_key: str | None = Field(None, max_length=128)  # OpenAI's: one key's requests try its last session
     cache_salt: str | None = Field(None, max_length=256)  # vLLM's field: caches shared only among the same salt
     # vLLM's sampling extensions (benchmark clients fix reply lengths with them)
     ignore_eos: bool = False

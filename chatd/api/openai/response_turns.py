@@ -162,7 +162,8 @@ class ResponseTurns:
         else:
             if extra and extra[0].role == "system":
                 system, extra = (extra[0].content if system is None else system), extra[1:]
-            session, _, matched = await self.conversations.place(scope, system, extra, new, None, setup)
+            session, _, matched = await self.conversations.place(scope, system, extra, new, None, setup,
+                                                                 body.prompt_cache_key)
             fresh = not matched
         if not body.store and not fresh and (_disposable(body, socket) or
                                              socket is not None and session.session_id not in socket.owned):
@@ -232,7 +233,7 @@ class ResponseTurns:
                     event = TurnFailed("unavailable", "the reply could not be stored; send the input again")
             if isinstance(event, TurnResult):
                 if body.store or socket is None and not _disposable(body, socket):
-                    await self.conversations.ended(scope, session.session_id, event)
+                    await self.conversations.ended(scope, session.session_id, event, body.prompt_cache_key)
                 if socket is not None:
                     socket.latest[lane] = stored
                     if body.store:
