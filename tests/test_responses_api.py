@@ -29,7 +29,7 @@ def client_for(server: ChatServer, key: str = "none") -> openai.AsyncOpenAI:
 async def respond(client: openai.AsyncOpenAI, text: str, previous: str | None = None, stream: bool = False,
                   **extra):
     """One response (streamed or not), as the SDK returns it; a stream is read to its final response."""
-    arguments = dict(model=MODEL, input=text, max_output_tokens=8, temperature=0, **extra)
+    arguments = {"model": MODEL, "input": text, "max_output_tokens": 8, "temperature": 0, **extra}
     if previous is not None:
         arguments["previous_response_id"] = previous
     if not stream:
@@ -143,7 +143,7 @@ async def test_conversations_hold_the_turns_of_responses_and_of_the_websocket(se
         ready = await websocket.open_session(session_id=conversation.id)
         assert ready.turns == 3
         await (await websocket.chat(conversation.id, "And by websocket?", max_new_tokens=4)).result()
-    items = await client.conversations.items.list(conversation.id)
+    items = await client.conversations.items.list(conversation.id, order="asc")
     texts = [item.content[0].text for item in items.data]
     assert texts[:4] == [SYSTEM, "Hello.", "Hello! How can I help?", QUESTIONS[0]]
     assert texts[-2] == "And by websocket?" and len(texts) == 1 + 2 * 4
@@ -332,3 +332,25 @@ async def test_conversation_items_are_added_listed_in_either_order_and_read_from
         await client.conversations.items.create(conversation.id, items=[
             {"type": "function_call_output", "call_id": "call_9", "output": "x"}])
     assert refused.value.body["param"] == "items[0].call_id"
+
+
+async def test_truncation_disabled_refuses_a_conversation_over_the_context_and_auto_drops_turns(servers):
+    """OpenAI's default `truncation: disabled`: a chain that outgrows the model's context (512 tokens here) is
+    refused with `context_length_exceeded` (and nothing is recorded); `auto` drops its oldest turns and answers."""
+    server, _ = servers
+    client = client_for(server)
+    long_question = "Please read my whole account history again: " + "the router blinks orange and red, " * 12
+    previous, refused = None, None
+    for _ in range(8):
+        try:
+            previous = await respond(client, long_question, previous.id if previous else None, instructions=SYSTEM,
+                                     max_output_tokens=32)
+        except openai.BadRequestError as error:
+            refused = error
+            break
+    assert refused is not None and refused.body["code"] == "context_length_exceeded", refused
+    dropped = await respond(client, long_question, previous.id, instructions=SYSTEM, max_output_tokens=32,
+                            truncation="auto")
+    assert dropped.truncation == "auto" and dropped.output_text
+    assert dropped.usage.input_tokens + 32 <= 512
+    assert previous.truncation == "disabled"

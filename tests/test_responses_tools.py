@@ -102,7 +102,7 @@ async def test_streamed_calls_send_argument_events_and_a_conversation_takes_thei
     answer = await client.responses.create(model=MODEL, input=_outputs([call]), tools=TOOLS, max_output_tokens=32,
                                            temperature=0, conversation=conversation.id)
     assert answer.usage.input_tokens_details.cached_tokens >= final.usage.input_tokens + final.usage.output_tokens - 1
-    items = (await client.conversations.items.list(conversation.id)).data
+    items = (await client.conversations.items.list(conversation.id, order="asc")).data
     assert [item.type for item in items] == ["message", "message", "function_call", "function_call_output",
                                              "message"]
     assert items[2].call_id == items[3].call_id == call.call_id

@@ -165,7 +165,7 @@ async def test_bad_tool_input_is_a_400_naming_the_parameter_before_any_model_wor
         (dict(messages=user, tool_choice="required"), "tool_choice"),
         (dict(messages=orphan, tools=TOOLS), "messages[2]"),
         (dict(messages=user, tools=[{"type": "function", "function": {"description": "no name"}}]),
-         "tools.0.function.name"),
+         "tools[0].function.name"),
         (dict(messages=user, tools=[{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"a": {"type": 7}}}}}]), "tools[0].parameters"),
         (dict(messages=user, tools=[{"type": "function", "function": {"name": "f", "parameters": huge}}]),

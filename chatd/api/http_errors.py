@@ -23,7 +23,8 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 # chatd's error codes (websocket protocol and engine) as HTTP statuses.
-_STATUS = {"bad_request": 400, "limit_exceeded": 400, "too_long": 400, "unauthorized": 401, "unknown_session": 404,
+_STATUS = {"bad_request": 400, "limit_exceeded": 400, "too_long": 400, "context_length_exceeded": 400,
+           "unauthorized": 401, "unknown_session": 404,
            "rate_limited": 429, "conflict": 409, "busy": 503, "unavailable": 503, "internal": 500}
 ErrorShape = Callable[["ApiError"], Response]
 

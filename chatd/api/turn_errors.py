@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 ErrorCode = Literal["bad_request", "unauthorized", "unknown_session", "unknown_turn", "busy", "rate_limited",
-                    "limit_exceeded", "too_long", "unavailable", "conflict", "internal"]
+                    "limit_exceeded", "too_long", "context_length_exceeded", "unavailable", "conflict", "internal"]
 
 
 class ErrorMessage(BaseModel):

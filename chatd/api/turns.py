@@ -61,6 +61,7 @@ class TurnPlan:
     setup: ToolSetup | None = None
     keep_for_s: float | None = None
     generate: bool = True
+    truncate: bool = True  # False: a conversation over the context is refused, not shortened
 
 
 @dataclass
@@ -175,6 +176,7 @@ class TurnRunner:
             dropped_turns=session.dropped_turns,
             keep_for_s=plan.keep_for_s,
             generate=plan.generate,
+            truncate=plan.truncate,
             call_trigger=tools.call_trigger if tools else None,
         )
         self._turns[session.session_id] = turn

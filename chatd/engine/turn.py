@@ -70,7 +70,7 @@ class TurnResult:
 class TurnFailed:
     """A turn the engine could not complete, with the error code the client gets."""
 
-    code: Literal["too_long", "conflict", "busy", "unavailable", "internal"]
+    code: Literal["too_long", "context_length_exceeded", "conflict", "busy", "unavailable", "internal"]
     message: str
 
 
@@ -102,6 +102,7 @@ class Turn:
     dropped_turns: int = 0  # oldest turns the session's prompts already leave out
     keep_for_s: float | None = None  # keep its cache resident this long ahead of plain LRU (a cache breakpoint)
     generate: bool = True  # False: a warm-up, its prompt (without the generation prompt) prefilled and kept
+    truncate: bool = True  # False: a prompt over the context is refused rather than its oldest turns dropped
     call_trigger: str | None = None  # where the model opens a tool call: a steer never stops a reply inside one
     received_at: float = field(default_factory=time.perf_counter)
     prompt_read: PromptRead | None = None  # set by the engine before it emits the first token

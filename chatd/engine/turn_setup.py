@@ -56,6 +56,10 @@ class TurnPreparer:
                          add_generation_prompt=turn.generate)
         except DoesNotFit as error:
             return TurnFailed("too_long", str(error))
+        if not turn.truncate and window.dropped_turns > turn.dropped_turns:
+            return TurnFailed("context_length_exceeded", f"the conversation does not fit the model's context of "
+                                                         f"{self.max_context} tokens with room for the reply, and "
+                                                         "truncation is disabled")
         prompt_ids = window.prompt_ids
         max_new_tokens = min(turn.params.max_new_tokens, self.max_context - len(prompt_ids))
         # What its region may reach; a turn longer than the whole arena runs in a temporary cache outside it,

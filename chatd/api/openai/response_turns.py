@@ -138,7 +138,7 @@ class ResponseTurns:
         """The session the response runs in and its turn started (or why not). `owner`: the key's id; `scope`: whose
         sessions and caches (the key's, or its `cache_salt`'s)."""
         extra, new = body.split()
-        plan = TurnPlan(new, params, setup, generate=not body.warm_up)
+        plan = TurnPlan(new, params, setup, generate=not body.warm_up, truncate=body.truncation == "auto")
 
         def request(session: Session, expected_version: int | None = None) -> TurnRequest:
             return TurnRequest(session.session_id, response_id, scope, client, "responses", plan, expected_version)
@@ -289,7 +289,7 @@ def _created(body: ResponseRequest) -> ResponseObject:
                           tool_choice=body.tool_choice or "auto",
                           parallel_tool_calls=body.parallel_tool_calls is not False,
                           text=body.text or {"format": {"type": "text"}}, safety_identifier=body.safety_identifier,
-                          prompt_cache_key=body.prompt_cache_key)
+                          prompt_cache_key=body.prompt_cache_key, truncation=body.truncation)
 
 
 def finished(created: ResponseObject, result: TurnResult, reply: tuple[str, list[ToolCall]]) -> ResponseObject:

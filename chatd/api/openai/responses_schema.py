@@ -135,6 +135,8 @@ class ResponseRequest(RequestBody):
     prompt_cache_options: dict[str, Any] | None = None
     prompt_cache_key: str | None = Field(None, max_length=128)
     safety_identifier: str | None = Field(None, max_length=256)
+    # OpenAI's default: a conversation over the context is refused (`auto`: its oldest turns are dropped).
+    truncation: Literal["auto", "disabled"] = "disabled"
     # Accepted only where they change nothing.
     reasoning: Any = None
     background: bool | None = None
@@ -384,7 +386,7 @@ class ResponseObject(BaseModel):
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     # The rest of what OpenAI's spec requires of a response (typed clients validate it), with chatd's values.
     completed_at: int | None = None
-    truncation: Literal["auto", "disabled"] = "auto"  # (chatd drops the oldest turns of a conversation too long)
+    truncation: Literal["auto", "disabled"] = "disabled"
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     top_logprobs: int = 0
