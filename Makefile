@@ -36,10 +36,22 @@ $(DYNAMO):
 	$(VENV)/dynamo/bin/python -m pip install --quiet --disable-pip-version-check ai-dynamo-runtime==1.6.1 || \
 		{ rm -rf $(VENV)/dynamo; echo "could not install ai-dynamo-runtime: the KV-events tests against it will be skipped"; }
 
+# The client-library tests drive the libraries support bots are built with, each as its users run it: pydantic-ai and
+# litellm in a venv of their own (their pins differ from ours), Vercel's AI SDK from npm in tests/clients.
+CLIENTS := $(VENV)/clients/bin/python
+$(CLIENTS):
+	$(PYTHON) -m venv $(VENV)/clients
+	$(VENV)/clients/bin/python -m pip install --quiet --disable-pip-version-check 'pydantic-ai-slim[openai]==2.78.0' \
+		litellm==1.110.2 || { rm -rf $(VENV)/clients; echo "could not install pydantic-ai and litellm: their tests will be skipped"; }
+NODE_CLIENTS := tests/clients/node_modules/.package-lock.json
+$(NODE_CLIENTS): tests/clients/package-lock.json
+	command -v npm >/dev/null && npm ci --prefix tests/clients --no-audit --no-fund --silent || \
+		echo "could not install the AI SDK from npm: its tests will be skipped"
+
 # Two pytest-xdist workers, each a test file at a time (module fixtures stay shared) on its own share of the
 # cores (tests/conftest.py); TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
-test: $(INSTALLED) test-deps $(DYNAMO)
+test: $(INSTALLED) test-deps $(DYNAMO) $(CLIENTS) $(NODE_CLIENTS)
 	$(BIN)/ruff check chatd cache_store sessions tests bench examples deploy
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)  # where the time goes, in every CI log
 
