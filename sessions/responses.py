@@ -154,4 +154,5 @@ def _item_key(item_id: str) -> str:
 
 
 def output_item_ids(response: StoredResponse) -> list[str]:
+    """The ids of a response's output items, by which a later request may refer to them."""
     return [item["id"] for item in response.body.get("output", []) if isinstance(item.get("id"), str)]

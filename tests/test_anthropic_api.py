@@ -260,10 +260,18 @@ async def test_cache_control_keeps_a_policy_resident_through_an_eviction_flood(s
             marked_system = [{"type": "text", "text": policy, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
             marked = await turn(marked_system, QUESTIONS[0])
             plain = await turn(policy.replace("billing", "sales"), QUESTIONS[0])
-            for index in range(6):  # other customers, each with a policy of its own: the device fills again and again
-                await turn(policy.replace("billing", f"desk {index}"), QUESTIONS[1])
-            stats = server.engine.call(lambda store: store.stats()).result()
-            assert stats["kept_sessions"] == 1 and stats.get("device_evictions", 0) >= 4, stats
+            async with openai_client(server) as responses:  # OpenAI's own control: `prompt_cache_options.ttl`
+                kept = await responses.responses.create(
+                    model=MODEL, instructions=policy.replace("billing", "repairs"), input=QUESTIONS[0],
+                    max_output_tokens=6, temperature=0, extra_body={"prompt_cache_options": {"ttl": "12h"}})
+                for index in range(6):  # other customers, each with a policy of its own: the device fills again
+                    await turn(policy.replace("billing", f"desk {index}"), QUESTIONS[1])
+                stats = server.engine.call(lambda store: store.stats()).result()
+                assert stats["kept_sessions"] == 2 and stats.get("device_evictions", 0) >= 4, stats
+                still = await responses.responses.create(model=MODEL, previous_response_id=kept.id,
+                                                         input=QUESTIONS[1], max_output_tokens=6, temperature=0)
+            assert still.usage.input_tokens_details.cached_tokens >= kept.usage.total_tokens - 1, still.usage
+            assert kept.usage.input_tokens_details.cache_write_tokens == kept.usage.input_tokens
             history = [{"role": "user", "content": QUESTIONS[0]}]
             again = await turn(marked_system, QUESTIONS[1], [*history, {"role": "assistant",
                                                                          "content": text_of(marked)}])
@@ -272,6 +280,7 @@ async def test_cache_control_keeps_a_policy_resident_through_an_eviction_flood(s
     assert again.usage.cache_read_input_tokens >= marked.usage.input_tokens + marked.usage.cache_creation_input_tokens \
         + marked.usage.output_tokens - 1, again.usage
     assert marked.usage.cache_creation_input_tokens > 100, "the policy counts as written at its breakpoint"
+    assert marked.usage.cache_creation.ephemeral_1h_input_tokens == marked.usage.cache_creation_input_tokens
     assert lost.usage.cache_read_input_tokens < 16, lost.usage
 
 
@@ -316,3 +325,27 @@ async def test_cache_salt_isolates_caches_across_two_workers_on_redis(tiny, redi
     assert responses["tenant-c"].usage.input_tokens_details.cached_tokens == 0, "the Responses API too"
     assert responses["tenant-a"].usage.input_tokens_details.cached_tokens >= reply.usage.prompt_tokens
     assert follow.usage.input_tokens_details.cached_tokens >= salted.usage.input_tokens, "continued from its cache"
+
+
+async def test_cache_creation_is_split_by_ttl_and_a_1h_breakpoint_after_a_5m_one_is_refused(tiny):
+    """Anthropic's usage splits what a turn wrote by the ttl of the breakpoint that covers it; as Anthropic's API, a
+    1h breakpoint may not follow a 5m one."""
+    async with ChatServer(Settings(port=0, model=MODEL), load=lambda: tiny) as server:
+        await server.wait_ready()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as http:
+            def body(system_ttl: str, message_ttl: str) -> dict:
+                return {"model": MODEL, "max_tokens": 4, "temperature": 0, "system": [
+                    {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral", "ttl": system_ttl}}],
+                    "messages": [{"role": "user", "content": [{"type": "text", "text": QUESTIONS[0],
+                                                               "cache_control": {"type": "ephemeral",
+                                                                                 "ttl": message_ttl}}]}]}
+
+            response = await http.post("/v1/messages", json=body("1h", "5m"))
+            assert response.status_code == 200, response.text
+            usage = response.json()["usage"]
+            split = usage["cache_creation"]
+            assert split["ephemeral_1h_input_tokens"] > 0 and split["ephemeral_5m_input_tokens"] > 0, usage
+            assert split["ephemeral_1h_input_tokens"] + split["ephemeral_5m_input_tokens"] == \
+                usage["cache_creation_input_tokens"]
+            refused = await http.post("/v1/messages", json=body("5m", "1h"))
+            assert refused.status_code == 400 and "1h" in refused.json()["error"]["message"], refused.text

@@ -105,8 +105,11 @@ async def test_openai_agents_conversations_session_keeps_the_history_on_the_serv
                   reset_tool_choice=True)
     session = OpenAIConversationsSession(openai_client=client)
     cached = []
-    for question in ("Where is my order NW-2231?", "When was it sent?", "Can you refund it?", "Thanks, goodbye."):
-        result = await Runner.run(agent, question, session=session, max_turns=3)
+    for turn, question in enumerate(("Where is my order NW-2231?", "When was it sent?", "Can you refund it?",
+                                      "Thanks, goodbye.")):
+        answering = agent if turn == 0 else agent.clone(  # (later turns answer in words: one request each)
+            model_settings=AgentSettings(temperature=0, max_tokens=48, tool_choice="none"))
+        result = await Runner.run(answering, question, session=session, max_turns=3)
         usage = result.context_wrapper.usage
         cached.append({"input": usage.request_usage_entries[-1].input_tokens,
                        "cached": usage.request_usage_entries[-1].input_tokens_details.cached_tokens})

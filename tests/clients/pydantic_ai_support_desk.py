@@ -39,7 +39,7 @@ def open_ticket(summary: str) -> dict:
 history = []
 for turn, question in enumerate(["Where is my order NW-2231?", "When was it sent?", "Can you refund it?",
                                  "Thanks, goodbye."], start=1):
-    settings = ModelSettings(temperature=0, max_tokens=48,
+    settings = ModelSettings(temperature=0, max_tokens=48, stop_sequences=["\n"] if turn > 1 else [],
                              tool_choice=["lookup_order", "final_result"] if turn == 1 else
                              ToolOrOutput(function_tools=["open_ticket"]) if turn == 3 else "auto")
     result = agent.run_sync(question, message_history=history, model_settings=settings)

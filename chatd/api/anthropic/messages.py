@@ -24,6 +24,7 @@ from chatd.api.admission import Admission
 from chatd.api.anthropic.errors import anthropic_body
 from chatd.api.anthropic.messages_schema import (
     CacheControl,
+    CacheCreation,
     CountTokensRequest,
     ErrorOut,
     MessageOut,
@@ -102,6 +103,9 @@ class AnthropicApi:
             if len(marks) > MAX_BREAKPOINTS:
                 raise RequestRefused("cache_control", f"at most {MAX_BREAKPOINTS} blocks may have cache_control, "
                                                       f"not {len(marks)}")
+            ttls = [control.ttl for _, control in marks]
+            if "5m" in ttls and "1h" in ttls[ttls.index("5m"):]:  # (as Anthropic's: the longer-lived prefix first)
+                raise RequestRefused("cache_control", "a cache_control with ttl 1h must come before any with ttl 5m")
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=body.temperature,
                                 top_p=body.top_p or 1.0, top_k=body.top_k, stop=list(body.stop_sequences or []),
                                 grammar=await self.admission.compile(setup, "output_config.format"))
@@ -126,7 +130,8 @@ class AnthropicApi:
                 await store_call(self.threads.settle(message_id, owner, scope, body, started.session, result,
                                                      previous))
 
-        reply = _Reply(message_id, body.model, self._last_breakpoint(body, marks, setup))
+        reply = _Reply(message_id, body.model, self._last_breakpoint(body, marks, setup),
+                       self._last_breakpoint(body, [mark for mark in marks if mark[1].ttl == "1h"], setup))
         if body.stream:
             return StreamingResponse(reply.stream(started, first, events, setup, settle),
                                      media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
@@ -179,15 +184,19 @@ class AnthropicApi:
 class _Reply:
     """One reply in Anthropic's shapes: the message, or its stream of events."""
 
-    def __init__(self, message_id: str, model: str, breakpoint: list[int] | None):
-        self.message_id, self.model, self.breakpoint = message_id, model, breakpoint  # (`_last_breakpoint`)
+    def __init__(self, message_id: str, model: str, breakpoint: list[int] | None, hour_breakpoint: list[int] | None):
+        self.message_id, self.model = message_id, model
+        self.breakpoint, self.hour_breakpoint = breakpoint, hour_breakpoint  # (`_last_breakpoint`: all, 1h ones)
 
     def usage(self, prompt_ids: list[int], read: int, output_tokens: int) -> Usage:
-        """The prompt's tokens read from a cache, newly written up to the last breakpoint, and the rest."""
-        through = len(prompt_ids) if self.breakpoint is None else common_prefix_length(prompt_ids, self.breakpoint)
-        written = max(0, through - read)
+        """The prompt's tokens read from a cache, newly written up to the last breakpoint (those up to the last 1h
+        breakpoint apart from the 5m ones), and the rest."""
+        written = _written(prompt_ids, read, self.breakpoint)
+        hour = min(written, _written(prompt_ids, read, self.hour_breakpoint))
         return Usage(input_tokens=len(prompt_ids) - read - written, output_tokens=output_tokens,
-                     cache_read_input_tokens=read, cache_creation_input_tokens=written)
+                     cache_read_input_tokens=read, cache_creation_input_tokens=written,
+                     cache_creation=CacheCreation(ephemeral_5m_input_tokens=written - hour,
+                                                  ephemeral_1h_input_tokens=hour))
 
     def result_usage(self, result: TurnResult) -> Usage:
         return self.usage(result.conversation_ids[:result.prompt_tokens], result.cached_tokens,
@@ -289,6 +298,12 @@ def _input(call: ToolCall) -> dict:
     except ValueError:
         return {}
     return arguments if isinstance(arguments, dict) else {}
+
+
+def _written(prompt_ids: list[int], read: int, breakpoint: list[int] | None) -> int:
+    """The prompt tokens a turn that read `read` of them wrote up to `breakpoint` (None: the whole prompt)."""
+    through = len(prompt_ids) if breakpoint is None else common_prefix_length(prompt_ids, breakpoint)
+    return max(0, through - read)
 
 
 def _anthropic_reader(parse):

@@ -284,6 +284,13 @@ class ToolUseOut(BaseModel):
     input: dict[str, Any]
 
 
+class CacheCreation(BaseModel):
+    """The newly written prompt tokens by the ttl of the breakpoint that covers them."""
+
+    ephemeral_5m_input_tokens: int = 0
+    ephemeral_1h_input_tokens: int = 0
+
+
 class Usage(BaseModel):
     """A reply's tokens: the prompt's, split into those read from a cache, those newly written at a breakpoint
     and the rest (the three add up to the prompt's length), and the reply's."""
@@ -292,6 +299,7 @@ class Usage(BaseModel):
     output_tokens: int
     cache_read_input_tokens: int = 0
     cache_creation_input_tokens: int = 0
+    cache_creation: CacheCreation = Field(default_factory=CacheCreation)
 
 
 class MessageOut(BaseModel):

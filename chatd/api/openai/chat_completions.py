@@ -87,9 +87,10 @@ class OpenAIApi:
         turn_id = "chatcmpl-" + secrets.token_urlsafe(12)
         scope = salted(owner, body.cache_salt)
         system, history, content = body.conversation()
+        plan = TurnPlan(content, params, setup, keep_for_s=86400.0 if body.prompt_cache_retention == "24h" else None)
         session, started = await self.conversations.start(
-            scope, client, system, history, content, body.session_id or x_session_id, TurnPlan(content, params, setup),
-            turn_id, "openai", cache_key=body.prompt_cache_key)
+            scope, client, system, history, content, body.session_id or x_session_id, plan, turn_id, "openai",
+            cache_key=body.prompt_cache_key)
         first, events = await self.conversations.relay(scope, started, body.prompt_cache_key)
         headers = {SESSION_HEADER: session.session_id, WORKER_HEADER: WORKER}
         if body.stream:

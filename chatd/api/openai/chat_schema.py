@@ -99,6 +99,8 @@ class NamedToolChoice(BaseModel):
 
 
 class AllowedFunction(BaseModel):
+    """A tool `allowed_tools` lets the model call."""
+
     type: Literal["function"]
     function: NamedFunction
 
@@ -158,6 +160,7 @@ class ChatCompletionRequest(RequestBody):
     session_id: str | None = Field(None, max_length=128)  # chatd's hint: continue this session
     prompt_cache_key: str | None = Field(None, max_length=128)  # OpenAI's: one key's requests try its last session
     cache_salt: str | None = Field(None, max_length=256)  # vLLM's field: caches shared only among the same salt
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # 24h: kept that long at least, ahead of LRU
     # vLLM's sampling extensions (benchmark clients fix reply lengths with them)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)

@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 
 class RequestBody(BaseModel):
+    """The base of chat completions' and Responses' request bodies."""
+
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")

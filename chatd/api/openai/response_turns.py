@@ -18,13 +18,11 @@ from dataclasses import dataclass, field
 from chatd.api.admission import Admission
 from chatd.api.conversations import Conversations, salted
 from chatd.api.http_errors import ApiError, refusals, store_call
+from chatd.api.openai.input_items import FunctionCallItem, InputMessage, ItemReference
 from chatd.api.openai.responses_schema import (
     ConversationRef,
-    FunctionCallItem,
     IncompleteDetails,
-    InputMessage,
     InputTokensDetails,
-    ItemReference,
     OutputFunctionCall,
     OutputMessage,
     OutputText,
@@ -138,7 +136,8 @@ class ResponseTurns:
         """The session the response runs in and its turn started (or why not). `owner`: the key's id; `scope`: whose
         sessions and caches (the key's, or its `cache_salt`'s)."""
         extra, new = body.split()
-        plan = TurnPlan(new, params, setup, generate=not body.warm_up, truncate=body.truncation == "auto")
+        plan = TurnPlan(new, params, setup, keep_for_s=body.keep_for_s(), generate=not body.warm_up,
+                        truncate=body.truncation == "auto")
 
         def request(session: Session, expected_version: int | None = None) -> TurnRequest:
             return TurnRequest(session.session_id, response_id, scope, client, "responses", plan, expected_version)
@@ -289,7 +288,10 @@ def _created(body: ResponseRequest) -> ResponseObject:
                           tool_choice=body.tool_choice or "auto",
                           parallel_tool_calls=body.parallel_tool_calls is not False,
                           text=body.text or {"format": {"type": "text"}}, safety_identifier=body.safety_identifier,
-                          prompt_cache_key=body.prompt_cache_key, truncation=body.truncation)
+                          prompt_cache_key=body.prompt_cache_key, truncation=body.truncation,
+                          prompt_cache_retention=body.prompt_cache_retention,
+                          prompt_cache_options={"mode": "implicit", "ttl": body.prompt_cache_options.ttl or "30m"}
+                          if body.prompt_cache_options is not None else None)
 
 
 def finished(created: ResponseObject, result: TurnResult, reply: tuple[str, list[ToolCall]]) -> ResponseObject:
@@ -323,4 +325,5 @@ def function_call(call: ToolCall) -> OutputFunctionCall:
 
 
 def call_ids(messages: list[Message]) -> list[str]:
+    """The ids of the calls `messages` made, which a function_call_output may answer."""
     return [call.id for message in messages for call in message.tool_calls]

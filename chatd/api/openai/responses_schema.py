@@ -6,94 +6,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from chatd.api.constants import FUNCTION_NAME
+from chatd.api.openai.input_items import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputItemIn,
+    InputMessage,
+    MediaPart,
+    ReasoningItem,
+    SentItem,
+)
 from chatd.api.openai.request_body import RequestBody
 from chatd.api.tool_calling import Function, RequestRefused, ToolFormat, ToolSetup, checked_schema, tool_setup
 from sessions import Message, ToolCall
-
-
-class InputText(BaseModel):
-    """A text part of an input message (`input_text`; `output_text` for an assistant's earlier reply)."""
-
-    type: Literal["input_text", "output_text", "text"]
-    text: str
-
-
-class MediaPart(BaseModel):
-    """An image, file or audio part: read so that it is refused by name (the served model reads text only)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["input_image", "input_file", "input_audio"]
-
-
-class InputMessage(BaseModel):
-    """One message item of `input` (or of a conversation's `items`)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[Annotated[InputText | MediaPart, Field(discriminator="type")]]
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else \
-            "".join(part.text for part in self.content if isinstance(part, InputText))
-
-    def message(self) -> Message:
-        return Message("system" if self.role == "developer" else self.role, self.text())
-
-
-class FunctionCallItem(BaseModel):
-    """A call an earlier reply made, as the client sends it back (and as a response's output lists it)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["function_call"]
-    call_id: str = Field(min_length=1, max_length=256)
-    name: str = Field(pattern=FUNCTION_NAME)
-    arguments: str = Field(max_length=256 * 1024)
-    id: str | None = None
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
-
-
-class FunctionCallOutputItem(BaseModel):
-    """A function's result, answering the call `call_id`."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1, max_length=256)
-    output: str | list[InputText]
-    id: str | None = None
-
-    def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
-
-
-class ItemReference(BaseModel):
-    """An earlier output item named by its id (`msg_…`, `fc_…`), as clients with `store` on send their history (the
-    AI SDK): replaced by the item itself before anything else reads the input."""
-
-    type: Literal["item_reference"]
-    id: str = Field(min_length=1, max_length=128)
-
-
-class ReasoningItem(BaseModel):
-    """A reasoning item a client carries over from another model: passed over (the served model does not reason)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["reasoning"]
-
-
-InputItemIn = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem | ItemReference | ReasoningItem,
-                        Field(union_mode="left_to_right")]
-SentItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ItemReference | ReasoningItem
 
 
 class FunctionTool(BaseModel):
@@ -106,6 +35,18 @@ class FunctionTool(BaseModel):
     description: str | None = Field(None, max_length=16 * 1024)
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+
+class PromptCacheOptions(BaseModel):
+    """OpenAI's `prompt_cache_options`: `ttl`, the least time what the request writes stays cached; `prewarm`,
+    prefill without generating (a warm-up)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    mode: Literal["implicit", "explicit"] = "implicit"
+    ttl: Literal["30m", "12h"] | None = None
+    prewarm: bool = False
+    comparison_response_id: str | None = Field(None, max_length=128)
 
 
 class ResponseRequest(RequestBody):
@@ -132,7 +73,8 @@ class ResponseRequest(RequestBody):
     # False: a warm-up, its prompt prefilled into the session's cache and nothing generated (WebSocket mode's
     # field; `prompt_cache_options.prewarm` says the same).
     generate: bool = True
-    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # (deprecated by prompt_cache_options.ttl)
     prompt_cache_key: str | None = Field(None, max_length=128)
     safety_identifier: str | None = Field(None, max_length=256)
     # OpenAI's default: a conversation over the context is refused (`auto`: its oldest turns are dropped).
@@ -155,6 +97,17 @@ class ResponseRequest(RequestBody):
             raise RequestRefused("include", f"include {item!r} is not supported")
         if self.previous_response_id and self.conversation:
             raise RequestRefused("conversation", "give previous_response_id or conversation, not both")
+        options = self.prompt_cache_options
+        if options is not None and options.ttl is not None and self.prompt_cache_retention is not None:
+            raise RequestRefused("prompt_cache_retention", "give prompt_cache_options.ttl or prompt_cache_retention, "
+                                                           "not both")
+        if options is not None and options.mode == "explicit":
+            raise RequestRefused("prompt_cache_options.mode", "explicit prompt cache breakpoints are not supported "
+                                                              "yet: chatd caches every prompt implicitly")
+        if options is not None and options.comparison_response_id is not None:
+            raise RequestRefused("prompt_cache_options.comparison_response_id", "prompt cache diagnostics are not "
+                                 "supported yet: each turn's miss reason is on /metrics and in the websocket's "
+                                 "chat.done")
         for index, item in enumerate(self.items()):
             for part_index, part in enumerate(item.content if isinstance(item, InputMessage) and
                                               isinstance(item.content, list) else ()):
@@ -175,7 +128,13 @@ class ResponseRequest(RequestBody):
     @property
     def warm_up(self) -> bool:
         """Whether this only prefills its prompt (`generate: false`, or `prompt_cache_options.prewarm`)."""
-        return not self.generate or bool((self.prompt_cache_options or {}).get("prewarm"))
+        return not self.generate or (self.prompt_cache_options is not None and self.prompt_cache_options.prewarm)
+
+    def keep_for_s(self) -> float | None:
+        """How long what the request writes stays cached at least (`prompt_cache_options.ttl`, or the older
+        `prompt_cache_retention`), ahead of plain LRU; None: as any idle cache."""
+        ttl = self.prompt_cache_options.ttl if self.prompt_cache_options is not None else None
+        return {"30m": 1800.0, "12h": 43200.0}.get(ttl) or {"24h": 86400.0}.get(self.prompt_cache_retention)
 
     def items(self) -> list[SentItem]:
         """`input` as items, as the client sent them (after its item references are resolved: `with_items`)."""
@@ -396,6 +355,8 @@ class ResponseObject(BaseModel):
     service_tier: str = "default"
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
 
 
 class ResponseDeleted(BaseModel):

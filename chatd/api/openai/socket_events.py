@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from chatd.api.http_errors import ApiError
 from chatd.api.openai.errors import openai_body
-from chatd.api.openai.responses_schema import InputMessage, OutputFunctionCall, ResponseRequest
+from chatd.api.openai.input_items import InputMessage
+from chatd.api.openai.responses_schema import OutputFunctionCall, ResponseRequest
 
 STREAM_ID = re.compile(r"[A-Za-z0-9_.-]{1,256}")
 
