@@ -53,8 +53,9 @@ class StartedTurn:
 @dataclass
 class TurnPlan:
     """What a turn runs: its new input, how it samples, how the model sees tools and how its reply is read, how long
-    its cache stays resident ahead of plain LRU (an Anthropic cache breakpoint's ttl), and whether it samples at
-    all (without `generate`, a warm-up: the prompt prefilled into the session's cache and recorded)."""
+    its cache stays resident ahead of plain LRU (an Anthropic breakpoint's ttl, OpenAI's prompt cache ttl), and
+    whether it samples at all (without `generate`, a warm-up: the prompt prefilled into the session's cache and
+    recorded)."""
 
     new: str | Sequence[Message]
     params: SamplingParams

@@ -222,6 +222,7 @@ class Gateway:
         if refusal is not None:
             await connection.send(refusal)
             return
+
         async def plan(session: Session) -> TurnPlan | ErrorMessage:
             """The turn as the session read with its lease says (its tools), or why not."""
             if session.owner != connection.owner:
