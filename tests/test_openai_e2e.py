@@ -102,3 +102,36 @@ async def test_vllm_sampling_extensions_fix_reply_lengths_as_benchmark_clients_e
         with pytest.raises(openai.BadRequestError) as refused:
             await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, extra_body=bad)
         assert refused.value.body["param"] == param
+
+
+async def test_text_completions_answer_as_transformers_and_a_growing_prompt_reads_its_prefix(openai_pair, smollm2):
+    """`POST /v1/completions` (what `vllm bench serve` sends): the reply is what transformers' greedy `generate`
+    gives for the prompt's text; a client that sends its prompt again, grown, reads the shared prefix from the cache
+    and answers as a cacheless server; streamed, the text and the usage arrive; what chatd cannot do is refused."""
+    client, uncached = openai_pair
+    prompt = "The support desk of a small internet provider answers: to restart your router,"
+    completion = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    ids = smollm2.tokenizer(prompt, return_tensors="pt")
+    expected = smollm2.model.generate(**ids, max_new_tokens=16, do_sample=False)[0, ids["input_ids"].shape[1]:]
+    assert completion.choices[0].text == smollm2.tokenizer.decode(expected, skip_special_tokens=True)
+    assert completion.object == "text_completion" and completion.usage.completion_tokens == len(expected)
+    grown = prompt + completion.choices[0].text + " Then wait two minutes and"
+    again, reference = [await each.completions.create(model=MODEL, prompt=grown, max_tokens=16, temperature=0)
+                        for each in (client, uncached)]
+    assert again.choices[0].text == reference.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens >= completion.usage.total_tokens - 2, again.usage
+    pieces, usage = [], None
+    async for chunk in await client.completions.create(model=MODEL, prompt=grown, max_tokens=16, temperature=0,
+                                                       stream=True, stream_options={"include_usage": True}):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+        else:
+            usage = chunk.usage
+    assert "".join(pieces) == again.choices[0].text and usage.completion_tokens == again.usage.completion_tokens
+    fixed = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert fixed.usage.completion_tokens == 24 and fixed.choices[0].finish_reason == "length"
+    for bad, param in (({"n": 2}, "n"), ({"echo": True}, "echo"), ({"prompt": ["a", "b"]}, "prompt")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(**{"model": MODEL, "prompt": prompt, "max_tokens": 4, **bad})
+        assert refused.value.body["param"] == param

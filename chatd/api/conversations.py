@@ -87,6 +87,13 @@ class Conversations:
             self.engine.fork_session(best.session_id, session.session_id, best_ids)
         return session
 
+    async def place_text(self, owner: str | None, prompt_ids: list[int]) -> Session:
+        """A new session for a text completion's prompt (no chat template), its cache a copy of the longest prefix
+        it shares with one of the owner's sessions (a client resending its growing prompt prefills only what is
+        new)."""
+        candidates = await self._candidates(owner, prompt_ids, None)
+        return await self.branch(owner, None, [], prompt_ids, [(session, [], prompt_ids) for session in candidates])
+
     async def branch_from(self, owner: str | None, system: str | None, history: list[Message],
                           content: str | list[Message], source: Session, setup: ToolSetup | None = None) -> Session:
         """A new session for `history` (its replies spliced with `source`'s ids), its cache a copy of the part it

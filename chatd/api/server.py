@@ -31,6 +31,7 @@ from chatd.api.http_errors import ApiError, install_error_handlers
 from chatd.api.http_responses import json_response, static_response, text_response
 from chatd.api.kv_blocks import KVBlocksApi
 from chatd.api.openai.chat_completions import OpenAIApi
+from chatd.api.openai.completions import CompletionsApi
 from chatd.api.openai.errors import openai_response
 from chatd.api.openai.response_turns import ResponseTurns
 from chatd.api.openai.responses import ResponsesApi
@@ -118,6 +119,7 @@ class ChatServer:
         self.conversations = Conversations(self.engine, self.sessions, settings, self.turns)
         admission = Admission(self.engine, settings, self.turns, self.keys)
         self.openai = OpenAIApi(admission, self.conversations, self.turns)
+        self.completions = CompletionsApi(admission, self.conversations)
         self.tokenize = TokenizeApi(admission, self.conversations)
         self.kv_blocks = KVBlocksApi(admission, self.engine, settings)
         thread_ttl_s = settings.thread_ttl_s or settings.session_ttl_s
@@ -249,6 +251,7 @@ class ChatServer:
         app = FastAPI(title="chatd", version="1", summary="Chat with a KV cache kept alive between turns",
                       redoc_url=None)
         app.include_router(self.openai.router)
+        app.include_router(self.completions.router)
         app.include_router(self.responses.router)
         app.include_router(self.tokenize.router)
         app.include_router(self.kv_blocks.router)

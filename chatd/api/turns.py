@@ -63,6 +63,7 @@ class TurnPlan:
     keep_for_s: float | None = None
     generate: bool = True
     truncate: bool = True  # False: a conversation over the context is refused, not shortened
+    raw: bool = False  # a text completion: `new` is the prompt's text, no chat template
 
 
 @dataclass
@@ -178,6 +179,7 @@ class TurnRunner:
             keep_for_s=plan.keep_for_s,
             generate=plan.generate,
             truncate=plan.truncate,
+            raw=plan.raw,
             call_trigger=tools.call_trigger if tools else None,
         )
         self._turns[session.session_id] = turn

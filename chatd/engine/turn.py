@@ -103,6 +103,7 @@ class Turn:
     keep_for_s: float | None = None  # keep its cache resident this long ahead of plain LRU (a cache breakpoint)
     generate: bool = True  # False: a warm-up, its prompt (without the generation prompt) prefilled and kept
     truncate: bool = True  # False: a prompt over the context is refused rather than its oldest turns dropped
+    raw: bool = False  # the one message is the prompt's text itself, tokenized without a chat template
     call_trigger: str | None = None  # where the model opens a tool call: a steer never stops a reply inside one
     received_at: float = field(default_factory=time.perf_counter)
     prompt_read: PromptRead | None = None  # set by the engine before it emits the first token

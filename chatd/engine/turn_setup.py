@@ -23,7 +23,7 @@ from chatd.engine.running_turn import RunningTurn
 from chatd.engine.sampling import TokenSampler
 from chatd.engine.text_stream import TextStream
 from chatd.engine.turn import Turn, TurnFailed
-from chatd.model.context_window import DoesNotFit, fit
+from chatd.model.context_window import DoesNotFit, Window, fit
 from chatd.model.loader import LoadedModel
 from chatd.model.prompt import PromptRenderer
 from sessions import Message
@@ -52,8 +52,9 @@ class TurnPreparer:
                                           f"{self._settings.max_prompt_tokens} per message")
         room = min(turn.params.max_new_tokens, self.max_context // 4)
         try:
-            window = fit(self._renderer, turn.messages, turn.dropped_turns, self.max_context, room, turn.tools,
-                         add_generation_prompt=turn.generate)
+            window = self._raw_window(turn, room) if turn.raw else \
+                fit(self._renderer, turn.messages, turn.dropped_turns, self.max_context, room, turn.tools,
+                    add_generation_prompt=turn.generate)
         except DoesNotFit as error:
             return TurnFailed("too_long", str(error))
         if not turn.truncate and window.dropped_turns > turn.dropped_turns:
@@ -73,6 +74,14 @@ class TurnPreparer:
                            started_at, messages=window.messages, dropped_turns=window.dropped_turns,
                            reserve_bytes=region_tokens * self._bytes_per_token,
                            grammar=self._grammars.start(grammar, turn.session_id) if grammar is not None else None)
+
+    def _raw_window(self, turn: Turn, room: int) -> Window:
+        """A text completion's prompt: its text tokenized as transformers' tokenizer does (no chat template)."""
+        prompt_ids = self._loaded.tokenizer(turn.messages[-1].content)["input_ids"]
+        if len(prompt_ids) + room > self.max_context:
+            raise DoesNotFit(f"the prompt is {len(prompt_ids)} tokens and the reply needs {room} more; the model's "
+                             f"context is {self.max_context}")
+        return Window(turn.messages, prompt_ids, 0)
 
     def _shared_prefix_length(self, messages: list[Message], prompt_ids: list[int]) -> int:
         """Length of the system prompt's tokens at the start of the prompt, which sessions share."""
