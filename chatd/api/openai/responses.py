@@ -169,7 +169,8 @@ class ResponsesApi:
                            code="bad_request")
         before = len(session.messages) + (session.system is not None)
         started = await self.turns.start(TurnRequest(
-            session.session_id, "conv_items_" + secrets.token_hex(8), owner, owner or "unknown", "responses",
+            session.session_id, "conv_items_" + secrets.token_hex(8), owner,
+            owner or (request.client.host if request.client else "unknown"), "responses",
             TurnPlan(messages, SamplingParams(max_new_tokens=1), ToolSetup(self.conversations.tool_format()),
                      generate=False)))
         if isinstance(started, ErrorMessage):
