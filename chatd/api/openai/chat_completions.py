@@ -102,7 +102,7 @@ class OpenAIApi:
         message = AssistantMessage(content=text or None if calls else text,
                                    tool_calls=[_call_out(call) for call in calls] or None)
         completion = ChatCompletion(id=turn_id, created=int(time.time()), model=body.model, choices=[Choice(
-            message=message, finish_reason=_finish(result, calls))], usage=_usage(result))
+            message=message, finish_reason=_finish(result, calls))], usage=completion_usage(result))
         return JSONResponse(completion.model_dump(), headers=headers)
 
     async def _stream(self, started: StartedTurn, first: str | TurnResult, events: asyncio.Queue, model: str,
@@ -145,7 +145,7 @@ class OpenAIApi:
                         arguments=fragment))]))
             yield chunk(ChunkDelta(), _finish(event, calls))
             if include_usage:
-                yield chunk(ChunkDelta(), usage=_usage(event), choices=False)
+                yield chunk(ChunkDelta(), usage=completion_usage(event), choices=False)
             yield "data: [DONE]\n\n"
         finally:
             if isinstance(event, str):  # the client left mid-stream
@@ -167,7 +167,8 @@ def _call_out(call: ToolCall) -> ToolCallOut:
     return ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
 
 
-def _usage(result: TurnResult) -> CompletionUsage:
+def completion_usage(result: TurnResult) -> CompletionUsage:
+    """A turn's token counts as both completion APIs report them."""
     return CompletionUsage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
                            total_tokens=result.prompt_tokens + result.completion_tokens,
                            prompt_tokens_details=CompletionTokensDetails(cached_tokens=result.cached_tokens))

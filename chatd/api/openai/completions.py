@@ -20,7 +20,8 @@ from chatd.api.admission import Admission
 from chatd.api.constants import SESSION_HEADER, WORKER, WORKER_HEADER
 from chatd.api.conversations import Conversations, salted
 from chatd.api.http_errors import ApiError, store_call
-from chatd.api.openai.chat_schema import CompletionTokensDetails, CompletionUsage, StreamOptions
+from chatd.api.openai.chat_completions import completion_usage
+from chatd.api.openai.chat_schema import CompletionUsage, StreamOptions
 from chatd.api.openai.errors import openai_body
 from chatd.api.openai.request_body import RequestBody
 from chatd.api.tool_calling import RequestRefused
@@ -122,9 +123,9 @@ class CompletionsApi:
             return StreamingResponse(_stream(started, first, events, body.model, include_usage),
                                      media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
         result = await self.conversations.result(first, events)
-        return JSONResponse(TextCompletion(id=turn_id, created=int(time.time()), model=body.model, choices=[
-            CompletionChoice(text=result.content, finish_reason=_finish(result))], usage=_usage(result)).model_dump(),
-            headers=headers)
+        completion = TextCompletion(id=turn_id, created=int(time.time()), model=body.model, choices=[
+            CompletionChoice(text=result.content, finish_reason=_finish(result))], usage=completion_usage(result))
+        return JSONResponse(completion.model_dump(), headers=headers)
 
 
 async def _stream(started: StartedTurn, first: str | TurnResult, events: asyncio.Queue, model: str,
@@ -148,7 +149,7 @@ async def _stream(started: StartedTurn, first: str | TurnResult, events: asyncio
             return
         yield chunk("", _finish(event))
         if include_usage:
-            yield chunk("", usage=_usage(event))
+            yield chunk("", usage=completion_usage(event))
         yield "data: [DONE]\n\n"
     finally:
         if isinstance(event, str):  # the client left mid-stream
@@ -157,9 +158,3 @@ async def _stream(started: StartedTurn, first: str | TurnResult, events: asyncio
 
 def _finish(result: TurnResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
-
-
-def _usage(result: TurnResult) -> CompletionUsage:
-    return CompletionUsage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
-                           total_tokens=result.prompt_tokens + result.completion_tokens,
-                           prompt_tokens_details=CompletionTokensDetails(cached_tokens=result.cached_tokens))
