@@ -247,11 +247,11 @@ async def test_bad_input_is_an_sdk_exception_of_its_class_and_nothing_is_kept(sm
 
 
 async def test_cache_control_keeps_a_policy_resident_through_an_eviction_flood(smollm2):
-    """A session whose policy is marked `cache_control` (1h) and one that is not: after other customers fill the
-    device many times over (and the host tier holds nothing), the marked one reads its whole history from the
-    cache, the other recomputes."""
+    """A session whose policy is marked `cache_control` (1h), OpenAI's `prompt_cache_options.ttl` and an explicit
+    `prompt_cache_breakpoint` (30m), and one that is not: after other customers fill the device many times over (and
+    the host tier holds nothing), the marked ones read their whole history from the cache, the other recomputes."""
     policy = "You are the billing desk of Northwind Telecom. " + "Refunds take five working days. " * 20
-    async with served(smollm2, device_cache_mb=kv_budget_mb(smollm2, 700), host_cache_mb=0) as server:
+    async with served(smollm2, device_cache_mb=kv_budget_mb(smollm2, 900), host_cache_mb=0) as server:
         async with anthropic_client(server) as client:
             async def turn(system, question, history=()):
                 return await client.messages.create(model=MODEL, max_tokens=6, extra_body=GREEDY, system=system,
@@ -264,13 +264,21 @@ async def test_cache_control_keeps_a_policy_resident_through_an_eviction_flood(s
                 kept = await responses.responses.create(
                     model=MODEL, instructions=policy.replace("billing", "repairs"), input=QUESTIONS[0],
                     max_output_tokens=6, temperature=0, extra_body={"prompt_cache_options": {"ttl": "12h"}})
+                breakpoint_text = [{"type": "input_text", "text": policy.replace("billing", "moves"),  # a breakpoint
+                                    "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "30m"}}]
+                broken = await responses.responses.create(
+                    model=MODEL, input=[{"role": "developer", "content": breakpoint_text},
+                                        {"role": "user", "content": QUESTIONS[0]}],
+                    max_output_tokens=6, temperature=0, extra_body={"prompt_cache_options": {"mode": "explicit"}})
                 for index in range(6):  # other customers, each with a policy of its own: the device fills again
                     await turn(policy.replace("billing", f"desk {index}"), QUESTIONS[1])
                 stats = server.engine.call(lambda store: store.stats()).result()
-                assert stats["kept_sessions"] == 2 and stats.get("device_evictions", 0) >= 4, stats
-                still = await responses.responses.create(model=MODEL, previous_response_id=kept.id,
-                                                         input=QUESTIONS[1], max_output_tokens=6, temperature=0)
+                assert stats["kept_sessions"] == 3 and stats.get("device_evictions", 0) >= 4, stats
+                still, after_break = [await responses.responses.create(
+                    model=MODEL, previous_response_id=previous.id, input=QUESTIONS[1], max_output_tokens=6,
+                    temperature=0) for previous in (kept, broken)]
             assert still.usage.input_tokens_details.cached_tokens >= kept.usage.total_tokens - 1, still.usage
+            assert after_break.usage.input_tokens_details.cached_tokens >= broken.usage.total_tokens - 1
             assert kept.usage.input_tokens_details.cache_write_tokens == kept.usage.input_tokens
             history = [{"role": "user", "content": QUESTIONS[0]}]
             again = await turn(marked_system, QUESTIONS[1], [*history, {"role": "assistant",

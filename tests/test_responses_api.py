@@ -15,6 +15,8 @@ from websockets.asyncio.client import connect
 from chatd.api.server import ChatServer
 from chatd.cli.client import ChatClient
 from chatd.config import Settings
+from chatd.model.prompt import PromptRenderer
+from sessions import Message
 
 MODEL = "tiny-test"
 SYSTEM = "You are the support desk of a small internet provider. Answer briefly and politely."
@@ -354,3 +356,72 @@ async def test_truncation_disabled_refuses_a_conversation_over_the_context_and_a
     assert dropped.truncation == "auto" and dropped.output_text
     assert dropped.usage.input_tokens + 32 <= 512
     assert previous.truncation == "disabled"
+
+
+async def test_prompt_cache_diagnostics_name_a_hit_changed_tools_a_changed_model_and_a_missing_comparison(servers):
+    """`prompt_cache_options.comparison_response_id` answered from chatd's own account of the turn's cache: a
+    continuation reads the compared response's prompt (a hit); changed tools or another model name miss it, named so
+    with the tokens missed; an unknown id is `comparison_response_not_found`. The SDK's types read each one."""
+    server, _ = servers
+    client = client_for(server)
+    tool = {"type": "function", "name": "lookup_line", "description": "Look up a customer's line.",
+            "parameters": {"type": "object", "properties": {"line": {"type": "string"}}}}
+    first = await respond(client, QUESTIONS[0], instructions=SYSTEM, tools=[tool])
+
+    def compared_with(response_id: str) -> dict:
+        return {"prompt_cache_options": {"comparison_response_id": response_id}}
+
+    hit = await respond(client, QUESTIONS[1], first.id, tools=[tool], **compared_with(first.id))
+    tools_changed = await respond(client, QUESTIONS[0], instructions=SYSTEM, tools=[{**tool, "name": "check_bill"}],
+                                  **compared_with(first.id))
+    model_changed = await respond(client, "Which plans do you sell?", instructions="You are the sales desk.",
+                                  model="tiny", tools=[tool], **compared_with(first.id))
+    missing = await respond(client, QUESTIONS[2], hit.id, tools=[tool], **compared_with("resp_never_made"))
+    assert hit.prompt_cache_diagnostics.type == "cache_hit"
+    assert hit.prompt_cache_options.comparison_response_id == first.id
+    for response, reason in ((tools_changed, "tools_changed"), (model_changed, "model_changed")):
+        diagnosis, usage = response.prompt_cache_diagnostics, response.usage
+        assert diagnosis.type == "cache_miss" and diagnosis.reason == reason, diagnosis
+        assert diagnosis.cache_missed_tokens == usage.input_tokens - usage.input_tokens_details.cached_tokens > 0
+        assert diagnosis.comparison_reusable_tokens == first.usage.input_tokens
+    assert missing.prompt_cache_diagnostics.type == "comparison_response_not_found"
+    assert first.prompt_cache_diagnostics is None, "none unless asked"
+
+
+async def test_explicit_breakpoints_count_what_is_written_up_to_them_on_both_openai_routes(servers, tiny):
+    """`prompt_cache_options.mode: explicit`: usage counts as written only the prompt up to the last
+    `prompt_cache_breakpoint` (here the end of the policy), none without one; implicit mode counts all it prefilled.
+    A breakpoint's ttl keeps the session ahead of LRU; a fifth breakpoint is refused by name."""
+    server, _ = servers
+    client = client_for(server)
+    policy = SYSTEM + " Refunds take five working days." * 6
+
+    def marked(text: str, part: str) -> list[dict]:
+        return [{"type": part, "text": text, "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "12h"}}]
+
+    def policy_tokens(text: str) -> int:
+        return len(PromptRenderer(tiny.tokenizer).render([Message("system", text)], add_generation_prompt=False))
+
+    explicit = {"prompt_cache_options": {"mode": "explicit"}}
+    chat = await client.chat.completions.create(
+        model=MODEL, max_tokens=4, temperature=0, extra_body=explicit,
+        messages=[{"role": "system", "content": marked(policy + " Desk A.", "text")},
+                  {"role": "user", "content": QUESTIONS[0]}])
+    response = await respond(client, [{"role": "developer", "content": marked(policy + " Desk B.", "input_text")},
+                                      {"role": "user", "content": QUESTIONS[0]}], **explicit)
+    unmarked = await respond(client, QUESTIONS[0], instructions=policy + " Desk C.", **explicit)
+    implicit = await respond(client, QUESTIONS[0], instructions=policy + " Desk D.")
+    details = chat.usage.prompt_tokens_details
+    assert details.cache_write_tokens == policy_tokens(policy + " Desk A.") - details.cached_tokens > 0
+    details = response.usage.input_tokens_details
+    assert details.cache_write_tokens == policy_tokens(policy + " Desk B.") - details.cached_tokens > 0
+    assert details.cache_write_tokens < response.usage.input_tokens - details.cached_tokens
+    assert response.prompt_cache_options.mode == "explicit"
+    assert unmarked.usage.input_tokens_details.cache_write_tokens == 0
+    details = implicit.usage.input_tokens_details
+    assert details.cache_write_tokens == implicit.usage.input_tokens - details.cached_tokens
+    assert server.engine.call(lambda store: store.stats()).result()["kept_sessions"] >= 2
+    with pytest.raises(openai.BadRequestError) as refused:
+        await respond(client, [{"role": "user", "content": marked(f"Part {index}.", "input_text")}
+                               for index in range(5)])
+    assert refused.value.body["param"] == "prompt_cache_breakpoint"

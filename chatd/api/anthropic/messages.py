@@ -19,7 +19,6 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from cache_store.lookup import common_prefix_length
 from chatd.api.admission import Admission
 from chatd.api.anthropic.errors import anthropic_body
 from chatd.api.anthropic.messages_schema import (
@@ -37,6 +36,7 @@ from chatd.api.anthropic.messages_schema import (
     Usage,
 )
 from chatd.api.anthropic.threads import Continuation, Threads
+from chatd.api.cache_writes import written_tokens
 from chatd.api.constants import ARGUMENTS_FRAGMENT, SESSION_HEADER, WORKER, WORKER_HEADER
 from chatd.api.conversations import Conversations, salted
 from chatd.api.http_errors import ApiError, refusals, store_call
@@ -191,8 +191,8 @@ class _Reply:
     def usage(self, prompt_ids: list[int], read: int, output_tokens: int) -> Usage:
         """The prompt's tokens read from a cache, newly written up to the last breakpoint (those up to the last 1h
         breakpoint apart from the 5m ones), and the rest."""
-        written = _written(prompt_ids, read, self.breakpoint)
-        hour = min(written, _written(prompt_ids, read, self.hour_breakpoint))
+        written = written_tokens(prompt_ids, read, self.breakpoint)
+        hour = min(written, written_tokens(prompt_ids, read, self.hour_breakpoint))
         return Usage(input_tokens=len(prompt_ids) - read - written, output_tokens=output_tokens,
                      cache_read_input_tokens=read, cache_creation_input_tokens=written,
                      cache_creation=CacheCreation(ephemeral_5m_input_tokens=written - hour,
@@ -298,12 +298,6 @@ def _input(call: ToolCall) -> dict:
     except ValueError:
         return {}
     return arguments if isinstance(arguments, dict) else {}
-
-
-def _written(prompt_ids: list[int], read: int, breakpoint: list[int] | None) -> int:
-    """The prompt tokens a turn that read `read` of them wrote up to `breakpoint` (None: the whole prompt)."""
-    through = len(prompt_ids) if breakpoint is None else common_prefix_length(prompt_ids, breakpoint)
-    return max(0, through - read)
 
 
 def _anthropic_reader(parse):

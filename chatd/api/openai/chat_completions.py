@@ -41,6 +41,7 @@ from chatd.api.openai.chat_schema import (
     ToolCallOut,
 )
 from chatd.api.openai.errors import openai_body
+from chatd.api.openai.prompt_cache import IMPLICIT, CacheAccount
 from chatd.api.tool_calling import ToolSetup
 from chatd.api.turns import StartedTurn, TurnPlan, TurnRunner
 from chatd.engine.sampling import SamplingParams
@@ -87,26 +88,43 @@ class OpenAIApi:
         turn_id = "chatcmpl-" + secrets.token_urlsafe(12)
         scope = salted(owner, body.cache_salt)
         system, history, content = body.conversation()
-        plan = TurnPlan(content, params, setup, keep_for_s=86400.0 if body.prompt_cache_retention == "24h" else None)
+        plan = TurnPlan(content, params, setup, keep_for_s=body.keep_for_s())
         session, started = await self.conversations.start(
             scope, client, system, history, content, body.session_id or x_session_id, plan, turn_id, "openai",
             cache_key=body.prompt_cache_key)
         first, events = await self.conversations.relay(scope, started, body.prompt_cache_key)
+        cache = CacheAccount(True, self._breakpoint_ids(body, setup)) if body.explicit_cache else IMPLICIT
         headers = {SESSION_HEADER: session.session_id, WORKER_HEADER: WORKER}
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._stream(started, first, events, body.model, include_usage, setup),
+            return StreamingResponse(self._stream(started, first, events, body.model, include_usage, setup, cache),
                                      media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
         result = await self.conversations.result(first, events)
         text, calls = started.reply
         message = AssistantMessage(content=text or None if calls else text,
                                    tool_calls=[_call_out(call) for call in calls] or None)
         completion = ChatCompletion(id=turn_id, created=int(time.time()), model=body.model, choices=[Choice(
-            message=message, finish_reason=_finish(result, calls))], usage=completion_usage(result))
+            message=message, finish_reason=_finish(result, calls))], usage=completion_usage(result, cache))
         return JSONResponse(completion.model_dump(), headers=headers)
 
+    def _breakpoint_ids(self, body: ChatCompletionRequest, setup: ToolSetup) -> list[int]:
+        """The prompt's ids up to the end of the message holding the request's last `prompt_cache_breakpoint` ([]:
+        none); the request holds the whole conversation."""
+        marks = body.breakpoints()
+        if not marks:
+            return []
+        index = max(index for index, _ in marks)
+        system, history, content = body.conversation()
+        if system is not None:
+            if index == 0:
+                return self.conversations.render(system, [], [], setup, add_generation_prompt=False)
+            index -= 1
+        messages = history + content
+        return self.conversations.render(system, messages[:index], messages[index:index + 1], setup,
+                                         add_generation_prompt=False)
+
     async def _stream(self, started: StartedTurn, first: str | TurnResult, events: asyncio.Queue, model: str,
-                      include_usage: bool, setup: ToolSetup) -> AsyncIterator[str]:
+                      include_usage: bool, setup: ToolSetup, cache: CacheAccount) -> AsyncIterator[str]:
         """Server-sent events: the role, the text, the calls (each: its id and name, then fragments of its
         arguments), the finish reason, the usage if asked, [DONE]. Text from where the model opens a call on
         is held back and sent as calls once the reply is read. A client that goes away cancels the turn."""
@@ -145,7 +163,7 @@ class OpenAIApi:
                         arguments=fragment))]))
             yield chunk(ChunkDelta(), _finish(event, calls))
             if include_usage:
-                yield chunk(ChunkDelta(), usage=completion_usage(event), choices=False)
+                yield chunk(ChunkDelta(), usage=completion_usage(event, cache), choices=False)
             yield "data: [DONE]\n\n"
         finally:
             if isinstance(event, str):  # the client left mid-stream
@@ -167,9 +185,10 @@ def _call_out(call: ToolCall) -> ToolCallOut:
     return ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
 
 
-def completion_usage(result: TurnResult) -> CompletionUsage:
-    """A turn's token counts as both completion APIs report them."""
+def completion_usage(result: TurnResult, cache: CacheAccount = IMPLICIT) -> CompletionUsage:
+    """A turn's token counts as both completion APIs report them (what it wrote as `cache` counts it)."""
     return CompletionUsage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
                            total_tokens=result.prompt_tokens + result.completion_tokens,
-                           prompt_tokens_details=CompletionTokensDetails(cached_tokens=result.cached_tokens))
+                           prompt_tokens_details=CompletionTokensDetails(cached_tokens=result.cached_tokens,
+                                                                         cache_write_tokens=cache.write_tokens(result)))
 

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from chatd.api.constants import FUNCTION_NAME
+from chatd.api.openai.prompt_cache import PromptCacheBreakpoint, PromptCacheOptions, keep_for_s
 from chatd.api.openai.request_body import RequestBody
 from chatd.api.tool_calling import (
     Function,
@@ -26,8 +27,11 @@ FinishReason = Literal["stop", "length", "tool_calls", "grammar_error"]
 class TextPart(BaseModel):
     """A text part of a message's content array."""
 
+    model_config = ConfigDict(extra="ignore")
+
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class FunctionCallIn(BaseModel):
@@ -161,6 +165,7 @@ class ChatCompletionRequest(RequestBody):
     prompt_cache_key: str | None = Field(None, max_length=128)  # OpenAI's: one key's requests try its last session
     cache_salt: str | None = Field(None, max_length=256)  # vLLM's field: caches shared only among the same salt
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # 24h: kept that long at least, ahead of LRU
+    prompt_cache_options: PromptCacheOptions | None = None
     # vLLM's sampling extensions (benchmark clients fix reply lengths with them)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
@@ -203,6 +208,29 @@ class ChatCompletionRequest(RequestBody):
             raise RequestRefused("min_tokens", "min_tokens is more than max_tokens")
         if self.messages[-1].role not in ("user", "tool"):
             raise RequestRefused("messages", "the last message must be the user's or a tool's result: chatd answers it")
+        if self.prompt_cache_options is not None and self.prompt_cache_options.comparison_response_id is not None:
+            raise RequestRefused("prompt_cache_options.comparison_response_id", "prompt cache diagnostics compare "
+                                 "with a stored response: ask the Responses API")
+        if self.prompt_cache_options is not None and self.prompt_cache_options.prewarm:
+            raise RequestRefused("prompt_cache_options.prewarm", "a chat completion always answers: prewarm with "
+                                                                 "the Responses API")
+        self.keep_for_s()  # (refuses a ttl given twice, and too many breakpoints)
+
+    def keep_for_s(self) -> float | None:
+        """How long what the request writes stays cached at least, ahead of plain LRU (`prompt_cache.keep_for_s`)."""
+        return keep_for_s(self.prompt_cache_options, self.prompt_cache_retention,
+                          [mark for _, mark in self.breakpoints()])
+
+    @property
+    def explicit_cache(self) -> bool:
+        """Whether only the request's breakpoints count as written (`prompt_cache_options.mode: explicit`)."""
+        return self.prompt_cache_options is not None and self.prompt_cache_options.mode == "explicit"
+
+    def breakpoints(self) -> list[tuple[int, PromptCacheBreakpoint]]:
+        """Each `prompt_cache_breakpoint`, with the index of the message it ends."""
+        return [(index, part.prompt_cache_breakpoint) for index, message in enumerate(self.messages)
+                if isinstance(message.content, list) for part in message.content
+                if part.prompt_cache_breakpoint is not None]
 
     def conversation(self) -> tuple[str | None, list[Message], list[Message]]:
         """(system prompt, the history, the turn's new messages: those after the last reply), the way a chatd
@@ -239,9 +267,10 @@ class ChatCompletionRequest(RequestBody):
 
 
 class CompletionTokensDetails(BaseModel):
-    """`prompt_tokens_details`: the prompt tokens reused from a cache."""
+    """`prompt_tokens_details`: the prompt tokens reused from a cache, and those the turn wrote into it."""
 
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 class CompletionUsage(BaseModel):

@@ -8,14 +8,18 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from chatd.api.constants import FUNCTION_NAME
+from chatd.api.openai.prompt_cache import PromptCacheBreakpoint
 from sessions import Message
 
 
 class InputText(BaseModel):
     """A text part of an input message (`input_text`; `output_text` for an assistant's earlier reply)."""
 
+    model_config = ConfigDict(extra="ignore")
+
     type: Literal["input_text", "output_text", "text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class MediaPart(BaseModel):
@@ -41,6 +45,10 @@ class InputMessage(BaseModel):
 
     def message(self) -> Message:
         return Message("system" if self.role == "developer" else self.role, self.text())
+
+    def breakpoints(self) -> list[PromptCacheBreakpoint]:
+        return [part.prompt_cache_breakpoint for part in self.content if isinstance(part, InputText) and
+                part.prompt_cache_breakpoint is not None] if isinstance(self.content, list) else []
 
 
 class FunctionCallItem(BaseModel):

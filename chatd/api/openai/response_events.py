@@ -38,7 +38,7 @@ async def response_events(opened: OpenedResponse, first: ResponseEvent | None = 
                                                 "error": ResponseError(code=event.code, message=event.message)})
             yield events_of("response.failed", response=failed.model_dump())
             return
-        done = finished(created, event, started.reply)
+        done = finished(created, event, started.reply, opened.cache)
         items = list(done.output)
         if not opened_message and items and isinstance(items[0], OutputMessage):
             for opening in events_of.message_opened():

@@ -14,11 +14,13 @@ import asyncio
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 from chatd.api.admission import Admission
 from chatd.api.conversations import Conversations, salted
 from chatd.api.http_errors import ApiError, refusals, store_call
 from chatd.api.openai.input_items import FunctionCallItem, InputMessage, ItemReference
+from chatd.api.openai.prompt_cache import CacheAccount
 from chatd.api.openai.responses_schema import (
     ConversationRef,
     IncompleteDetails,
@@ -50,6 +52,7 @@ class OpenedResponse:
     started: StartedTurn
     setup: ToolSetup
     events: asyncio.Queue[ResponseEvent]
+    cache: CacheAccount
 
 
 @dataclass
@@ -99,6 +102,7 @@ class ResponseTurns:
                                 top_p=body.top_p, grammar=grammar)
         created = _created(body)
         try:
+            comparison = await self._comparison(owner, body, socket)
             session, started = await self._start(owner, scope, body, params, created.id, client, setup, socket)
         except StoreUnavailable as error:
             raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
@@ -106,10 +110,41 @@ class ResponseTurns:
             if _disposable(body, socket):
                 await self._forget(session.session_id)
             raise ApiError.of(started)
+        cache = CacheAccount(body.explicit_cache, self._breakpoint_ids(body, started.session, setup)
+                             if body.explicit_cache else None, comparison is not False, comparison or None)
         events: asyncio.Queue[ResponseEvent] = asyncio.Queue()
         self.turns.forward(started, events.put, lambda event: self._ended(
-            owner, scope, body, created, started, event, events, socket, lane))
-        return OpenedResponse(body, created, started, setup, events)
+            owner, scope, body, created, started, cache, event, events, socket, lane))
+        return OpenedResponse(body, created, started, setup, events, cache)
+
+    async def _comparison(self, owner: str | None, body: ResponseRequest, socket: SocketResponses | None
+                          ) -> dict | None | Literal[False]:
+        """The object of the response named by `prompt_cache_options.comparison_response_id`, from the socket's or
+        the key's stored responses (None: not found; False: none named)."""
+        response_id = body.prompt_cache_options.comparison_response_id if body.prompt_cache_options else None
+        if response_id is None:
+            return False
+        found = socket.find(response_id) if socket is not None else None
+        stored = found[1] if found else await self.store.get(response_id)
+        return stored.body if stored is not None and stored.owner == owner else None
+
+    def _breakpoint_ids(self, body: ResponseRequest, session: Session, setup: ToolSetup) -> list[int]:
+        """The prompt's ids up to the end of the message holding the request's last `prompt_cache_breakpoint` ([]:
+        none). The turn's messages are the session's history then its new ones; the request's messages (after a
+        leading system message, the session's system prompt) are their tail."""
+        marks = body.breakpoints()
+        if not marks:
+            return []
+        index = max(index for index, _ in marks)
+        messages = body.messages()
+        if messages[0].role == "system":
+            if index == 0:
+                return self.conversations.render(session.system, [], [], setup, add_generation_prompt=False)
+            messages, index = messages[1:], index - 1
+        turn = session.messages + body.split()[1]
+        at = len(turn) - len(messages) + index
+        return self.conversations.render(session.system, turn[:at], turn[at:at + 1], setup,
+                                         add_generation_prompt=False) if at >= 0 else []
 
     async def resolve_references(self, owner: str | None, body: ResponseRequest) -> ResponseRequest:
         """`body` with each `item_reference` replaced by the output item it names, from this key's stored responses
@@ -213,7 +248,7 @@ class ResponseTurns:
         return await self.conversations.branch(scope, system, history, ids, [(session, history, ids)]), True
 
     async def _ended(self, owner: str | None, scope: str | None, body: ResponseRequest, created: ResponseObject,
-                     started: StartedTurn, event: TurnResult | TurnFailed, events: asyncio.Queue,
+                     started: StartedTurn, cache: CacheAccount, event: TurnResult | TurnFailed, events: asyncio.Queue,
                      socket: SocketResponses | None, lane: str | None) -> None:
         """The turn is recorded (or failed): store the response and index the conversation (or, for
         `store: false`, forget its session unless a socket keeps it), then hand over the end."""
@@ -221,7 +256,7 @@ class ResponseTurns:
         if isinstance(event, TurnResult) and event.finish_reason != "cancelled":
             stored = StoredResponse(created.id, owner, session.session_id, session.version,  # (the turn is recorded)
                                     len(session.messages),
-                                    finished(created, event, started.reply).model_dump(), body.input_record())
+                                    finished(created, event, started.reply, cache).model_dump(), body.input_record())
             if body.store:
                 try:
                     await self.store.put(stored)
@@ -290,13 +325,16 @@ def _created(body: ResponseRequest) -> ResponseObject:
                           text=body.text or {"format": {"type": "text"}}, safety_identifier=body.safety_identifier,
                           prompt_cache_key=body.prompt_cache_key, truncation=body.truncation,
                           prompt_cache_retention=body.prompt_cache_retention,
-                          prompt_cache_options={"mode": "implicit", "ttl": body.prompt_cache_options.ttl or "30m"}
-                          if body.prompt_cache_options is not None else None)
+                          prompt_cache_options={"mode": options.mode, "ttl": options.ttl or "30m",
+                                                "comparison_response_id": options.comparison_response_id}
+                          if (options := body.prompt_cache_options) is not None else None)
 
 
-def finished(created: ResponseObject, result: TurnResult, reply: tuple[str, list[ToolCall]]) -> ResponseObject:
+def finished(created: ResponseObject, result: TurnResult, reply: tuple[str, list[ToolCall]],
+             cache: CacheAccount) -> ResponseObject:
     """The response once its turn ended: the reply's text as a message item (unless it only made calls), its
-    calls as function_call items, the usage, the status. A warm-up has no output; a steered reply is incomplete."""
+    calls as function_call items, the usage (what it wrote as `cache` counts it), the status, the cache
+    diagnostics if asked. A warm-up has no output; a steered reply is incomplete."""
     prose, calls = reply
     incomplete = {"steered": IncompleteDetails(reason="steered")}.get(result.finish_reason) or (None if calls else {
         "length": IncompleteDetails(reason="max_output_tokens"),
@@ -313,9 +351,10 @@ def finished(created: ResponseObject, result: TurnResult, reply: tuple[str, list
         "usage": ResponseUsage(input_tokens=result.prompt_tokens,
                                input_tokens_details=InputTokensDetails(
                                    cached_tokens=result.cached_tokens,
-                                   cache_write_tokens=result.prompt_tokens - result.cached_tokens),
+                                   cache_write_tokens=cache.write_tokens(result)),
                                output_tokens=result.completion_tokens,
-                               total_tokens=result.prompt_tokens + result.completion_tokens)})
+                               total_tokens=result.prompt_tokens + result.completion_tokens),
+        "prompt_cache_diagnostics": cache.diagnostics(result, created.model_dump())})
 
 
 def function_call(call: ToolCall) -> OutputFunctionCall:

@@ -83,7 +83,8 @@ class ResponsesApi:
             event = await opened.events.get()
         if isinstance(event, TurnFailed):
             raise ApiError.of(event)
-        return JSONResponse(finished(opened.created, event, opened.started.reply).model_dump(), headers=headers)
+        done = finished(opened.created, event, opened.started.reply, opened.cache)
+        return JSONResponse(done.model_dump(), headers=headers)
 
     async def retrieve(self, request: Request, response_id: str) -> Response:
         stored = await self._stored(request, response_id)

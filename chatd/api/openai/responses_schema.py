@@ -20,6 +20,7 @@ from chatd.api.openai.input_items import (
     ReasoningItem,
     SentItem,
 )
+from chatd.api.openai.prompt_cache import PromptCacheBreakpoint, PromptCacheOptions, keep_for_s
 from chatd.api.openai.request_body import RequestBody
 from chatd.api.tool_calling import Function, RequestRefused, ToolFormat, ToolSetup, checked_schema, tool_setup
 from sessions import Message, ToolCall
@@ -35,18 +36,6 @@ class FunctionTool(BaseModel):
     description: str | None = Field(None, max_length=16 * 1024)
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
-
-
-class PromptCacheOptions(BaseModel):
-    """OpenAI's `prompt_cache_options`: `ttl`, the least time what the request writes stays cached; `prewarm`,
-    prefill without generating (a warm-up)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    mode: Literal["implicit", "explicit"] = "implicit"
-    ttl: Literal["30m", "12h"] | None = None
-    prewarm: bool = False
-    comparison_response_id: str | None = Field(None, max_length=128)
 
 
 class ResponseRequest(RequestBody):
@@ -97,17 +86,7 @@ class ResponseRequest(RequestBody):
             raise RequestRefused("include", f"include {item!r} is not supported")
         if self.previous_response_id and self.conversation:
             raise RequestRefused("conversation", "give previous_response_id or conversation, not both")
-        options = self.prompt_cache_options
-        if options is not None and options.ttl is not None and self.prompt_cache_retention is not None:
-            raise RequestRefused("prompt_cache_retention", "give prompt_cache_options.ttl or prompt_cache_retention, "
-                                                           "not both")
-        if options is not None and options.mode == "explicit":
-            raise RequestRefused("prompt_cache_options.mode", "explicit prompt cache breakpoints are not supported "
-                                                              "yet: chatd caches every prompt implicitly")
-        if options is not None and options.comparison_response_id is not None:
-            raise RequestRefused("prompt_cache_options.comparison_response_id", "prompt cache diagnostics are not "
-                                 "supported yet: each turn's miss reason is on /metrics and in the websocket's "
-                                 "chat.done")
+        self.keep_for_s()  # (refuses a ttl given twice, and too many breakpoints)
         for index, item in enumerate(self.items()):
             for part_index, part in enumerate(item.content if isinstance(item, InputMessage) and
                                               isinstance(item.content, list) else ()):
@@ -131,10 +110,14 @@ class ResponseRequest(RequestBody):
         return not self.generate or (self.prompt_cache_options is not None and self.prompt_cache_options.prewarm)
 
     def keep_for_s(self) -> float | None:
-        """How long what the request writes stays cached at least (`prompt_cache_options.ttl`, or the older
-        `prompt_cache_retention`), ahead of plain LRU; None: as any idle cache."""
-        ttl = self.prompt_cache_options.ttl if self.prompt_cache_options is not None else None
-        return {"30m": 1800.0, "12h": 43200.0}.get(ttl) or {"24h": 86400.0}.get(self.prompt_cache_retention)
+        """How long what the request writes stays cached at least, ahead of plain LRU (`prompt_cache.keep_for_s`)."""
+        return keep_for_s(self.prompt_cache_options, self.prompt_cache_retention,
+                          [mark for _, mark in self.breakpoints()])
+
+    @property
+    def explicit_cache(self) -> bool:
+        """Whether only the request's breakpoints count as written (`prompt_cache_options.mode: explicit`)."""
+        return self.prompt_cache_options is not None and self.prompt_cache_options.mode == "explicit"
 
     def items(self) -> list[SentItem]:
         """`input` as items, as the client sent them (after its item references are resolved: `with_items`)."""
@@ -143,7 +126,15 @@ class ResponseRequest(RequestBody):
     def messages(self) -> list[Message]:
         """`input` as a session's messages: a reply's text and the calls after it are one assistant message,
         a call's output a tool message."""
+        return self._messages_and_breakpoints()[0]
+
+    def breakpoints(self) -> list[tuple[int, PromptCacheBreakpoint]]:
+        """Each `prompt_cache_breakpoint`, with the index in `messages()` of the message it ends."""
+        return self._messages_and_breakpoints()[1]
+
+    def _messages_and_breakpoints(self) -> tuple[list[Message], list[tuple[int, PromptCacheBreakpoint]]]:
         messages: list[Message] = []
+        marks: list[tuple[int, PromptCacheBreakpoint]] = []
         for item in self.items():  # (reasoning items are passed over)
             if isinstance(item, FunctionCallItem):
                 call = ToolCall(item.call_id, item.name, item.arguments)
@@ -156,7 +147,8 @@ class ResponseRequest(RequestBody):
                 messages.append(Message("tool", item.text(), tool_call_id=item.call_id))
             elif isinstance(item, InputMessage):
                 messages.append(item.message())
-        return messages
+                marks += [(len(messages) - 1, mark) for mark in item.breakpoints()]
+        return messages, marks
 
     def split(self) -> tuple[list[Message], list[Message]]:
         """(what `input` adds before the turn, the turn's new messages: those after its last reply)."""
@@ -357,6 +349,7 @@ class ResponseObject(BaseModel):
     prompt_cache_key: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     prompt_cache_retention: str | None = None
+    prompt_cache_diagnostics: dict[str, Any] | None = None
 
 
 class ResponseDeleted(BaseModel):
