@@ -425,3 +425,52 @@ async def test_explicit_breakpoints_count_what_is_written_up_to_them_on_both_ope
         await respond(client, [{"role": "user", "content": marked(f"Part {index}.", "input_text")}
                                for index in range(5)])
     assert refused.value.body["param"] == "prompt_cache_breakpoint"
+
+
+async def test_compact_keeps_the_newest_turns_in_a_window_that_starts_a_new_chain_over_http_and_the_socket(servers):
+    """`POST /v1/responses/compact` on a long chain: the window keeps its newest turns (the oldest dropped, as the
+    context shift drops them), prefilled with the system prompt read from the cache; a response whose input holds the
+    compaction item reads the whole window from the cache and answers as a cacheless server given the same window,
+    over HTTP and over the WebSocket mode; a compaction of another key is refused by name."""
+    server, reference = servers
+    client, solo = client_for(server), client_for(reference)
+    tool = {"type": "function", "name": "lookup_line", "parameters": {"type": "object", "properties": {}}}
+    previous = None
+    for question in QUESTIONS[:6]:
+        previous = await respond(client, question, previous.id if previous else None, instructions=SYSTEM,
+                                 tools=[tool])
+    compacted = await client.responses.compact(model=MODEL, previous_response_id=previous.id)
+    assert compacted.object == "response.compaction"
+    *kept, compaction = compacted.output
+    assert compaction.type == "compaction" and compaction.encrypted_content
+    kept_questions = [item.content[0]["text"] if isinstance(item.content[0], dict) else item.content[0].text
+                      for item in kept]
+    assert 1 <= len(kept_questions) < 6 and kept_questions == QUESTIONS[6 - len(kept_questions):6]
+    assert 0 < compacted.usage.input_tokens_details.cached_tokens < compacted.usage.input_tokens, compacted.usage
+    sent = [item.model_dump(exclude_none=True, warnings=False) for item in compacted.output]  # (as the SDK reads them)
+    after = await respond(client, [*sent, {"role": "user", "content": QUESTIONS[6]}], tools=[tool])
+    assert after.usage.input_tokens_details.cached_tokens >= compacted.usage.input_tokens - 1, after.usage
+    # The same window, whole, to a server without a cache: the chain's messages from the first kept question on.
+    history, point = [], previous
+    while point is not None:
+        listed = (await client.responses.input_items.list(point.id)).data
+        history[:0] = [{"role": "user", "content": listed[-1].content[0].text}, {"role": "assistant",
+                                                                                 "content": point.output_text}]
+        point = await client.responses.retrieve(point.previous_response_id) if point.previous_response_id else None
+    expected = await respond(solo, [*history[-2 * len(kept_questions):], {"role": "user", "content": QUESTIONS[6]}],
+                             instructions=SYSTEM, tools=[tool])
+    assert after.output_text == expected.output_text
+    followed = await respond(client, QUESTIONS[7], after.id, tools=[tool])
+    assert followed.usage.input_tokens_details.cached_tokens >= after.usage.input_tokens, "a chain of its own"
+    async with client.responses.connect() as connection:
+        await connection.response.create(model=MODEL, input=[*sent, {"role": "user", "content": QUESTIONS[6]}],
+                                         tools=[tool], max_output_tokens=8, temperature=0)
+        async for event in connection:
+            if event.type in ("response.completed", "response.incomplete", "error"):
+                break
+    assert event.type != "error" and event.response.output_text == expected.output_text
+    assert event.response.usage.input_tokens_details.cached_tokens >= compacted.usage.input_tokens - 1
+    with pytest.raises(openai.BadRequestError) as refused:
+        await respond(client, [{"type": "compaction", "encrypted_content": "chatd.window.not-a-session"},
+                               {"role": "user", "content": "Hi"}])
+    assert refused.value.body["param"] == "input[0].encrypted_content"

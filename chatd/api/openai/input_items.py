@@ -3,7 +3,7 @@ refused by name), function calls and their outputs, references to earlier output
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -86,6 +86,32 @@ class ItemReference(BaseModel):
     id: str = Field(min_length=1, max_length=128)
 
 
+class CompactionItem(BaseModel):
+    """A compaction item `POST /v1/responses/compact` returned: the compacted window, whose session a response that
+    sends it continues (the items before it are the window's own, and are not read again)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["compaction"]
+    encrypted_content: str = Field(min_length=1, max_length=256)
+    id: str | None = None
+
+    PREFIX: ClassVar[str] = "chatd.window:"
+
+    @classmethod
+    def content_for(cls, session_id: str, version: int, messages: int) -> str:
+        """The item's content: the window's session and its point (the version and messages it had when made)."""
+        return f"{cls.PREFIX}{session_id}:{version}:{messages}"
+
+    def point(self) -> tuple[str, int, int] | None:
+        """(session id, version, messages) of the window (None: not a compaction chatd made)."""
+        parts = self.encrypted_content.removeprefix(self.PREFIX).rsplit(":", 2)
+        if not self.encrypted_content.startswith(self.PREFIX) or len(parts) != 3 or \
+                not (parts[1].isdigit() and parts[2].isdigit()):
+            return None
+        return parts[0], int(parts[1]), int(parts[2])
+
+
 class ReasoningItem(BaseModel):
     """A reasoning item a client carries over from another model: passed over (the served model does not reason)."""
 
@@ -94,6 +120,6 @@ class ReasoningItem(BaseModel):
     type: Literal["reasoning"]
 
 
-InputItemIn = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem | ItemReference | ReasoningItem,
-                        Field(union_mode="left_to_right")]
-SentItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ItemReference | ReasoningItem
+InputItemIn = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem | ItemReference | ReasoningItem |
+                        CompactionItem, Field(union_mode="left_to_right")]
+SentItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ItemReference | ReasoningItem | CompactionItem

@@ -19,7 +19,7 @@ from typing import Literal
 from chatd.api.admission import Admission
 from chatd.api.conversations import Conversations, salted
 from chatd.api.http_errors import ApiError, refusals, store_call
-from chatd.api.openai.input_items import FunctionCallItem, InputMessage, ItemReference
+from chatd.api.openai.input_items import CompactionItem, FunctionCallItem, InputMessage, ItemReference
 from chatd.api.openai.prompt_cache import CacheAccount
 from chatd.api.openai.responses_schema import (
     ConversationRef,
@@ -32,7 +32,7 @@ from chatd.api.openai.responses_schema import (
     ResponseRequest,
     ResponseUsage,
 )
-from chatd.api.tool_calling import ToolSetup
+from chatd.api.tool_calling import RequestRefused, ToolSetup
 from chatd.api.turn_errors import ErrorMessage
 from chatd.api.turns import MOVED_ON, StartedTurn, TurnPlan, TurnRequest
 from chatd.engine.sampling import SamplingParams
@@ -88,22 +88,27 @@ class ResponseTurns:
         connection it came on (its responses are found first, and its `store: false` sessions are its own), `lane`
         its `stream_id`."""
         body = await self.resolve_references(owner, body)
+        scope = salted(owner, body.cache_salt)  # whose sessions and caches (the stored response stays the key's)
+        compacted, body = await self.compacted(scope, body)
         with refusals():
             body.refuse_unsupported()
             setup = body.tool_setup(self.conversations.tool_format())
-            if not body.previous_response_id and not body.conversation_id():
+            if compacted is not None and (body.previous_response_id or body.conversation_id()):
+                raise RequestRefused("input", "a compaction item starts a chain of its own: send it without "
+                                              "previous_response_id or conversation")
+            if not body.previous_response_id and not body.conversation_id() and compacted is None:
                 body.check_outputs()  # otherwise against the history, once it is read
         self.admission.check_model(body.model)
         max_new_tokens = self.admission.max_new_tokens(body.max_output_tokens)
         self.admission.refuse_when_unavailable()
-        scope = salted(owner, body.cache_salt)  # whose sessions and caches (the stored response stays the key's)
         grammar = None if body.warm_up else await self.admission.compile(setup, "text.format")
         params = SamplingParams(max_new_tokens=1 if body.warm_up else max_new_tokens, temperature=body.temperature,
                                 top_p=body.top_p, grammar=grammar)
         created = _created(body)
         try:
             comparison = await self._comparison(owner, body, socket)
-            session, started = await self._start(owner, scope, body, params, created.id, client, setup, socket)
+            session, started = await self._start(owner, scope, body, params, created.id, client, setup, socket,
+                                                 compacted)
         except StoreUnavailable as error:
             raise ApiError(503, f"{error}; try again shortly", code="unavailable") from None
         if isinstance(started, ErrorMessage):
@@ -165,11 +170,30 @@ class ResponseTurns:
             items.append(item)
         return body.model_copy(update={"input": items})
 
+    async def compacted(self, scope: str | None, body: ResponseRequest
+                        ) -> tuple[tuple[Session, int, int] | None, ResponseRequest]:
+        """The window of the last compaction item in `input` (its session, and the version and messages it had when
+        made; a 400 naming the item when this scope holds none such), and the request with only the input after it
+        (what came before is the window's own)."""
+        items = [] if isinstance(body.input, str) else body.input
+        index = next((index for index in range(len(items) - 1, -1, -1) if isinstance(items[index], CompactionItem)),
+                     None)
+        if index is None:
+            return None, body
+        point = items[index].point()
+        session = await store_call(self.sessions.get(point[0])) if point is not None else None
+        if session is None or session.owner != scope or session.version < point[1] or \
+                len(session.messages) < point[2]:
+            raise ApiError(400, f"input[{index}] is a compaction this server does not hold (it expired, or another key "
+                                "or cache_salt made it): compact the conversation again",
+                           param=f"input[{index}].encrypted_content", code="invalid_encrypted_content")
+        return (session, point[1], point[2]), body.model_copy(update={"input": items[index + 1:]})
+
     async def _start(self, owner: str | None, scope: str | None, body: ResponseRequest, params: SamplingParams,
-                     response_id: str, client: str, setup: ToolSetup, socket: SocketResponses | None
-                     ) -> tuple[Session, StartedTurn | ErrorMessage]:
+                     response_id: str, client: str, setup: ToolSetup, socket: SocketResponses | None,
+                     compacted: tuple[Session, int, int] | None) -> tuple[Session, StartedTurn | ErrorMessage]:
         """The session the response runs in and its turn started (or why not). `owner`: the key's id; `scope`: whose
-        sessions and caches (the key's, or its `cache_salt`'s)."""
+        sessions and caches (the key's, or its `cache_salt`'s); `compacted`: the window a compaction item named."""
         extra, new = body.split()
         plan = TurnPlan(new, params, setup, keep_for_s=body.keep_for_s(), generate=not body.warm_up,
                         truncate=body.truncation == "auto")
@@ -193,6 +217,8 @@ class ResponseTurns:
         system = body.instructions
         if body.previous_response_id:
             session, fresh = await self._from_previous(owner, scope, body, extra, new, setup, socket)
+        elif compacted is not None:
+            session, fresh = await self._continue_at(scope, body, *compacted, extra, new, setup)
         else:
             if extra and extra[0].role == "system":
                 system, extra = (extra[0].content if system is None else system), extra[1:]
@@ -213,6 +239,8 @@ class ResponseTurns:
             # from its point.
             if body.previous_response_id:
                 session, _ = await self._from_previous(owner, scope, body, extra, new, setup, socket, branch=True)
+            elif compacted is not None:
+                session, _ = await self._continue_at(scope, body, *compacted, extra, new, setup, branch=True)
             else:
                 session = await self.conversations.branch_from(scope, system, extra, new, session, setup)
             if not body.store and socket is not None:
@@ -237,13 +265,22 @@ class ResponseTurns:
             raise ApiError(400 if socket is not None else 404, f"previous response {body.previous_response_id!r} not "
                            "found (its conversation expired, or it was made with another cache_salt)",
                            param="previous_response_id", code="previous_response_not_found")
+        return await self._continue_at(scope, body, session, previous.version, previous.messages, extra, new, setup,
+                                       branch)
+
+    async def _continue_at(self, scope: str | None, body: ResponseRequest, session: Session, version: int,
+                           messages: int, extra: list[Message], new: list[Message], setup: ToolSetup,
+                           branch: bool = False) -> tuple[Session, bool]:
+        """The session that continues `session` at the point where it held `messages` messages at `version`, and
+        whether it is new: `session` itself when that is its latest point, no turn holds it and nothing is added
+        before the new input (unless `branch`); otherwise a branch from that point."""
         with refusals():
-            body.check_outputs(call_ids(session.messages[:previous.messages]))
+            body.check_outputs(call_ids(session.messages[:messages]))
         system = body.instructions if body.instructions is not None else session.system
-        if not branch and session.version == previous.version and not extra and system == session.system and \
+        if not branch and session.version == version and not extra and system == session.system and \
                 not self.turns.is_claimed(session.session_id):
             return session, False
-        history = session.messages[:previous.messages] + extra
+        history = session.messages[:messages] + extra
         ids = self.conversations.render(system, history, new, setup)
         return await self.conversations.branch(scope, system, history, ids, [(session, history, ids)]), True
 

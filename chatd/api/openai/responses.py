@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from chatd.api.constants import SESSION_HEADER, WORKER, WORKER_HEADER
 from chatd.api.http_errors import ApiError, store_call
+from chatd.api.openai.compaction import Compactions, CompactRequest
 from chatd.api.openai.response_events import response_events
 from chatd.api.openai.response_turns import ResponseTurns, call_ids, finished, function_call
 from chatd.api.openai.responses_schema import (
@@ -53,7 +54,9 @@ class ResponsesApi:
         self.turns, self.engine = response_turns.turns, response_turns.engine
         errors = {code: {"model": dict} for code in (400, 401, 404, 409, 429, 503)}
         self.router = APIRouter(prefix="/v1")
+        self.compactions = Compactions(response_turns)
         self.router.add_api_route("/responses", self.create, methods=["POST"], responses=errors)
+        self.router.add_api_route("/responses/compact", self.compact, methods=["POST"], responses=errors)
         self.router.add_api_route("/responses/{response_id}", self.retrieve, methods=["GET"])
         self.router.add_api_route("/responses/{response_id}", self.delete, methods=["DELETE"])
         self.router.add_api_route("/responses/{response_id}/input_items", self.input_items, methods=["GET"])
@@ -85,6 +88,13 @@ class ResponsesApi:
             raise ApiError.of(event)
         done = finished(opened.created, event, opened.started.reply, opened.cache)
         return JSONResponse(done.model_dump(), headers=headers)
+
+    async def compact(self, request: Request, body: CompactRequest) -> Response:
+        """The conversation cut to its newest turns, in a window that starts a new chain (`compaction`)."""
+        owner = self.admission.authenticate(request)
+        compacted = await self.compactions.compact(owner, owner or (request.client.host if request.client else
+                                                                    "unknown"), body)
+        return JSONResponse(compacted.model_dump())
 
     async def retrieve(self, request: Request, response_id: str) -> Response:
         stored = await self._stored(request, response_id)
