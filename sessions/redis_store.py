@@ -125,6 +125,22 @@ let_go()
 return 'ok'
 """
 
+# An edited history (an item deleted): KEYS meta, messages, tokens, lease; ARGV expected version, retention (s),
+# updated_at, system (JSON), removed_items, dropped_turns, messages... Returns 'ok', 'gone', 'busy' (a worker holds its
+# lease: a turn runs) or 'version <stored>'. The reached token ids are dropped: the next turn writes them.
+_REWRITE = _PUSH + """
+local stored = redis.call('HGET', KEYS[1], 'version')
+if not stored then return 'gone' end
+if tonumber(stored) ~= tonumber(ARGV[1]) then return 'version ' .. stored end
+if redis.call('EXISTS', KEYS[4]) == 1 then return 'busy' end
+redis.call('DEL', KEYS[2], KEYS[3])
+push(KEYS[2], 7)
+redis.call('HSET', KEYS[1], 'version', tostring(tonumber(ARGV[1]) + 1), 'updated_at', ARGV[3], 'system', ARGV[4],
+           'removed_items', ARGV[5], 'dropped_turns', ARGV[6])
+for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+return 'ok'
+"""
+
 
 def _all_keys(session_id: str) -> list[str]:
     return [redis_key(session_id, part) for part in ("meta", "messages", "tokens", "lease", "fence")]
@@ -267,6 +283,27 @@ class RedisSessionStore:
         else:
             self._queue(session.session_id, write)  # keep the order of writes
         session.record_turn(new, reply, token_ids, dropped_turns, reply_ids, tool_calls)
+        self._remember(session)
+
+    async def rewrite(self, session: Session, system: str | None, messages: Sequence[Message], removed_items: int,
+                      dropped_turns: int) -> None:
+        """One script (version checked, refused while a lease is held); not queued: an edit waits for Redis."""
+        if self._has_pending(session.session_id) or self._down():
+            raise StoreUnavailable("the session store (Redis) is unreachable")
+        keys = [redis_key(session.session_id, part) for part in ("meta", "messages", "tokens", "lease")]
+        try:
+            outcome = await self.write(keys[0], (
+                "EVAL", _REWRITE, len(keys), *keys, session.version, self.retention_s, repr(time.time()),
+                json.dumps(system), removed_items, dropped_turns, *[_encode_message(m) for m in messages]))
+        except UNREACHABLE as error:
+            self._unreachable()
+            raise StoreUnavailable("the session store (Redis) is unreachable") from error
+        outcome = outcome.decode() if isinstance(outcome, bytes) else outcome
+        if outcome == "busy":
+            raise SessionBusy(f"session {session.session_id} is running a turn on another worker")
+        if outcome != "ok":
+            raise VersionConflict(f"session {session.session_id}: {outcome}")
+        session.rewrite(system, messages, removed_items, dropped_turns)
         self._remember(session)
 
     async def delete(self, session_id: str) -> bool:
@@ -487,7 +524,7 @@ def _session(session_id: str, fields: list, messages: list, tokens: bytes | None
         messages=[_decode_message(m) for m in messages], token_ids=unpack_ids(tokens),
         version=int(meta[b"version"]), created_at=float(meta[b"created_at"]),
         updated_at=float(meta[b"updated_at"]), owner=json.loads(meta.get(b"owner", b"null")),
-        dropped_turns=int(meta.get(b"dropped_turns", 0)),
+        dropped_turns=int(meta.get(b"dropped_turns", 0)), removed_items=int(meta.get(b"removed_items", 0)),
         tool_options=json.loads(meta.get(b"tool_options", b"null")))
 
 
@@ -499,6 +536,8 @@ def _encode_message(message: Message) -> str:
         fields["calls"] = [[call.id, call.name, call.arguments] for call in message.tool_calls]
     if message.tool_call_id is not None:
         fields["call_id"] = message.tool_call_id
+    if message.item is not None:
+        fields["item"] = message.item
     return json.dumps(fields)
 
 
@@ -506,4 +545,5 @@ def _decode_message(raw: bytes) -> Message:
     fields = json.loads(raw)
     ids = fields.get("ids")
     return Message(fields["role"], fields["content"], tuple(ids) if ids is not None else None,
-                   tuple(ToolCall(*call) for call in fields.get("calls", ())), fields.get("call_id"))
+                   tuple(ToolCall(*call) for call in fields.get("calls", ())), fields.get("call_id"),
+                   fields.get("item"))

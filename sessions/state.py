@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Sequence
@@ -31,6 +32,8 @@ class Message:
     token_ids: tuple[int, ...] | None = field(default=None, compare=False)
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # Its number among the conversation's items, fixed once an item before it was deleted (None: its position)
+    item: int | None = field(default=None, compare=False)
 
 
 def as_inputs(new: str | Sequence[Message]) -> list[Message]:
@@ -53,6 +56,7 @@ class Session:
     # What every turn is asked with unless its request says otherwise (tools, tool choice, reply format): JSON
     # the store keeps as given, since it shapes the prompt and so the cache.
     tool_options: dict | None = None
+    removed_items: int = 0  # messages deleted from it (a conversation's item numbers count on past them)
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
 
@@ -67,6 +71,27 @@ class Session:
     def prompt_messages(self, new: str | Sequence[Message]) -> list[Message]:
         """The messages a new turn renders: system prompt, history, then the new message(s)."""
         return self.messages_with_system() + as_inputs(new)
+
+    def numbered_messages(self) -> list[Message]:
+        """Its messages, each with the number a conversation lists it by made fixed, so that deleting one leaves the
+        others' ids as they were: the system prompt is item 0 when there is one, then each message by its position,
+        counted on past the messages deleted before."""
+        return [dataclasses.replace(message, item=self.item_number(position))
+                for position, message in enumerate(self.messages)]
+
+    def item_number(self, position: int) -> int:
+        """The number the conversation lists its message at `position` by (`numbered_messages`)."""
+        message = self.messages[position]
+        return message.item if message.item is not None else \
+            (0 if self.system is None else 1) + position + self.removed_items
+
+    def rewrite(self, system: str | None, messages: Sequence[Message], removed_items: int, dropped_turns: int) -> None:
+        """Take an edited history (an item deleted): a new version, whose reached token ids are not known until its
+        next turn."""
+        self.system, self.messages, self.removed_items = system, list(messages), removed_items
+        self.dropped_turns, self.token_ids = dropped_turns, []
+        self.version += 1
+        self.updated_at = time.time()
 
     def record_turn(self, new: str | Sequence[Message], reply: str | None, token_ids: list[int] | None = None,
                     dropped_turns: int | None = None, reply_ids: Sequence[int] | None = None,

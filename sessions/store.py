@@ -63,6 +63,12 @@ class SessionStore(Protocol):
         has none), token ids, version, the turns its prompt left out) on `session` and in the store; raise
         `VersionConflict` if the stored version is no longer `session.version` or the lease was lost."""
 
+    async def rewrite(self, session: Session, system: str | None, messages: Sequence[Message], removed_items: int,
+                      dropped_turns: int) -> None:
+        """Replace the session's history (an item deleted) atomically, as a new version, on `session` and in the store;
+        raise `VersionConflict` if the stored version is no longer `session.version`, `SessionBusy` while a worker
+        holds its lease."""
+
     async def delete(self, session_id: str) -> bool: ...
 
     async def reachable(self) -> bool:
@@ -108,6 +114,16 @@ class InMemorySessionStore:
         stored.record_turn(new, reply, token_ids, dropped_turns, reply_ids, tool_calls)
         if session is not stored:
             session.record_turn(new, reply, token_ids, dropped_turns, reply_ids, tool_calls)
+        self._use(stored)
+
+    async def rewrite(self, session: Session, system: str | None, messages: Sequence[Message], removed_items: int,
+                      dropped_turns: int) -> None:
+        stored = self._sessions.get(session.session_id)
+        if stored is None or stored.version != session.version:
+            raise VersionConflict(session.session_id)
+        stored.rewrite(system, messages, removed_items, dropped_turns)
+        if session is not stored:
+            session.rewrite(system, messages, removed_items, dropped_turns)
         self._use(stored)
 
     async def delete(self, session_id: str) -> bool:

@@ -474,3 +474,53 @@ async def test_compact_keeps_the_newest_turns_in_a_window_that_starts_a_new_chai
         await respond(client, [{"type": "compaction", "encrypted_content": "chatd.window.not-a-session"},
                                {"role": "user", "content": "Hi"}])
     assert refused.value.body["param"] == "input[0].encrypted_content"
+
+
+@pytest.mark.parametrize("kept_in", ["memory", "redis"])
+async def test_deleting_conversation_items_keeps_every_other_id_and_the_cache_up_to_the_edit(tiny, redis_db, kept_in):
+    """`DELETE /v1/conversations/{id}/items/{item_id}`: a tool round and a reply's text deleted (the call refused while
+    its output is there), every other item keeps its id (and so does the next one added: no id is reused), the
+    edit survives a restart on Redis, and the next response reads the history up to the edit from the cache and
+    answers as a cacheless server given the edited history."""
+    settings = dict(port=0, model=MODEL, verify_sample_rate=0.0) | (
+        {"redis_url": redis_db.url} if kept_in == "redis" else {})
+    async with ChatServer(Settings(**settings), load=lambda: tiny) as server, \
+            ChatServer(Settings(port=0, model=MODEL, session_cache=False), load=lambda: tiny) as reference:
+        await server.wait_ready()
+        await reference.wait_ready()
+        client, solo = client_for(server), client_for(reference)
+        conversation = await client.conversations.create(items=[{"role": "system", "content": SYSTEM}])
+        first = await respond(client, QUESTIONS[0], conversation=conversation.id)
+        await client.conversations.items.create(conversation.id, items=[
+            {"role": "user", "content": QUESTIONS[1]},
+            {"type": "function_call", "call_id": "call_1", "name": "lookup_line", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "{\"status\": \"down\"}"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "It is down."}]}])
+        listed = [item async for item in client.conversations.items.list(conversation.id, order="asc")]
+        assert [item.type for item in listed] == ["message", "message", "message", "message", "function_call",
+                                                  "function_call_output", "message"]
+        call, output, note = listed[4], listed[5], listed[6]
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.conversations.items.delete(call.id, conversation_id=conversation.id)
+        assert refused.value.body["param"] == "item_id"
+        for item in (note, output, call):
+            assert (await client.conversations.items.delete(item.id, conversation_id=conversation.id)).id == \
+                conversation.id
+        with pytest.raises(openai.NotFoundError):
+            await client.conversations.items.delete(call.id, conversation_id=conversation.id)
+        after = await respond(client, QUESTIONS[2], conversation=conversation.id)
+        kept = [item.id async for item in client.conversations.items.list(conversation.id, order="asc")]
+        assert kept[:4] == [item.id for item in listed[:4]] and len(kept) == 6
+        assert not set(kept[4:]) & {item.id for item in listed}, "a new item never takes a deleted one's id"
+        expected = await respond(solo, [{"role": "user", "content": QUESTIONS[0]},
+                                        {"role": "assistant", "content": first.output_text},
+                                        {"role": "user", "content": QUESTIONS[1]},
+                                        {"role": "user", "content": QUESTIONS[2]}], instructions=SYSTEM)
+        assert after.output_text == expected.output_text
+        assert after.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens, after.usage
+    if kept_in == "redis":
+        async with ChatServer(Settings(**settings), load=lambda: tiny) as restarted:
+            await restarted.wait_ready()
+            again = [item.id async for item in client_for(restarted).conversations.items.list(conversation.id,
+                                                                                            order="asc")]
+        assert again == kept

@@ -68,6 +68,16 @@ class CacheCommands:
         (a branch of a conversation); runs before any turn submitted after it."""
         self._commands.put(CacheCommand(lambda store: store.fork(source, target, prompt_ids)))
 
+    def carry_cache_forward(self, session_id: str, from_version: int, to_version: int) -> None:
+        """The session's history was edited without a turn (a conversation item deleted): its cache of `from_version`
+        stays of use as far as the next prompt shares it (the lookup crops it there) instead of being stale."""
+        def restamp(store: CacheStore) -> None:
+            for entry in (store.device.get(session_id), store.host.get(session_id)):
+                if entry is not None and entry.session_version == from_version:
+                    entry.session_version = to_version
+
+        self._commands.put(CacheCommand(restamp, session_id=session_id))
+
     def session_connected(self, session_id: str, connected: bool) -> None:
         self._commands.put(CacheCommand(lambda store: store.touch(session_id, connected)))
 

@@ -20,17 +20,17 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from chatd.api.constants import SESSION_HEADER, WORKER, WORKER_HEADER
-from chatd.api.http_errors import ApiError, store_call
+from chatd.api.http_errors import ApiError, refusals, store_call
 from chatd.api.openai.compaction import Compactions, CompactRequest
+from chatd.api.openai.conversation_items import item_list, items_of, without_item
 from chatd.api.openai.response_events import response_events
-from chatd.api.openai.response_turns import ResponseTurns, call_ids, finished, function_call
+from chatd.api.openai.response_turns import ResponseTurns, call_ids, finished
 from chatd.api.openai.responses_schema import (
     ConversationCreate,
     ConversationDeleted,
     ConversationItemsAdd,
     ConversationObject,
     InputItem,
-    ItemList,
     ListedFunctionOutput,
     OutputFunctionCall,
     ResponseDeleted,
@@ -41,7 +41,7 @@ from chatd.api.turn_errors import ErrorMessage
 from chatd.api.turns import TurnPlan, TurnRequest
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.turn import TurnFailed
-from sessions import Message, Session
+from sessions import Session, SessionBusy, VersionConflict
 from sessions.responses import ConversationInfo, StoredResponse
 
 
@@ -68,6 +68,8 @@ class ResponsesApi:
                                   methods=["POST"])
         self.router.add_api_route("/conversations/{conversation_id}/items/{item_id}", self.conversation_item,
                                   methods=["GET"])
+        self.router.add_api_route("/conversations/{conversation_id}/items/{item_id}", self.delete_conversation_item,
+                                  methods=["DELETE"])
 
     # ##### Responses #####
 
@@ -108,7 +110,7 @@ class ResponsesApi:
     async def input_items(self, request: Request, response_id: str) -> Response:
         stored = await self._stored(request, response_id)
         items = [_listed_input(f"{response_id[5:]}_{index}", item) for index, item in enumerate(stored.input)]
-        return JSONResponse(_item_list(items).model_dump())
+        return JSONResponse(item_list(items).model_dump())
 
     # ##### Conversations #####
 
@@ -142,18 +144,18 @@ class ResponsesApi:
                                  limit: int = Query(20, ge=1, le=100), after: str | None = None) -> Response:
         """A page of the conversation's items, newest first unless `order=asc` (OpenAI's default and cursor)."""
         _, session = await self._conversation(request, conversation_id)
-        items = _items_of(conversation_id, session)
+        items = items_of(conversation_id, session)
         if order == "desc":
             items.reverse()
         if after is not None:
             items = items[next((index + 1 for index, item in enumerate(items) if item.id == after), len(items)):]
-        page = _item_list(items[:limit])
+        page = item_list(items[:limit])
         page.has_more = len(items) > limit
         return JSONResponse(page.model_dump())
 
     async def conversation_item(self, request: Request, conversation_id: str, item_id: str) -> Response:
         _, session = await self._conversation(request, conversation_id)
-        found = next((item for item in _items_of(conversation_id, session) if item.id == item_id), None)
+        found = next((item for item in items_of(conversation_id, session) if item.id == item_id), None)
         if found is None:
             raise ApiError(404, f"item {item_id!r} not found in conversation {conversation_id!r}", param="item_id",
                            code="not_found")
@@ -178,7 +180,7 @@ class ResponsesApi:
         if messages and messages[0].role == "system":
             raise ApiError(400, "a system or developer item may only start a conversation", param="items[0]",
                            code="bad_request")
-        before = len(session.messages) + (session.system is not None)
+        before = len(session.messages)
         started = await self.turns.start(TurnRequest(
             session.session_id, "conv_items_" + secrets.token_hex(8), owner,
             owner or (request.client.host if request.client else "unknown"), "responses",
@@ -189,8 +191,30 @@ class ResponsesApi:
                            param="conversation_id", code="conflict") if started.code == "busy" else \
                 ApiError.of(started)
         await self.conversations.result(*await self.conversations.relay(owner, started))
-        items = _items_of(conversation_id, started.session)[before:]
-        return JSONResponse(_item_list(items).model_dump())
+        items = items_of(conversation_id, started.session, before)
+        return JSONResponse(item_list(items).model_dump())
+
+    async def delete_conversation_item(self, request: Request, conversation_id: str, item_id: str) -> Response:
+        """One item left out of the conversation (answered with the conversation, as OpenAI's). The session's cache
+        stays of use up to where the history changed: its next response prefills from there."""
+        info, session = await self._conversation(request, conversation_id)
+        busy = ApiError(409, f"a response of conversation {conversation_id!r} is running; wait for it",
+                        param="conversation_id", code="conflict")
+        if self.turns.is_claimed(session.session_id):
+            raise busy
+        with refusals():
+            edited = without_item(conversation_id, session, item_id)
+        if edited is None:
+            raise ApiError(404, f"item {item_id!r} not found in conversation {conversation_id!r}", param="item_id",
+                           code="not_found")
+        version = session.version
+        try:
+            await store_call(self.sessions.rewrite(session, edited.system, edited.messages, edited.removed_items,
+                                                   edited.dropped_turns))
+        except (VersionConflict, SessionBusy):
+            raise busy from None
+        self.engine.carry_cache_forward(session.session_id, version, session.version)
+        return JSONResponse(_conversation(info).model_dump())
 
     # ##### Lookups #####
 
@@ -203,16 +227,6 @@ class ResponsesApi:
 
     async def _conversation(self, request: Request, conversation_id: str) -> tuple[ConversationInfo, Session]:
         return await self.response_turns.owned_conversation(self.admission.authenticate(request), conversation_id)
-
-
-def _listed_message(item_id: str, message: Message) -> list[InputItem | OutputFunctionCall | ListedFunctionOutput]:
-    """A session's message as a conversation's items: a reply's text and each of its calls, a tool's result."""
-    if message.role == "tool":
-        return [ListedFunctionOutput(id=f"fco_{item_id}", call_id=message.tool_call_id or "", output=message.content)]
-    kind = "output_text" if message.role == "assistant" else "input_text"
-    text = [] if message.tool_calls and not message.content else \
-        [InputItem(id=f"msg_{item_id}", role=message.role, content=[{"type": kind, "text": message.content}])]
-    return text + [function_call(call) for call in message.tool_calls]
 
 
 def _listed_input(item_id: str, item: dict) -> InputItem | OutputFunctionCall | ListedFunctionOutput:
@@ -228,17 +242,6 @@ def _listed_input(item_id: str, item: dict) -> InputItem | OutputFunctionCall | 
     content = item["content"]
     parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else content
     return InputItem(id=f"msg_{item_id}", role=item["role"], content=parts)
-
-
-def _items_of(conversation_id: str, session: Session) -> list[InputItem | OutputFunctionCall | ListedFunctionOutput]:
-    """A conversation's items, oldest first: its system prompt, then each message as `_listed_message` lists it."""
-    messages = ([Message("system", session.system)] if session.system is not None else []) + session.messages
-    return [item for index, message in enumerate(messages)
-            for item in _listed_message(f"{conversation_id}_{index}", message)]
-
-
-def _item_list(items: list[InputItem]) -> ItemList:
-    return ItemList(data=items, first_id=items[0].id if items else None, last_id=items[-1].id if items else None)
 
 
 def _conversation(info: ConversationInfo) -> ConversationObject:
