@@ -307,3 +307,28 @@ async def test_prompt_cache_key_finds_its_own_conversation_first_on_any_worker(t
                                                         {"role": "assistant", "content": text},
                                                         {"role": "user", "content": "Now?"}]})
             assert response.headers["x-chatd-session-id"] == first
+
+
+async def test_a_request_continues_the_session_sharing_the_longest_token_prefix_whatever_its_tools(server):
+    """A support chat whose second turn offers tools (the model calls one) and whose tool result is sent without
+    `tools` (the prompt is then rendered without them, as the first turn's was): the tools turn shares only the start
+    of the system prompt with the first turn's session, so it branches rather than throw that cache away, and the
+    tool result (whose messages the tools turn's session holds, but which shares more with the first turn's)
+    branches from the first turn's session, reading that whole turn from the cache."""
+    client = client_for(server)
+    tools = [{"type": "function", "function": {"name": "lookup_line", "parameters": {"type": "object",
+                                                                                     "properties": {}}}}]
+    policy = SYSTEM + " Check the customer's line before answering anything about an outage, and be brief." * 2
+    first = [{"role": "system", "content": policy}, {"role": "user", "content": "My internet is down again today."}]
+    reply = await client.chat.completions.create(model=MODEL, messages=first, max_tokens=12, temperature=0)
+    second = [*first, {"role": "assistant", "content": reply.choices[0].message.content},
+              {"role": "user", "content": "Please check my line."}]
+    called = await client.chat.completions.create(model=MODEL, messages=second, max_tokens=96, temperature=0,
+                                                  tools=tools, tool_choice="required")
+    call = called.choices[0].message.tool_calls[0]
+    third = [*second, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+             {"role": "tool", "tool_call_id": call.id, "content": "{\"status\": \"down since 9:00\"}"}]
+    text, usage, _ = await ask(client, third)
+    assert text
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= reply.usage.prompt_tokens + \
+        reply.usage.completion_tokens - 1, usage

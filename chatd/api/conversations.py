@@ -60,18 +60,23 @@ class Conversations:
                     hint: str | None, setup: ToolSetup | None = None, cache_key: str | None = None
                     ) -> tuple[Session, list[int], bool]:
         """The session this request runs in, the request's plain prompt ids, and whether the session is one it
-        continues: the matched session when the request extends it exactly and no turn holds it; otherwise a new one,
-        branched from the best match's cache."""
+        continues: a candidate the request extends exactly, when no turn holds it and the prompt keeps its cache
+        (`_keeps_cache`); otherwise a new one, branched from the candidate whose cache shares the longest token prefix
+        with the prompt. (A session that holds the same messages but was asked with other tools shares only the start
+        of the system prompt: continuing it would throw away the cache that a client switching tools on and off asks
+        for again, while a branch keeps both.)"""
         plain_ids = self.render(system, history, content, setup)
         matches = []
         for session in await self._candidates(owner, plain_ids, hint, cache_key):
-            if session.system == system and _same(session.messages, history) and \
-                    not self.turns.is_claimed(session.session_id):
-                return session, plain_ids, True
             spliced = _splice(history, session.messages)
             prompt_ids = plain_ids if spliced == history and _ids_of(spliced) == _ids_of(history) else \
                 self.render(system, spliced, content, setup)
             matches.append((session, spliced, prompt_ids))
+        for session, _, prompt_ids in matches:
+            if session.system == system and _same(session.messages, history) and \
+                    _keeps_cache(session, common_prefix_length(session.token_ids, prompt_ids)) and \
+                    not self.turns.is_claimed(session.session_id):
+                return session, plain_ids, True
         return await self.branch(owner, system, history, plain_ids, matches), plain_ids, False
 
     async def branch(self, owner: str | None, system: str | None, history: list[Message], plain_ids: list[int],
@@ -171,6 +176,14 @@ class Conversations:
                 found.append(session)
         found.sort(key=lambda s: common_prefix_length(s.token_ids, prompt_ids), reverse=True)
         return found
+
+
+def _keeps_cache(session: Session, shared: int) -> bool:
+    """Whether a prompt that shares `shared` tokens with the session's cache keeps all of it but its last reply (which
+    a template may render otherwise once it is history) and a block's worth of ending tokens."""
+    last = session.messages[-1] if session.messages else None
+    reply = len(last.token_ids or ()) if last is not None and last.role == "assistant" else 0
+    return shared + reply + BLOCK >= len(session.token_ids)
 
 
 def _splice(sent: list[Message], stored: list[Message]) -> list[Message]:
