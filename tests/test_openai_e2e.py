@@ -56,24 +56,38 @@ async def test_stateless_conversation_equals_the_websocket_path_and_reuses_its_c
 
 
 @pytest.mark.skipif(importlib.util.find_spec("langchain_openai") is None, reason="langchain-openai not installed")
-async def test_langchain_chat_openai_reports_cache_reads(smollm2):
-    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+async def test_langchain_chat_openai_runs_a_tool_round_reading_each_later_turn_from_the_cache(smollm2):
+    """langchain-openai's `ChatOpenAI` with a tool bound, as a support bot uses it: four turns (a question, a forced
+    call of the tool, its result, a last question), each later one reading at least 0.8 of its input from the cache
+    (langchain's `usage_metadata.input_token_details.cache_read`), the call's arguments parsed into `tool_calls`."""
+    from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
+    from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
+
+    @tool
+    def lookup_line(customer: str) -> str:
+        """Look up the status of a customer's internet line."""
+        return f"The line of {customer} is down since 9:00; a technician is booked."
 
     async with ChatServer(Settings(port=0), load=lambda: smollm2) as server:
         await server.wait_ready()
         chat = ChatOpenAI(model=MODEL, base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused",
-                          temperature=0, max_tokens=16, stream_usage=True, max_retries=0)
+                          temperature=0, max_tokens=48, stream_usage=True, max_retries=0)
+        bot, forced = chat.bind_tools([lookup_line]), chat.bind_tools([lookup_line], tool_choice="lookup_line")
         history = [SystemMessage(SYSTEM), HumanMessage(TURNS[0])]
-        first = None
-        async for chunk in chat.astream(history):
-            first = chunk if first is None else first + chunk
-        history += [AIMessage(first.content), HumanMessage(TURNS[1])]
-        second = None
-        async for chunk in chat.astream(history):
-            second = chunk if second is None else second + chunk
-        details = second.usage_metadata["input_token_details"]
-        assert details["cache_read"] > 0.5 * second.usage_metadata["input_tokens"]
+        history.append(await bot.ainvoke(history))
+        history.append(HumanMessage("Please check the line of customer Ada Lovelace."))
+        called = await forced.ainvoke(history)
+        assert called.tool_calls and called.tool_calls[0]["name"] == "lookup_line", called
+        history += [called, ToolMessage(lookup_line.invoke(called.tool_calls[0]["args"]),
+                                        tool_call_id=called.tool_calls[0]["id"])]
+        answered = await bot.ainvoke(history)
+        history += [answered, HumanMessage(TURNS[1])]
+        last = await bot.ainvoke(history)
+        for reply in (called, answered, last):
+            usage = reply.usage_metadata
+            assert usage["input_token_details"]["cache_read"] >= 0.8 * usage["input_tokens"], usage
+        assert answered.content and last.content
 
 
 async def test_vllm_sampling_extensions_fix_reply_lengths_as_benchmark_clients_expect(openai_pair, smollm2):
