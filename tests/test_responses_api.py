@@ -524,3 +524,21 @@ async def test_deleting_conversation_items_keeps_every_other_id_and_the_cache_up
             again = [item.id async for item in client_for(restarted).conversations.items.list(conversation.id,
                                                                                             order="asc")]
         assert again == kept
+
+
+async def test_prewarm_prefills_without_answering_and_the_next_turn_reads_it(servers):
+    """`prompt_cache_options.prewarm`: the policy and the customer's first words are prefilled and nothing is
+    generated (`output: []`); a stateless turn that resends them, and a turn continuing the prewarm's id, read them
+    from the cache."""
+    server, _ = servers
+    client = client_for(server)
+    policy = SYSTEM + " Technicians visit on weekdays between 8:00 and 18:00." * 3
+    opening = [{"role": "user", "content": QUESTIONS[0]}]
+    warm = await client.responses.create(model=MODEL, instructions=policy, input=opening,
+                                         prompt_cache_options={"prewarm": True})
+    assert warm.output == [] and warm.usage.output_tokens == 0 and warm.status == "completed"
+    resent = await respond(client, [*opening, {"role": "assistant", "content": "Let me look."},
+                                    {"role": "user", "content": QUESTIONS[1]}], instructions=policy, store=False)
+    continued = await respond(client, QUESTIONS[1], warm.id)
+    for response in (resent, continued):
+        assert response.usage.input_tokens_details.cached_tokens >= warm.usage.input_tokens - 1, response.usage
