@@ -16,6 +16,7 @@ from chatd.api.openai.chat_schema import (
     ErrorResponse,
     ModelList,
 )
+from chatd.api.openai.compaction import CompactedResponse, CompactRequest
 from chatd.api.openai.responses_schema import (
     ConversationCreate,
     ConversationObject,
@@ -32,14 +33,16 @@ def protocol_schema() -> dict:
         ("chat_completions_request", ChatCompletionRequest), ("chat_completion", ChatCompletion),
         ("chat_completion_chunk", ChatCompletionChunk), ("models", ModelList), ("error", ErrorResponse),
         ("response_request", ResponseRequest), ("response", ResponseObject),
-        ("conversation_create", ConversationCreate), ("conversation", ConversationObject), ("items", ItemList)]}
+        ("conversation_create", ConversationCreate), ("conversation", ConversationObject), ("items", ItemList),
+        ("compact_request", CompactRequest), ("compacted_response", CompactedResponse)]}
     anthropic = {name: TypeAdapter(model).json_schema() for name, model in [
         ("messages_request", MessagesRequest), ("message", MessageOut), ("count_tokens_request", CountTokensRequest),
         ("token_count", TokenCount), ("error", ErrorOut)]}
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "chatd protocols",
             "description": "websocket: frames on /ws (docs/protocol.md); openai: bodies of /v1/chat/completions, "
                            "/v1/models (docs/protocol.md#the-openai-compatible-api), /v1/responses and "
-                           "/v1/conversations (docs/protocol.md#the-responses-and-conversations-apis); anthropic: "
+                           "/v1/responses/compact, /v1/conversations "
+                           "(docs/protocol.md#the-responses-and-conversations-apis); anthropic: "
                            "bodies of /v1/messages and /v1/messages/count_tokens "
                            "(docs/protocol.md#the-anthropic-messages-api)",
             "websocket": json_schemas(), "openai": openai, "anthropic": anthropic}
