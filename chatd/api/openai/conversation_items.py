@@ -35,12 +35,12 @@ def listed_message(item_id: str, message: Message) -> list[ListedItem]:
     return text + [function_call(call) for call in message.tool_calls]
 
 
-def items_of(conversation_id: str, session: Session, start: int = 0) -> list[ListedItem]:
-    """A conversation's items, oldest first: its system prompt (unless `start`), then each message from position
-    `start` on as `listed_message` lists it."""
-    system = [] if session.system is None or start else \
+def items_of(conversation_id: str, session: Session, start: int | None = None) -> list[ListedItem]:
+    """A conversation's items, oldest first: its system prompt, then each message as `listed_message` lists it (with
+    `start`, only the messages from that position on)."""
+    system = [] if session.system is None or start is not None else \
         listed_message(f"{conversation_id}_0", Message("system", session.system))
-    return system + [item for position in range(start, len(session.messages))
+    return system + [item for position in range(start or 0, len(session.messages))
                      for item in listed_message(f"{conversation_id}_{session.item_number(position)}",
                                                 session.messages[position])]
 
