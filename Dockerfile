@@ -38,10 +38,11 @@ RUN if [ -f /tmp/extra/ca-bundle.crt ]; then export PIP_CERT=/tmp/extra/ca-bundl
  && rm -rf /tmp/extra
 
 USER chatd
-ENV CHATD_HOST=0.0.0.0 CHATD_PORT=8765 CHATD_CACHE_DIR=/home/chatd/.cache/chatd
+# The chat UI and the dashboard: served from the copy above (the installed package holds only the code).
+ENV CHATD_HOST=0.0.0.0 CHATD_PORT=8765 CHATD_CACHE_DIR=/home/chatd/.cache/chatd CHATD_WEB_DIR=/app/web
 VOLUME /home/chatd/.cache/chatd
 EXPOSE 8765
-# Ready: the model loaded, the engine up, the session store answering. The start period covers loading the model.
+# Ready: the model loaded, the engine up (a Redis outage does not count: writes queue). The start period covers loading.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=180s --retries=3 \
   CMD python3 -c "import os, urllib.request; urllib.request.urlopen(f'http://127.0.0.1:{os.environ.get(\"CHATD_PORT\", \"8765\")}/readyz', timeout=2)"
 # SIGTERM (docker stop, compose down, Kubernetes): the port closes, running turns finish within

@@ -4,9 +4,11 @@ every session that starts with it) and removed once the last holder lets it go.
 
 The tiers tell the ledger what they hold as it changes (`held`, `let_go`); `flush`, after each engine step, turns
 what changed since into one batch of events, so that a cache written back (let go, then taken again) costs only its
-new blocks. A block's id chains its parent's id, its tokens and, for a salted scope, that scope's digest: the same
-tokens in two scopes are two blocks. Consumers rehash the token ids themselves; the ids link a block to its parent
-and name it when it is removed."""
+new blocks. A block's id chains its parent's id, its tokens and, for a key's (or a salt's) conversations, that
+scope's public name: the same tokens in two scopes are two blocks, as chatd never shares a cache across keys. The
+name is a digest of the owner seeded by a secret of the fleet's (`--kv-scope-secret`), so no client can compute
+another key's ids from tokens. Consumers rehash the token ids themselves; the ids link a block to its parent and
+name it when it is removed."""
 
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ from cache_store.tier_events import Medium
 if TYPE_CHECKING:
     from cache_store.store import CacheStore
 
-SALTED = "#salt:"  # in an owner: its caches are shared only within its cache_salt
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class BlockStored:
     block_ids: list[int]
     parent: int | None
     token_ids: list[int]
-    scope: str | None  # a salted scope's public name (a digest), carried by its first block
+    scope: str | None  # its key's (or salt's) scope's public name (`public_scope`), carried by a sequence's first block
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,12 @@ class AllBlocksCleared:
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-def public_scope(owner: str | None) -> str | None:
-    """A salted owner's name for outside routers: a digest of it (never the salt, nor the key); None unsalted."""
-    if owner is None or SALTED not in owner:
+def public_scope(owner: str | None, secret: str) -> str | None:
+    """An owner's (a key's, or a key's salt's) name for outside routers: a digest of it seeded by `secret`, never the
+    key nor the salt; None for no owner (a server without keys, unsalted): every such cache is one scope."""
+    if owner is None:
         return None
-    return "salt-" + xxhash.xxh3_64_hexdigest(owner.encode())
+    return "scope-" + xxhash.xxh3_64_hexdigest(owner.encode(), seed=xxhash.xxh3_64_intdigest(secret.encode()))
 
 
 def block_id(parent: int | None, tokens: Sequence[int], scope: str | None) -> int:
@@ -77,17 +79,26 @@ def block_chain(token_ids: Sequence[int], block_size: int, scope: str | None) ->
     return ids
 
 
-def blocks_in_tiers(store: CacheStore, block_size: int) -> dict[Medium, set[int]]:
-    """The blocks the device and host tiers hold, read from the tiers themselves (not from a ledger): what a
-    worker's published events must add up to."""
-    held: dict[Medium, set[int]] = {"GPU": set(), "CPU": set()}
+def held_tokens(store: CacheStore) -> list[tuple[Medium, str | None, list[int]]]:
+    """What the device and host tiers hold, read from the tiers themselves (not from a ledger): each cache's medium,
+    owner and token ids (copied, so that their blocks can be hashed off the engine thread)."""
+    held: list[tuple[Medium, str | None, list[int]]] = []
     for key in store.device:
         if (entry := store.device.peek(key)) is not None:
-            held["GPU"].update(block_chain(entry.token_ids, block_size, public_scope(store.owner_of(key))))
+            held.append(("GPU", store.owner_of(key), list(entry.token_ids)))
     for key in store.host.keys():
         if (copy := store.host.get(key)) is not None:
-            held["CPU"].update(block_chain(copy.token_ids, block_size, public_scope(store.owner_of(key))))
+            held.append(("CPU", store.owner_of(key), list(copy.token_ids)))
     return held
+
+
+def blocks_of(held: list[tuple[Medium, str | None, list[int]]], block_size: int, secret: str
+              ) -> dict[Medium, set[int]]:
+    """The ids of the full blocks of what `held_tokens` read: what a worker's published events must add up to."""
+    blocks: dict[Medium, set[int]] = {"GPU": set(), "CPU": set()}
+    for medium, owner, token_ids in held:
+        blocks[medium].update(block_chain(token_ids, block_size, public_scope(owner, secret)))
+    return blocks
 
 
 @dataclass
@@ -106,7 +117,7 @@ class BlockLedger:
                  scope_of: Callable[[str], str | None] = lambda key: None):
         self.block_size = block_size
         self._send = send  # False when the batch was not taken (a full queue): the next carries the full state
-        self._scope_of = scope_of  # a key's owner
+        self._scope_of = scope_of  # a key's public scope (`public_scope` of its owner)
         self._holdings: dict[tuple[Medium, str], _Holding] = {}
         self._refs: dict[Medium, Counter[int]] = {"GPU": Counter(), "CPU": Counter()}
         self._pending: dict[tuple[Medium, str], list[int] | None] = {}  # changed since the last flush (None: let go)
@@ -153,7 +164,7 @@ class BlockLedger:
     def _update(self, medium: Medium, key: str, token_ids: list[int], stored: list[KVEvent]) -> list[int]:
         """Make `key`'s holding in `medium` cover `token_ids` (none: let go); the blocks no key holds any more.
         Blocks it newly holds that no other key held are appended to `stored`."""
-        holding = self._holdings.get((medium, key)) or _Holding(scope=public_scope(self._scope_of(key)))
+        holding = self._holdings.get((medium, key)) or _Holding(scope=self._scope_of(key))
         size, old = self.block_size, holding.block_ids
         same = len(old) if token_ids[:len(holding.token_ids)] == holding.token_ids else next(
             (i for i in range(min(len(old), len(token_ids) // size))

@@ -28,6 +28,7 @@ def store_stats(tiers: CacheTiers, layer_windows: Sequence[int | None]) -> dict[
                                    for entry in entries) * layer_token_bytes,
         "device_private_kv_bytes": shared["private_tokens"] * token_bytes,
         "device_reserved_bytes": tiers.device.reserved_bytes(), "device_sessions": len(device_sessions),
+        "device_active_bytes": tiers.device.active_bytes(),
         "prefixes": shared["segments"], "segments_pinned": shared["segments_pinned"],
         "segment_users": shared["segment_users"], "shared_sessions": shared["shared_sessions"],
         "segment_bytes": shared["segment_tokens"] * token_bytes,

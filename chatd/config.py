@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from cache_store.units import CHUNK_TOKENS, KVDtype
@@ -132,7 +133,17 @@ class Settings(BaseSettings):
                                   "eviction, shared by every session and key that uses it (repeatable)")
     kv_events_endpoint: str | None = Field(None, description=(
         "publish KV events in vLLM's wire format on this ZMQ PUB endpoint (e.g. tcp://*:5557: binds where it has *, "
-        "connects otherwise), for KV-aware routers (Dynamo, llm-d); unset: off"))
+        "on the loopback interface unless --kv-events-bind-all; connects otherwise), for KV-aware routers (Dynamo, "
+        "llm-d); the events carry every conversation's token ids: unset: off"))
+    kv_events_bind_all: bool = Field(False, description=(
+        "bind a * KV events endpoint (and its replay endpoint) on every interface, for routers on other hosts (the "
+        "events carry every tenant's token ids: a network only the fleet reaches)"))
+    kv_scope_secret: SecretStr = Field(default_factory=lambda: SecretStr(secrets.token_hex(16)), description=(
+        "seeds the public name of each key's scope in KV events and /kv/blocks, so that no client can compute another "
+        "key's block ids from tokens; set the same on every worker of a fleet (and in a router that scopes its "
+        "queries); default: a random one per process"))
+    admin_key: SecretStr | None = Field(None, description=(
+        "the bearer key of the operator's routes (/kv/blocks); unset: they answer only on a server without API keys"))
     kv_events_replay_endpoint: str | None = Field(None, description=(
         "a ZMQ ROUTER endpoint that answers a consumer's replay request with the buffered batches from a seq on "
         "(vLLM's; the last 10,000 batches)"))

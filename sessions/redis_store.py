@@ -195,6 +195,7 @@ class RedisSessionStore:
             options = self._redis.connection_pool.connection_kwargs
             mode, nodes = "single", [{"address": f"{options.get('host')}:{options.get('port')}", "role": "primary"}]
         return {"mode": mode, "nodes": nodes, "wait_replicas": self.wait_replicas,
+                "reachable": not self._down() and not self._pending, "pending_writes": len(self._pending),
                 "wait_timeout_ms": self.wait_timeout_ms, "queued_turns_refused": self.conflicts,
                 **self.events.snapshot()}
 
@@ -325,6 +326,10 @@ class RedisSessionStore:
             return bool(await self._redis.ping())
         except UNREACHABLE:
             return False
+
+    async def flush(self) -> None:
+        """Try once to write what is queued (at shutdown, before anything slower: the conversations first)."""
+        await self._flush(give_up=True)
 
     async def close(self) -> None:
         """Try once more to write what is queued, then close the connection pool."""

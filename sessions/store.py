@@ -46,6 +46,8 @@ class LocalLease:
 class SessionStore(Protocol):
     """Where sessions live: in memory, or in Redis."""
 
+    durable: bool  # whether a write is acknowledged only once replicas hold it (never queued through an outage)
+
     async def create(self, system: str | None, owner: str | None = None, messages: Sequence[Message] = (),
                      tool_options: dict | None = None) -> Session:
         """A new session; `messages` is a history it starts with (a stateless client's branch), `tool_options`
@@ -74,12 +76,17 @@ class SessionStore(Protocol):
     async def reachable(self) -> bool:
         """Whether the store answers now (a readiness probe's question)."""
 
+    async def flush(self) -> None:
+        """Write what is queued, trying once (at shutdown, before anything slower)."""
+
     async def close(self) -> None: ...
 
 
 class InMemorySessionStore:
     """Sessions of this process, lost when it exits. A session unused for `retention_s` is forgotten,
     as Redis forgets it, so that abandoned conversations do not grow the process without bound."""
+
+    durable = False
 
     def __init__(self, retention_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.retention_s = retention_s
@@ -132,6 +139,9 @@ class InMemorySessionStore:
 
     async def reachable(self) -> bool:
         return True
+
+    async def flush(self) -> None:
+        return None  # (nothing is ever queued)
 
     async def close(self) -> None:
         self._sessions.clear()

@@ -5,8 +5,9 @@ count right after it, what the thread was created with (its system prompt and to
 resend), and whose it is. Each reply can be continued once: `claim` moves it from open to running atomically (one
 turn per reply across workers; the same round trip reads the reply, for its own key and scope only), `settle` to
 continued when that turn's reply is held, or back to open when it was not (a failed or cut turn leaves the id
-usable). In memory, or in Redis (`chatd:thread:{<id>}` and its `:state`, one hash tag) for the thread TTL, renewed
-when a reply is continued, so that any worker continues any thread and a restart loses none.
+usable); a claim is leased, renewed while its turn runs, so that one whose worker died ends. In memory, or in
+Redis (`chatd:thread:{<id>}` and its `:state`, one hash tag) for the thread TTL, renewed when a reply is continued,
+so that any worker continues any thread and a restart loses none.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from cachetools import TTLCache
 from sessions.redis_store import RedisSessionStore
 
 LOCAL_THREADS = 100_000  # the in-memory store forgets the oldest beyond this many replies
+CLAIM_LEASE_S = 30.0  # a claim not renewed for this long (its worker died) ends: the reply may be continued again
 Claim = Literal["claimed", "not_found", "continued", "in_flight"]
 
 
@@ -50,6 +52,9 @@ class ThreadStore(Protocol):
                     ) -> tuple[Claim, ThreadReply | None]: ...
 
     async def settle(self, message_id: str, continued: bool) -> None: ...
+
+    async def renew(self, message_id: str) -> None:
+        """The claim's turn is still running: its lease starts again (CLAIM_LEASE_S)."""
 
 
 class InMemoryThreadStore:
@@ -82,10 +87,14 @@ class InMemoryThreadStore:
         else:
             self._states.pop(message_id, None)
 
+    async def renew(self, message_id: str) -> None:
+        return None  # (a claim here dies with its process, which holds every claim)
 
-# KEYS: the reply, its state. ARGV: the TTL in ms, then owner and scope, each as its text and '1' when it is None.
-# Open -> running, atomically, for the reply's own key and scope only (another's is not found, and left alone):
-# {'claimed', the reply}, or what it found.
+
+# KEYS: the reply, its state. ARGV: the claim's lease in ms, then owner and scope, each as its text and '1' when it is
+# None. Open -> running (for the lease, renewed while the turn runs: a worker that dies lets it go), atomically, for
+# the reply's own key and scope only (another's is not found, and left alone): {'claimed', the reply}, or what it
+# found.
 _CLAIM = """
 local raw = redis.call('GET', KEYS[1])
 if not raw then return {'not_found'} end
@@ -103,6 +112,8 @@ if state then return {'in_flight'} end
 redis.call('SET', KEYS[2], 'running', 'PX', ARGV[1])
 return {'claimed', raw}
 """
+# KEYS: the state. ARGV: the lease in ms. A running claim's lease starts again (a settled one is left alone).
+_RENEW = "if redis.call('GET', KEYS[1]) == 'running' then return redis.call('PEXPIRE', KEYS[1], ARGV[1]) end return 0"
 # KEYS: the reply, its state. ARGV: the TTL in ms. Continued: said so, and the reply kept the TTL again.
 _CONTINUED = """
 redis.call('SET', KEYS[2], 'continued', 'PX', ARGV[1])
@@ -125,9 +136,13 @@ class RedisThreadStore:
 
     async def claim(self, message_id: str, owner: str | None, scope: str | None
                     ) -> tuple[Claim, ThreadReply | None]:
-        found = await self._call(self._redis.eval(
-            _CLAIM, 2, _reply_key(message_id), _state_key(message_id), self._ttl_ms,
-            owner or "", "1" if owner is None else "0", scope or "", "1" if scope is None else "0"))
+        """One script; acknowledged once replicas hold it where the session store waits for replicas."""
+        if "{" in message_id or "}" in message_id:
+            return "not_found", None  # (never an id chatd made; its keys' hash tags would name two cluster slots)
+        key = _reply_key(message_id)
+        found = await self._call(self._sessions.write(key, (
+            "EVAL", _CLAIM, 2, key, _state_key(message_id), int(CLAIM_LEASE_S * 1000),
+            owner or "", "1" if owner is None else "0", scope or "", "1" if scope is None else "0")))
         claim = found[0].decode() if isinstance(found[0], bytes) else found[0]
         return claim, ThreadReply(**json.loads(found[1])) if claim == "claimed" else None
 
@@ -136,7 +151,11 @@ class RedisThreadStore:
         if continued:
             await self._call(self._sessions.write(key, ("EVAL", _CONTINUED, 2, key, state, self._ttl_ms)))
         else:
-            await self._call(self._redis.delete(state))
+            await self._call(self._sessions.write(key, ("DEL", state)))
+
+    async def renew(self, message_id: str) -> None:
+        state = _state_key(message_id)
+        await self._call(self._redis.eval(_RENEW, 1, state, int(CLAIM_LEASE_S * 1000)))
 
     def _call(self, command):
         return self._sessions.beside(command, "thread")

@@ -14,6 +14,10 @@ import httpx2  # (the SDK's own HTTP client package)
 import pytest
 from anthropic import beta_async_tool
 
+import sessions.threads as threads_module
+from sessions import StoreUnavailable
+from sessions.redis_store import RedisSessionStore
+from sessions.threads import RedisThreadStore, ThreadReply
 from tests.test_anthropic_api import GREEDY, MODEL, SYSTEM, served
 
 THREADS_BETA = "message-threads-2026-08-12"
@@ -184,6 +188,12 @@ async def test_a_thread_created_on_one_worker_continues_on_another_and_across_a_
         await ask(second, 1)
     async with served(tiny, redis_url=redis_db.url) as restarted:
         await ask(restarted, 2)
+        async with recording_client(restarted, []) as client:  # an id whose braces would split its keys' slots
+            with pytest.raises(anthropic.NotFoundError) as unknown:
+                await client.beta.messages.create(
+                    model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "Hi"}], betas=[THREADS_BETA],
+                    thread={"type": "continue", "previous_message_id": "}msg_" + replies[-1].id[4:]})
+            assert unknown.value.body["error"]["details"]["error_code"] == "thread_not_found"
     async with served(tiny, session_cache=False) as uncached, recording_client(uncached, []) as reference:
         history = []
         for question, reply in zip(questions, replies, strict=True):
@@ -238,3 +248,48 @@ async def test_a_continue_that_fails_or_is_cut_holds_nothing_and_one_in_flight_i
             await client.beta.messages.create(**{**continuing("Hm."), "thread": {
                 "type": "continue", "previous_message_id": cut_id}})
         assert raised.value.body["error"]["details"]["error_code"] == "thread_not_found", "a cut reply is not held"
+
+
+async def test_a_claim_whose_worker_died_ends_with_its_lease_and_a_running_one_is_renewed(redis_db, monkeypatch):
+    """A continue's claim is leased: one that is renewed (its turn runs) keeps the reply in flight past the lease;
+    one that is not (its worker was killed mid-turn) ends with it, and the reply may be continued again."""
+    monkeypatch.setattr(threads_module, "CLAIM_LEASE_S", 0.4)
+    sessions = RedisSessionStore(redis_db.url, retention_s=60)
+    store = RedisThreadStore(sessions, ttl_s=60)
+    for message_id in ("msg_renewed", "msg_orphaned"):
+        await store.put(ThreadReply(message_id, None, None, "session", 1, 2, MODEL, SYSTEM, None))
+        assert (await store.claim(message_id, None, None))[0] == "claimed"
+    for _ in range(3):
+        await asyncio.sleep(0.2)
+        await store.renew("msg_renewed")
+    assert (await store.claim("msg_renewed", None, None))[0] == "in_flight", "renewed: still running"
+    assert (await store.claim("msg_orphaned", None, None))[0] == "claimed", "its worker died: the lease ended"
+    await sessions.close()
+
+
+async def test_a_streamed_reply_that_cannot_be_held_ends_with_an_error_event(tiny):
+    """The thread's hold fails (its store cannot be reached): the stream ends with Anthropic's `error` event, which
+    the SDK raises, instead of `message_stop` then a broken body; the next create is held as usual."""
+    async with served(tiny) as server, recording_client(server, []) as client:
+        put = server.threads.store.put
+
+        async def unreachable(reply):
+            raise StoreUnavailable("the thread store (Redis) is unreachable")
+
+        server.threads.store.put = unreachable
+        kinds = []
+        with pytest.raises(anthropic.APIStatusError) as failed:
+            async with client.beta.messages.stream(
+                    model=MODEL, max_tokens=6, system=SYSTEM, messages=[{"role": "user", "content": "Hello."}],
+                    thread={"type": "create"}, betas=[THREADS_BETA], extra_body=GREEDY) as stream:
+                async for event in stream:
+                    kinds.append(event.type)
+        assert "message_delta" in kinds and "message_stop" not in kinds, kinds
+        assert "unreachable" in str(failed.value)
+        server.threads.store.put = put
+        held = await client.beta.messages.create(
+            model=MODEL, max_tokens=6, system=SYSTEM, messages=[{"role": "user", "content": "Hello."}],
+            thread={"type": "create"}, betas=[THREADS_BETA], extra_body=GREEDY)
+        assert (await client.beta.messages.create(
+            model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "And then?"}], betas=[THREADS_BETA],
+            thread={"type": "continue", "previous_message_id": held.id}, extra_body=GREEDY)).content

@@ -10,7 +10,9 @@ from cache_store.block_ledger import (
     BlockRemoved,
     BlockStored,
     block_chain,
-    blocks_in_tiers,
+    blocks_of,
+    held_tokens,
+    public_scope,
 )
 from chatd.engine.kv_events import encode
 from sessions import Session
@@ -81,11 +83,14 @@ def test_each_medium_counts_apart_and_a_salted_scope_has_blocks_of_its_own():
     book.held("CPU", "a", tokens)
     book.flush()
     assert [event.medium for event in batches[-1]] == ["GPU", "CPU"]
-    scoped = BlockLedger(BLOCK, lambda events: batches.append(events) or True, scope_of=lambda key: "key#salt:abc")
+    scoped = BlockLedger(BLOCK, lambda events: batches.append(events) or True,
+                         scope_of=lambda key: public_scope("key-abc", "fleet secret"))
     scoped.held("GPU", "a", tokens)
     scoped.flush()
     stored = batches[-1][0]
     assert stored.scope is not None and "abc" not in stored.scope and stored.block_ids != chain(tokens)
+    assert public_scope("key-abc", "another secret") != stored.scope, "the name depends on the fleet's secret"
+    assert public_scope(None, "fleet secret") is None
 
 
 def test_a_lost_batch_is_followed_by_everything_held():
@@ -122,7 +127,8 @@ def test_what_a_running_engine_states_is_what_its_tiers_hold(tiny):
 
 
 def _observe(store, engine, batches):
-    book = BlockLedger(16, lambda events: batches.append(events) or True, store.owner_of)
+    book = BlockLedger(16, lambda events: batches.append(events) or True,
+                       lambda key: public_scope(store.owner_of(key), "secret"))
     store.device.events = store.host.events = book
     engine.ledger = book
     return book
@@ -131,7 +137,7 @@ def _observe(store, engine, batches):
 def _stated_and_held(store, book):
     book.flush()
     stated = {medium: book.blocks(medium) for medium in ("GPU", "CPU")}
-    held = blocks_in_tiers(store, 16)
+    held = blocks_of(held_tokens(store), 16, "secret")
     assert stated == held, (stated, held)
     return stated, held
 
@@ -142,7 +148,9 @@ def test_events_are_encoded_as_vllm_encodes_them_in_both_forms():
     as_map = encode(stored, 16, as_map=True)
     assert as_map == {"type": "BlockStored", "block_hashes": [7, 8], "parent_block_hash": 6,
                       "token_ids": list(range(32)), "block_size": 16, "lora_id": None, "medium": "CPU",
-                      "lora_name": "salt-1", "extra_keys": [["salt-1"], None]}
+                      "lora_name": "salt-1", "extra_keys": None}  # (a run that continues a sequence: no extra keys)
+    first = encode(BlockStored("CPU", [6, 7], None, list(range(32)), "salt-1"), 16, as_map=True)
+    assert first["extra_keys"] == [["salt-1"], None], "the scope on a sequence's first block, as vLLM's cache_salt"
     assert encode(stored, 16, as_map=False) == ["BlockStored", [7, 8], 6, list(range(32)), 16, None, "CPU", "salt-1"]
     assert encode(BlockRemoved("GPU", [7]), 16, as_map=False) == ["BlockRemoved", [7], "GPU"]
     assert encode(AllBlocksCleared(), 16, as_map=True) == {"type": "AllBlocksCleared"}

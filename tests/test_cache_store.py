@@ -527,3 +527,15 @@ def test_a_restore_keeps_its_named_copies_while_room_is_made_for_it():
     assert all(torch.equal(k, k0) and torch.equal(v, v0)
                for (k, v), (k0, v0) in zip(found.entry.tensors(), expected, strict=True))
     assert "b" not in store.host and store.counters["host_evictions"] == 1
+
+
+def test_only_running_turns_and_pinned_prompts_count_as_in_use_as_vllm_counts_blocks():
+    """`device_active_bytes` (what `vllm:kv_cache_usage_perc` reads): a running turn counts at the size it may reach,
+    an idle cached session counts as free room, as vLLM's unreferenced prefix-cache blocks do."""
+    store = make_store()
+    turn = object()
+    assert store.admit("s", turn, 30 * BYTES_PER_TOKEN)
+    assert store.stats()["device_active_bytes"] == 30 * BYTES_PER_TOKEN
+    store.put("s", make_entry(ids(20)))
+    stats = store.stats()
+    assert stats["device_active_bytes"] == 0 < stats["device_bytes"], "an idle cache is free room"

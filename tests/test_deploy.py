@@ -119,3 +119,17 @@ async def test_a_worker_killed_mid_turn_leaves_every_completed_turn_and_no_trace
     stored = await RedisSessionStore(redis_db.url, retention_s=60).get(session_id)
     assert [m.content for m in stored.messages if m.role == "user"] == ["completed 0", "completed 1",
                                                                          "after the crash"]
+
+
+def test_the_image_installs_no_test_tool():
+    """The runtime dependencies (what `pip install .` puts in the image) hold no test or lint tool: those are the
+    `dev` extra's."""
+    text = (ROOT / "pyproject.toml").read_text()
+
+    def names(block: str) -> set[str]:
+        listed = re.search(rf"^{block} = \[(.*?)^\]", text, re.MULTILINE | re.DOTALL).group(1)
+        return {name.lower() for name in re.findall(r'"([A-Za-z0-9_.-]+)', listed)}
+
+    tools = {"kubernetes-validate", "pytest", "playwright", "hypothesis", "ruff", "pyyaml"}
+    assert names("dependencies") and not names("dependencies") & tools, names("dependencies") & tools
+    assert "kubernetes-validate" in names("dev")

@@ -16,14 +16,18 @@ import httpx
 import openai
 import pytest
 
-from cache_store.block_ledger import public_scope
+from cache_store.block_ledger import block_chain, public_scope
+from chatd.api.auth import key_id
 from chatd.api.conversations import salted
+from chatd.api.server import ChatServer
 from chatd.cli.server_process import ServerProcess, free_port
+from chatd.config import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DYNAMO = ROOT / ".venv" / "dynamo" / "bin" / "python"
 BLOCK = 16
 MODEL = "smollm2-135m"
+SECRET = "the fleet's scope secret"
 SYSTEM = ("You are the support desk of a broadband company. Answer in one or two short sentences, be polite, and "
           "ask for the customer's account number before discussing anything specific to their account.")
 
@@ -80,7 +84,7 @@ class Worker:
     def start(cls, *flags: str, events_port: int | None = None, replay_port: int | None = None) -> Worker:
         events_port, replay_port = events_port or free_port(), replay_port or free_port()
         server = ServerProcess(["--model", "smollm2-135m", "--device", "cpu", "--speculation", "off",
-                                "--kv-events-endpoint", f"tcp://*:{events_port}",
+                                "--kv-scope-secret", SECRET, "--kv-events-endpoint", f"tcp://*:{events_port}",
                                 "--kv-events-replay-endpoint", f"tcp://*:{replay_port}", *flags])
         return cls(server, events_port, replay_port, list(flags))
 
@@ -228,7 +232,7 @@ def test_a_salted_conversation_never_matches_an_unsalted_prompt(fleet):
     reply, _, _ = second.chat(messages, cache_salt="tenant-7")
     prompt = second.tokenize([*messages, {"role": "assistant", "content": reply},
                               {"role": "user", "content": "And paracetamol?"}])
-    scope = public_scope(salted(None, "tenant-7"))
+    scope = public_scope(salted(None, "tenant-7"), SECRET)
     assert "tenant-7" not in scope
     salted_score = eventually(lambda: _scored_in(indexer, prompt, scope))
     assert salted_score["gpu"] >= blocks(len(prompt)) - 2 * BLOCK
@@ -238,6 +242,53 @@ def test_a_salted_conversation_never_matches_an_unsalted_prompt(fleet):
 def _scored_in(indexer: Indexer, prompt: list[int], scope: str) -> dict:
     score = indexer.scores(prompt, lora_name=scope).get("2", {})
     assert score.get("gpu", 0) > 0, score
+    return score
+
+
+async def test_one_key_finds_nothing_of_another_keys_prompt_in_the_blocks_or_the_events(fleet, tiny):
+    """Key A's conversation on one worker, key B's identical one on another (each key's blocks carry its own scope,
+    named by a digest seeded by the fleet's secret): key B, which can tokenize a guessed prompt and hash it, finds
+    none of A's block ids; `/kv/blocks` is the operator's (B's key refused, the admin key answered); Dynamo's indexer,
+    reading the events, scores B's prompt in B's scope 0 on A's worker and A's in A's scope on it."""
+    indexer, _ = fleet
+    keys = {"a": "key-tenant-a", "b": "key-tenant-b"}
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    settings = [Settings(port=0, model=MODEL, api_key=list(keys.values()), admin_key="ops-key", kv_scope_secret=SECRET,
+                         kv_events_endpoint=f"tcp://*:{events}", kv_events_replay_endpoint=f"tcp://*:{replay}")
+                for events, replay in ports]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Is there an outage in Leeds?"}]
+    async with ChatServer(settings[0], load=lambda: tiny) as of_a, ChatServer(settings[1], load=lambda: tiny) as of_b:
+        for worker_id, (events, replay) in zip((3, 4), ports, strict=True):
+            indexer.http.post("/register", json={
+                "instance_id": worker_id, "endpoint": f"tcp://127.0.0.1:{events}", "model_name": MODEL,
+                "block_size": BLOCK, "replay_endpoint": f"tcp://127.0.0.1:{replay}"}).raise_for_status()
+        for server, key in ((of_a, "a"), (of_b, "b")):
+            await server.wait_ready()
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=keys[key])
+            await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{of_a.port}") as http:
+            prompt = (await http.post("/tokenize", json={"messages": messages},
+                                      headers={"Authorization": f"Bearer {keys['b']}"})).json()["tokens"]
+            refused = await http.get("/kv/blocks", headers={"Authorization": f"Bearer {keys['b']}"})
+            held = (await http.get("/kv/blocks", headers={"Authorization": "Bearer ops-key"})).json()["blocks"]["GPU"]
+        assert refused.status_code == 401
+        assert held and not set(block_chain(prompt, BLOCK, None)) & set(held), "B cannot compute A's ids"
+        scope_a, scope_b = (public_scope(key_id(keys[key]), SECRET) for key in ("a", "b"))
+        assert set(block_chain(prompt, BLOCK, scope_a)) & set(held), "(the operator, with the secret, can)"
+        try:
+            mine = eventually(lambda: _scored_by(indexer, prompt, scope_a, "3"))
+            assert mine >= blocks(len(prompt)) - BLOCK
+            assert eventually(lambda: _scored_by(indexer, prompt, scope_b, "4")) == mine, "B's on B's worker"
+            assert indexer.scores(prompt, lora_name=scope_b).get("3", {}).get("gpu", 0) == 0, "none of A's for B"
+            assert indexer.scores(prompt).get("3", {}).get("gpu", 0) == 0, "nor for an unscoped query"
+        finally:
+            for worker_id in (3, 4):
+                indexer.unregister(worker_id)
+
+
+def _scored_by(indexer: Indexer, prompt: list[int], scope: str, worker_id: str) -> int:
+    score = indexer.scores(prompt, lora_name=scope).get(worker_id, {}).get("gpu", 0)
+    assert score > 0
     return score
 
 
@@ -254,7 +305,8 @@ def test_vllm_gauges_equal_chatds_own(fleet):
     assert value("vllm:num_requests_running") == value("chatd:num_requests_running")
     assert value("vllm:num_requests_waiting") == value("chatd:num_requests_waiting")
     device = re.search(r'^chatd:kv_cache_usage_perc\{[^}]*tier="device"[^}]*\} (\S+)$', text, re.MULTILINE)
-    assert value("vllm:kv_cache_usage_perc") == float(device.group(1)) > 0
+    # vLLM counts a block used only while a running request references it: idle cached sessions are free room
+    assert value("vllm:kv_cache_usage_perc") == 0 < float(device.group(1)), "idle caches are free, as vLLM's"
     assert value("vllm:prefix_cache_queries_total") == value("chatd:prefix_cache_queries_total") > 0
     assert value("vllm:prefix_cache_hits_total") == value("chatd:prefix_cache_hits_total") > 0
     assert re.search(r'^vllm:cache_config_info\{[^}]*block_size="16"[^}]*\} 1\.0$', text, re.MULTILINE)

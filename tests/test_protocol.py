@@ -6,6 +6,7 @@ import threading
 import urllib.error
 import urllib.request
 
+import httpx
 import pytest
 from websockets.asyncio.client import connect
 
@@ -192,8 +193,13 @@ async def test_healthz_is_503_while_loading_then_200(tiny):
     async with ChatServer(Settings(port=0), load=slow_load) as running:
         base = f"http://127.0.0.1:{running.port}"
         assert await asyncio.to_thread(http_status, base + "/healthz") == 503
-        release.set()
-        await running.wait_ready()
+        async with httpx.AsyncClient(base_url=base) as http:  # (vLLM's routes too: 503, retry shortly; not a 500)
+            for route, body in (("/tokenize", {"prompt": "hello"}), ("/detokenize", {"tokens": [1, 2]})):
+                early = await http.post(route, json=body)
+                assert early.status_code == 503 and early.headers["retry-after"], (route, early.text)
+            release.set()
+            await running.wait_ready()
+            assert (await http.post("/tokenize", json={"prompt": "hello"})).json()["count"] > 0
         assert await asyncio.to_thread(http_status, base + "/healthz") == 200
         assert await asyncio.to_thread(http_status, base + "/elsewhere") == 404
 

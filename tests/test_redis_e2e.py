@@ -1,7 +1,9 @@
 """chatd with its sessions in a real redis-server: restarts and outages lose no completed turn."""
 
 import asyncio
+import re
 
+import httpx
 from redis import Redis
 from websockets.asyncio.client import connect
 
@@ -48,15 +50,23 @@ async def test_a_conversation_survives_a_restart_and_continues_exactly(tiny, red
 
 
 async def test_chatting_through_a_redis_outage_loses_no_turn(tiny, redis_server):
-    async with ChatServer(Settings(port=0, redis_url=redis_server.url), load=lambda: tiny) as server:
+    """Through an outage the worker stays ready (it serves the sessions it holds and queues their writes; one shared
+    Redis blinking must not empty the whole pool), and says where Redis stands in its metrics."""
+    async with ChatServer(Settings(port=0, redis_url=redis_server.url), load=lambda: tiny) as server, \
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as http:
         await server.wait_ready()
         async with ChatClient(await connect(server.url)) as client:
             session_id = (await client.open_session()).session_id
             await (await client.chat(session_id, "turn 1", max_new_tokens=4)).result()
+            assert _gauge(await http.get("/metrics"), "chatd:redis_reachable") == 1.0
             redis_server.stop()
             for index in (2, 3):
                 done = await (await client.chat(session_id, f"turn {index}", max_new_tokens=4)).result()
                 assert done.cache.source == "device"
+            assert (await http.get("/readyz")).status_code == 200, "ready through the outage"
+            metrics = await http.get("/metrics")
+            assert _gauge(metrics, "chatd:redis_reachable") == 0.0 and \
+                _gauge(metrics, "chatd:redis_pending_writes") >= 2
             for attempt in ({"session_id": None}, {"session_id": "unknown-to-this-worker"}):
                 try:
                     await client.open_session(**attempt)
@@ -70,6 +80,7 @@ async def test_chatting_through_a_redis_outage_loses_no_turn(tiny, redis_server)
                 await asyncio.sleep(0.1)
             done = await (await client.chat(session_id, "turn 4", max_new_tokens=4)).result()
             assert done.cache.source == "device"
+            assert _gauge(await http.get("/metrics"), "chatd:redis_reachable") == 1.0
     stored = await RedisSessionStore(redis_server.url, retention_s=60).get(session_id)
     assert [m.content for m in stored.messages if m.role == "user"] == ["turn 1", "turn 2", "turn 3", "turn 4"]
     assert stored.version == 4
@@ -137,3 +148,37 @@ async def test_a_turn_of_a_made_up_session_is_unknown_and_leaves_no_key(tiny, re
         redis = Redis.from_url(redis_server.url)
         assert redis.keys("*made-up-session-id*") == []
         redis.close()
+
+
+def _gauge(metrics: httpx.Response, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", metrics.text, re.MULTILINE)
+    assert match, name
+    return float(match.group(1))
+
+
+async def test_shutdown_saves_queued_turns_before_the_engine_stops(tiny, redis_server):
+    """Turns recorded through an outage are queued; at shutdown they are written before the engine stops (whose stop
+    may wait on Redis for the KV caches and on the KV events), so a grace period that runs out costs no turn."""
+    order = []
+    async with ChatServer(Settings(port=0, redis_url=redis_server.url), load=lambda: tiny) as server:
+        await server.wait_ready()
+        async with ChatClient(await connect(server.url)) as client:
+            session_id = (await client.open_session()).session_id
+            redis_server.stop()
+            await (await client.chat(session_id, "queued through the outage", max_new_tokens=4)).result()
+            assert server.sessions.pending_writes == 1
+            redis_server.start()
+        flush, stop = server.sessions.flush, server.engine.stop
+
+        async def flush_first() -> None:
+            order.append("conversations")
+            await flush()
+
+        def stop_then() -> None:
+            order.append("engine")
+            stop()
+
+        server.sessions.flush, server.engine.stop = flush_first, stop_then
+    assert order == ["conversations", "engine"]
+    stored = await RedisSessionStore(redis_server.url, retention_s=60).get(session_id)
+    assert stored.version == 1

@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 import redis.asyncio as redis
 import torch
+from redis import Redis
 from transformers import DynamicCache
 from websockets.asyncio.client import connect
 
@@ -25,6 +26,8 @@ from chatd.cli.client import ChatClient
 from chatd.config import Settings
 from chatd.engine.turn import TurnResult
 from sessions import Session
+from sessions.redis_store import RedisSessionStore
+from tests.redis_server import RedisServer
 from tests.support import kv_budget_mb, run_turn, running_engine, two_workers_and_a_reference
 
 QUESTIONS = ["My parcel is late.", "It was sent on Monday.", "Where is it now?"]
@@ -432,3 +435,30 @@ def test_a_fetch_that_meets_a_full_arena_waits_for_room_and_keeps_the_copy_in_re
         assert worker_b.failures["lookup"] == 0
         assert done.token_ids == expected.token_ids
         assert done.cache_source == "remote" and done.cached_tokens > 64, "Redis's copy, not the segment alone"
+
+
+async def test_a_redis_full_of_caches_evicts_caches_and_keeps_every_session(tiny, tmp_path):
+    """Redis as compose and the manifests run it: a `maxmemory` with `volatile-ttl`, so that what expires soonest
+    goes first (a cache, kept an hour, before a session, kept a week). Filled past its limit by conversations'
+    caches, it evicts caches, and every session is still there, with every turn."""
+    server = RedisServer(tmp_path, "--maxmemory", "16mb", "--maxmemory-policy", "volatile-ttl")
+    server.start()
+    try:
+        async with ChatServer(Settings(port=0, redis_url=server.url, remote_kv=True, max_sessions_per_connection=64),
+                              load=lambda: tiny) as chat:
+            await chat.wait_ready()
+            async with ChatClient(await connect(chat.url)) as client:
+                sessions = []
+                for index in range(30):  # each about 450 tokens: 450 KB of keys and values in Redis
+                    session_id = (await client.open_session(system=f"Customer {index}.")).session_id
+                    long = f"Order {index}: " + " ".join(f"parcel {n} is late;" for n in range(70))
+                    await (await client.chat(session_id, long, max_new_tokens=4)).result()
+                    assert chat.engine.wait_shared(session_id, 10)
+                    sessions.append(session_id)
+        assert Redis.from_url(server.url).info("stats")["evicted_keys"] > 0, "Redis was filled past its limit"
+        store = RedisSessionStore(server.url, retention_s=60)
+        kept = [await store.get(session_id) for session_id in sessions]
+        assert all(session is not None and session.version == 1 for session in kept), "every session is kept"
+        await store.close()
+    finally:
+        server.stop()

@@ -15,7 +15,7 @@ from chatd.engine.drafts import (
     Speculator,
 )
 from chatd.engine.grammar import GrammarSpec
-from chatd.engine.step_cost import StepCost
+from chatd.engine.step_cost import DRAFT_SAMPLES, PROBE_EVERY, StepCost
 from sessions import Session
 from tests.support import run_together, run_turn, running_engine
 
@@ -243,3 +243,23 @@ def test_each_batch_size_measures_what_a_draft_token_adds_to_its_steps():
     row = speculator.start([1, 2, 3, 4, 9, 1, 2, 3])
     assert speculator.propose(row, "", [], 10, needed=cost.break_even(16)) == [], "even a certain draft"
     assert speculator.propose(row, "", [], 10, needed=cost.break_even(1)) == [4, 9, 1, 2, 3]
+
+
+def test_one_stall_never_turns_drafts_off_for_good():
+    """At sixteen rows, where a draft token adds 1 ms to a 100 ms step, one 50 ms stall in a step with drafts leaves
+    drafting on (the median of the latest measurements ignores it); where drafts truly stop paying, one step in
+    PROBE_EVERY drafts anyway, and once those probes measure drafts cheap again, they pay again."""
+    cost = StepCost()
+    for _ in range(5):
+        cost.record(16, 0.100, batch=16)
+        cost.record(20, 0.104, batch=16, drafted=4)
+    assert abs(cost.break_even(16) - 0.16) < 1e-9
+    cost.record(20, 0.104 + 0.050, batch=16, drafted=4)  # the stall
+    assert abs(cost.break_even(16) - 0.16) < 1e-9, "one stall does not move it"
+    for _ in range(DRAFT_SAMPLES):
+        cost.record(20, 0.140, batch=16, drafted=4)  # now 10 ms a draft token: a draft cannot pay
+    needed = [cost.break_even(16) for _ in range(PROBE_EVERY)]
+    assert min(needed[:-1]) > 1 and needed[-1] == 0.0 and cost.probes == 1, "a probe every PROBE_EVERY steps"
+    for _ in range(DRAFT_SAMPLES // 2 + 1):  # what the probes measure: drafts are cheap again
+        cost.record(20, 0.104, batch=16, drafted=4)
+    assert abs(cost.break_even(16) - 0.16) < 1e-9

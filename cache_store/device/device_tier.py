@@ -162,6 +162,12 @@ class DeviceTier:
     def used_bytes(self) -> int:
         return sum(self.charge(key) for key in {*self._entries, *self._reserved})
 
+    def active_bytes(self) -> int:
+        """What no eviction can free now, as vLLM counts a block in use (one a running request references): running
+        turns' caches at the size they may reach, and pinned prompts. An idle cache is free room that holds a
+        cache until it is needed."""
+        return sum(self.charge(key) for key in {*self._reserved, *self._pinned})
+
     def reserved_bytes(self) -> int:
         """What running turns count for beyond the caches they hold now."""
         return self.used_bytes() - sum(entry.nbytes() for entry in self._entries.values())

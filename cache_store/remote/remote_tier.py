@@ -25,6 +25,7 @@ from typing import Literal, NamedTuple, TypeVar
 import xxhash
 from cachetools import LRUCache
 from redis.cluster import RedisCluster
+from redis.exceptions import ResponseError
 
 from cache_store.remote.cost_model import Throughput
 from cache_store.remote.remote_format import (
@@ -138,6 +139,8 @@ class RemoteTier:
         except UNREACHABLE:
             self._failed()
             log.warning("remote KV tier: Redis unreachable at start; turns recompute until it answers")
+        except ResponseError as error:  # (a Redis at its maxmemory with nothing to evict: the worker starts anyway)
+            log.warning("remote KV tier: Redis refused the start-up probe (%s); its throughput is not measured", error)
 
     @property
     def reachable(self) -> bool:

@@ -5,11 +5,12 @@ must be equal once the events are delivered."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from cache_store.block_ledger import blocks_in_tiers
+from cache_store.block_ledger import blocks_of, held_tokens
 from chatd.api.admission import Admission
 from chatd.api.http_errors import ApiError
 from chatd.config import Settings
@@ -33,13 +34,28 @@ class KVBlocksApi:
         self.router.add_api_route("/kv/blocks", self.blocks, methods=["GET"], response_model=KVBlocksResponse)
 
     async def blocks(self, request: Request) -> KVBlocksResponse:
-        self.admission.authenticate(request)
+        """The operator's alone (`--admin-key`; without one, only a server without API keys answers): every tenant's
+        blocks are here. The engine thread only copies what the tiers hold; the blocks are hashed in a thread."""
+        self._operator(request)
         if self.settings.kv_events_endpoint is None:
             raise ApiError(404, "this worker publishes no KV events; start it with --kv-events-endpoint",
                            code="not_found")
-        size = self.settings.kv_block_size
+        size, secret = self.settings.kv_block_size, self.settings.kv_scope_secret.get_secret_value()
         try:
-            held = await asyncio.wrap_future(self.engine.call(lambda store: blocks_in_tiers(store, size)))
+            held = await asyncio.wrap_future(self.engine.call(held_tokens))
         except EngineUnavailable as error:
             raise ApiError(503, str(error), code="unavailable") from None
-        return KVBlocksResponse(block_size=size, blocks={medium: sorted(ids) for medium, ids in held.items()})
+        blocks = await asyncio.to_thread(blocks_of, held, size, secret)
+        return KVBlocksResponse(block_size=size, blocks={medium: sorted(ids) for medium, ids in blocks.items()})
+
+    def _operator(self, request: Request) -> None:
+        """A 401 unless the request carries the admin key (or, without one, the server has no API keys)."""
+        admin = self.settings.admin_key
+        if admin is None:
+            if self.admission.keys.required:
+                raise ApiError(401, "/kv/blocks is the operator's: start the server with --admin-key and send it",
+                               code="unauthorized")
+            return
+        sent = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(sent.encode(), admin.get_secret_value().encode()):
+            raise ApiError(401, "/kv/blocks takes the admin key (--admin-key)", code="unauthorized")

@@ -173,6 +173,9 @@ class ChatServer:
         self._uvicorn.should_exit = True
         await self._ticker
         await self._uvicorn.shutdown(sockets=[self._socket])  # closes every connection, websockets included
+        # The conversations' queued writes first: the engine's stop may wait on Redis for the KV caches (up to 30 s)
+        # and on the KV events (10 s), and a grace period that runs out must not cost a completed turn.
+        await self.sessions.flush()
         await asyncio.to_thread(self.engine.stop)
         await self.sessions.close()
 
@@ -311,13 +314,16 @@ class ChatServer:
         return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE, "loading\n")
 
     async def _readyz(self) -> Response:
-        """Ready for turns: the model loaded, the engine up, and the session store answering (a worker that cannot
-        reach Redis leaves the load balancer's pool until it can)."""
+        """Ready for turns: the model loaded and the engine up. A Redis outage does not take a worker out of the
+        pool: it keeps serving the sessions it holds and queues their writes (one shared Redis blinking would
+        otherwise empty the whole Service at once); `chatd:redis_reachable` and `/v1/stats` say where Redis stands.
+        Only with durable writes (--redis-wait-replicas), which cannot be queued, is an unreachable Redis not ready."""
         health = await self._healthz()
         if health.status_code != http.HTTPStatus.OK:
             return health
-        if not await self.sessions.reachable():
-            return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE, "the session store (Redis) is unreachable\n")
+        if self.sessions.durable and not await self.sessions.reachable():
+            return text_response(http.HTTPStatus.SERVICE_UNAVAILABLE, "the session store (Redis) is unreachable and "
+                                                                      "turns are durable\n")
         return text_response(http.HTTPStatus.OK, "ready\n")
 
     async def _metrics(self) -> Response:

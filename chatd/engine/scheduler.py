@@ -231,6 +231,7 @@ class Engine(CacheCommands):
         stats = {"kv_block_size": self.settings.kv_block_size}
         if self.kv_events is not None:
             stats.update(kv_event_batches_sent=self.kv_events.batches_sent,
+                         kv_event_sender_failures=self.kv_events.sender_failures,
                          kv_event_batches_dropped=self.kv_events.batches_dropped)
         return stats
 

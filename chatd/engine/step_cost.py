@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import statistics
+from collections import Counter, deque
+
 MIN_STEPS = 16  # steps measured before the fit is trusted (until then every draft is tried: that is how it is measured)
-RECENT = 0.1  # the weight of a step in its batch size's running figures
+RECENT = 0.1  # the weight of a step in its batch size's running figure of steps without drafts
+DRAFT_SAMPLES = 9  # what a draft token added to a batch size's steps: the median of its latest measurements
+PROBE_EVERY = 64  # steps at a batch size where drafts do not pay, after which one step drafts again to re-measure
 
 
 class StepCost:
@@ -20,14 +25,20 @@ class StepCost:
     another, slower path than one where every row feeds one, whatever the count. So each batch size also keeps its
     own figures, measured on the machine it runs on: the time of its steps without drafts, and what each draft
     token added to its steps with them (`record` with `batch`). Where both are known, they decide: a draft token
-    costs c and a step without drafts t, and a draft pays when its acceptance is above c * B / t (above 1: never)."""
+    costs c and a step without drafts t, and a draft pays when its acceptance is above c * B / t (above 1: never).
+
+    A stall (another process, a page fault, a collection) must not turn drafts off for good: c is the median of the
+    latest measurements, so one slow step does not move it, and where drafts do not pay, one step in PROBE_EVERY
+    drafts anyway, so that c is measured again and a machine that got faster is seen."""
 
     def __init__(self, decay: float = 0.99):
         self._decay = decay
         self._steps = 0
         self._weight = self._tokens = self._squares = self._seconds = self._products = 0.0
         self._plain: dict[int, float] = {}  # batch size -> seconds of its steps without drafts (recent)
-        self._per_draft: dict[int, float] = {}  # batch size -> seconds each draft token added to its steps (recent)
+        self._per_draft: dict[int, deque[float]] = {}  # batch size -> seconds each draft token added (latest)
+        self._unprobed: Counter[int] = Counter()  # batch size -> steps since its drafts were last measured
+        self.probes = 0  # steps that drafted to re-measure where drafts did not pay
 
     def record(self, tokens: int, seconds: float, batch: int | None = None, drafted: int = 0) -> None:
         """A step of `tokens` packed tokens took `seconds`; with `batch` (a step of decoding rows only), that many
@@ -57,7 +68,15 @@ class StepCost:
         """The acceptance rate above which drafting pays in a step of `batch` rows: from this batch size's own
         figures where it has them (above 1 where no draft can pay), else from the line (0 before it is measured)."""
         if batch in self._per_draft:
-            return self._per_draft[batch] * batch / self._plain[batch]
+            needed = statistics.median(self._per_draft[batch]) * batch / self._plain[batch]
+            if needed < 1:
+                return needed
+            self._unprobed[batch] += 1
+            if self._unprobed[batch] < PROBE_EVERY:
+                return needed
+            self._unprobed[batch] = 0
+            self.probes += 1
+            return 0.0  # (a probe: this step's drafts measure what a draft token adds now)
         fitted = self.fit()
         if fitted is None:
             return 0.0
@@ -71,5 +90,4 @@ class StepCost:
             self._plain[batch] = seconds if plain is None else (1 - RECENT) * plain + RECENT * seconds
         elif batch in self._plain:
             added = max(0.0, seconds - self._plain[batch]) / drafted
-            per_draft = self._per_draft.get(batch)
-            self._per_draft[batch] = added if per_draft is None else (1 - RECENT) * per_draft + RECENT * added
+            self._per_draft.setdefault(batch, deque(maxlen=DRAFT_SAMPLES)).append(added)

@@ -9,7 +9,7 @@ import logging
 import torch
 
 from cache_store import CacheEntry, CacheLayout, CacheStore, KVGeometry, Offloader, kv_bytes_per_token
-from cache_store.block_ledger import BlockLedger
+from cache_store.block_ledger import BlockLedger, public_scope
 from cache_store.checks.stage_faults import FaultPoints
 from cache_store.device.arena import KVArena
 from cache_store.device.entry import holding
@@ -60,8 +60,9 @@ def publish_kv_events(store: CacheStore, settings: Settings) -> tuple[KVEventPub
         return None
     publisher = KVEventPublisher(settings.kv_events_endpoint, settings.kv_events_topic or default_topic(settings.model),
                                  settings.kv_block_size, settings.kv_events_format == "map",
-                                 settings.kv_events_replay_endpoint)
-    ledger = BlockLedger(settings.kv_block_size, publisher.send, store.owner_of)
+                                 settings.kv_events_replay_endpoint, bind_all=settings.kv_events_bind_all)
+    secret = settings.kv_scope_secret.get_secret_value()
+    ledger = BlockLedger(settings.kv_block_size, publisher.send, lambda key: public_scope(store.owner_of(key), secret))
     store.device.events = store.host.events = ledger
     return publisher, ledger
 

@@ -250,14 +250,16 @@ class _LiveCollector(Collector):
 def _vllm_families(live: LiveState, prefix_cache: list[int], name: list[str], label: list[str]):
     """The gauges and counters KV-aware routers and benchmarks read, under vLLM's names (llm-d's endpoint picker
     scrapes the first four): each equal to chatd's own."""
-    used, budget = live.tier_bytes("device")
+    budget = live.tier_bytes("device")[1]
     singles = [
         (GaugeMetricFamily, "vllm:num_requests_running", "Turns prefilling or decoding (chatd's "
          "num_requests_running).", live.running),
         (GaugeMetricFamily, "vllm:num_requests_waiting", "Turns waiting for the engine (chatd's "
          "num_requests_waiting).", live.waiting),
-        (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Share of the device tier's budget in use (0-1; chatd's "
-         "kv_cache_usage_perc{tier=\"device\"}).", used / budget if budget else 0.0),
+        (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Share of the device tier's budget that no eviction can "
+         "free, as vLLM counts it (0-1): running turns' caches and pinned prompts; idle cached sessions count as "
+         "free, as vLLM's unreferenced prefix-cache blocks do (chatd's kv_cache_usage_perc counts them used).",
+         live.cache.get("device_active_bytes", 0) / budget if budget else 0.0),
         (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the caches.", prefix_cache[0]),
         (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in a cache.", prefix_cache[1]),
     ]
@@ -276,6 +278,10 @@ def _kv_event_families(live: LiveState, name: list[str], label: list[str]):
     batches.add_metric([*name, "sent"], live.cache.get("kv_event_batches_sent", 0))
     batches.add_metric([*name, "dropped"], live.cache.get("kv_event_batches_dropped", 0))
     yield batches
+    failures = CounterMetricFamily("chatd:kv_event_sender_failures", "Times the KV event sender failed and was "
+                                   "started again (its next batch carries the full state).", labels=label)
+    failures.add_metric(name, live.cache.get("kv_event_sender_failures", 0))
+    yield failures
 
 
 def _redis_families(live: LiveState, name: list[str], label: list[str]):
@@ -302,7 +308,15 @@ def _redis_families(live: LiveState, name: list[str], label: list[str]):
                                   "that Redis refused once back, because another worker moved the session on: the "
                                   "session is read again from Redis.", labels=label)
     refused.add_metric(name, redis.get("queued_turns_refused", 0))
-    return nodes, errors, retries, slot_map, refused
+    reachable = GaugeMetricFamily("chatd:redis_reachable", "1 while the session store's Redis answers (its last call "
+                                  "did and no write waits for it), 0 through an outage, when turns are recorded here "
+                                  "and queued (readiness does not depend on it).", labels=label)
+    pending = GaugeMetricFamily("chatd:redis_pending_writes", "Session writes queued in this worker until Redis "
+                                "answers again.", labels=label)
+    if redis.get("mode"):
+        reachable.add_metric(name, float(redis.get("reachable", True)))
+        pending.add_metric(name, redis.get("pending_writes", 0))
+    return nodes, errors, retries, slot_map, refused, reachable, pending
 
 
 def _single(family: type, metric: str, help_text: str, name: list[str], label: list[str], value: float):

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import websockets.sync.client
 import yaml
 from websockets.asyncio.client import connect
 
@@ -214,6 +215,21 @@ def requests_served(port: int, api: str) -> float:
         rf'^chatd:api_requests_total{{api="{api}"[^}}]*}} (\S+)$', text, re.MULTILINE))
 
 
+def pages_through_nginx(ports: dict[str, int]) -> None:
+    """What the README promises a browser: the chat UI at `/`, the dashboard at `/dashboard`, and the script the page
+    loads from its own path, each through nginx from the image's pages."""
+    base = f"http://127.0.0.1:{ports['nginx']}"
+    page = httpx.get(base + "/", timeout=10)
+    scripts = re.findall(r'<script src="([^"]+)"', page.text)
+    if page.status_code != 200 or not scripts:
+        raise SystemExit(f"/ answered {page.status_code} without the chat UI's script")
+    for path in ["/dashboard", *scripts]:
+        answer = httpx.get(base + path, timeout=10)
+        print(f"   {path}: {answer.status_code}, {len(answer.content)} bytes")
+        if answer.status_code != 200 or not answer.content:
+            raise SystemExit(f"{path} answered {answer.status_code} through nginx")
+
+
 def openai_across_both_workers(ports: dict[str, int]) -> None:
     """A stateless conversation through nginx (balanced by load): each later turn reads its history from a cache,
     and both workers served some of its turns (the other's cache reached through Redis)."""
@@ -280,8 +296,9 @@ def prometheus_scrapes_both(ports: dict[str, int]) -> None:
 
 
 def down_drains_a_stream(engine: Dockerd, ports: dict[str, int]) -> None:
-    """A long streamed reply through nginx; `docker-compose down` while it runs: it still ends with its finish
-    reason and `[DONE]` (nginx quits gracefully, the worker finishes its turn), then everything is down."""
+    """A long streamed reply through nginx, and an idle chat tab's websocket; `docker-compose down` while they are
+    open: the stream still ends with its finish reason and `[DONE]` (nginx quits gracefully, the worker finishes its
+    turn), the websocket is closed by its worker, and everything is down well within nginx's 75 s grace period."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
             "max_tokens": 160, "temperature": 0, "stream": True}
     first, outcome = threading.Event(), {}
@@ -302,14 +319,19 @@ def down_drains_a_stream(engine: Dockerd, ports: dict[str, int]) -> None:
 
     reader = threading.Thread(target=stream)
     reader.start()
+    tab = websockets.sync.client.connect(f"ws://127.0.0.1:{ports['nginx']}/ws")  # a chat tab left open, idle
     if not first.wait(120):
         raise SystemExit("the stream did not start")
     started = time.monotonic()
     compose(engine, "down", timeout=300, quiet=True)
+    took = time.monotonic() - started
     reader.join(60)
-    print(f"   down took {time.monotonic() - started:.1f} s; the stream: {outcome}")
+    tab.close()
+    print(f"   down took {took:.1f} s; the stream: {outcome}")
     if not outcome.get("done") or outcome.get("finish") not in ("length", "stop"):
         raise SystemExit(f"docker-compose down cut the stream: {outcome}")
+    if took > 60:
+        raise SystemExit(f"docker-compose down took {took:.0f} s: an idle websocket held nginx")
 
 
 def main() -> None:
@@ -343,6 +365,8 @@ def main() -> None:
                 wait_ready(f"http://127.0.0.1:{ports[worker]}/readyz")
             wait_ready(f"http://127.0.0.1:{ports['nginx']}/readyz")
             only_host_networks(engine)
+        with step("the chat UI, its script and the dashboard through nginx"):
+            pages_through_nginx(ports)
         with step("OpenAI through nginx: one conversation across both workers, from its cache"):
             openai_across_both_workers(ports)
         with step("websocket through nginx: its worker docker-restarted between turns, nothing lost"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Request
@@ -217,7 +217,8 @@ class _Reply:
         `content_block_stop`), one block per call (its `input_json_delta`s), `message_delta` with the stop reason
         and the usage, `message_stop`. Text from where the model opens a call on is held back and sent as calls
         once the reply is read. A client that goes away cancels the turn. With `settle` (a thread), the reply is
-        held once `message_stop` is out, and a stream cut before it holds nothing (`settle(None)`)."""
+        held before `message_stop` (one that cannot be held ends the stream with an `error` event instead), and a
+        stream cut before it holds nothing (`settle(None)`)."""
         event, prose = first, setup.prose_stream()
         read = started.turn.prompt_read
         usage = self.result_usage(event) if isinstance(event, TurnResult) else \
@@ -248,26 +249,36 @@ class _Reply:
                 yield _text_delta(rest)
             if text_open:
                 yield _sse("content_block_stop", {"type": "content_block_stop", "index": 0})
-            for index, call in enumerate(calls, start=int(text_open)):
-                yield _sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": {
-                    "type": "tool_use", "id": call.id, "name": call.name, "input": {}}})
-                arguments = json.dumps(_input(call), ensure_ascii=False)
-                for start in range(0, len(arguments), ARGUMENTS_FRAGMENT):
-                    yield _sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": arguments[start:start + ARGUMENTS_FRAGMENT]}})
-                yield _sse("content_block_stop", {"type": "content_block_stop", "index": index})
+            for block in _tool_use_blocks(calls, first_index=int(text_open)):
+                yield block
             yield _sse("message_delta", {"type": "message_delta", "delta": {
                 "stop_reason": _stop_reason(event, calls), "stop_sequence": event.stop_sequence},
                 "usage": self.result_usage(event).model_dump()})
-            yield _sse("message_stop", {"type": "message_stop"})
-            if settle is not None:
-                await settle(event)
+            if settle is not None:  # held before `message_stop`, shielded: a client leaving cannot cut it halfway
                 held = True
+                try:
+                    await asyncio.shield(settle(event))
+                except ApiError as error:  # (Redis could not hold it: the SDK sees an error, not a broken stream)
+                    yield _sse("error", anthropic_body(error).model_dump(exclude_none=True))
+                    return
+            yield _sse("message_stop", {"type": "message_stop"})
         finally:
             if isinstance(event, str):  # the client left mid-stream
                 started.turn.cancel()
             if settle is not None and not held:  # (shielded: a client that left cancels this task)
                 await asyncio.shield(settle(None))
+
+
+def _tool_use_blocks(calls: list[ToolCall], first_index: int) -> Iterator[str]:
+    """One `tool_use` block per call: its start, its arguments as `input_json_delta` fragments, its stop."""
+    for index, call in enumerate(calls, start=first_index):
+        yield _sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": {
+            "type": "tool_use", "id": call.id, "name": call.name, "input": {}}})
+        arguments = json.dumps(_input(call), ensure_ascii=False)
+        for start in range(0, len(arguments), ARGUMENTS_FRAGMENT):
+            yield _sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                "type": "input_json_delta", "partial_json": arguments[start:start + ARGUMENTS_FRAGMENT]}})
+        yield _sse("content_block_stop", {"type": "content_block_stop", "index": index})
 
 
 def _sse(name: str, data: dict) -> str:

@@ -13,6 +13,7 @@ SDK retries.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from dataclasses import dataclass
 
@@ -21,8 +22,8 @@ from chatd.api.conversations import Conversations
 from chatd.api.http_errors import ApiError
 from chatd.api.tool_calling import ToolSetup
 from chatd.engine.turn import TurnResult
-from sessions import Message, Session
-from sessions.threads import ThreadReply, ThreadStore
+from sessions import Message, Session, StoreUnavailable
+from sessions.threads import CLAIM_LEASE_S, ThreadReply, ThreadStore
 
 
 def thread_error(status: int, error_code: str, message: str, **details: object) -> ApiError:
@@ -46,6 +47,7 @@ class Threads:
     def __init__(self, store: ThreadStore, conversations: Conversations):
         self.store, self.conversations = store, conversations
         self.counts: Counter[str] = Counter()  # created, continued, not_found
+        self._renewals: dict[str, asyncio.Task] = {}  # a claimed reply's id -> the task renewing its claim
 
     @staticmethod
     def refuse_unsupported(body: MessagesRequest) -> None:
@@ -71,6 +73,7 @@ class Threads:
         if previous is None:
             self.counts["not_found"] += 1
             raise self._not_found(message_id)
+        self._renewals[message_id] = asyncio.create_task(self._renew(message_id))
         try:
             changed = [name for name, sent, held in (("system", body.system_text(), previous.system),
                                                      ("tools", body.tool_definitions(), previous.tools))
@@ -84,9 +87,20 @@ class Threads:
                 self.counts["not_found"] += 1
                 raise self._not_found(previous.message_id)
         except BaseException:
-            await self.store.settle(previous.message_id, continued=False)
+            await self.release(previous)
             raise
         return Continuation(previous, session, session.messages[:previous.messages])
+
+    async def _renew(self, message_id: str) -> None:
+        """Renew a claim while its turn runs (a Redis that cannot be reached: the next try, or the lease ends)."""
+        while True:
+            await asyncio.sleep(CLAIM_LEASE_S / 3)
+            with contextlib.suppress(StoreUnavailable):
+                await self.store.renew(message_id)
+
+    def _claim_ended(self, message_id: str) -> None:
+        if (renewal := self._renewals.pop(message_id, None)) is not None:
+            renewal.cancel()
 
     @staticmethod
     def thread_body(body: MessagesRequest, continuation: Continuation) -> MessagesRequest:
@@ -110,17 +124,25 @@ class Threads:
             return
         reply = ThreadReply(message_id, owner, scope, session.session_id, session.version, len(session.messages),
                             body.model, body.system_text(), body.tool_definitions())
-        if continued is not None:  # (two replies, two Redis slots: written side by side)
-            await asyncio.gather(self.store.put(reply), self.store.settle(continued.message_id, continued=True))
+        try:
+            await self.store.put(reply)
+        except StoreUnavailable:
+            await self.release(continued)  # (not held: the reply it continued stays continuable)
+            raise
+        if continued is not None:  # (held first: never a reply marked continued whose successor is not held)
+            self._claim_ended(continued.message_id)
+            await self.store.settle(continued.message_id, continued=True)
             self.counts["continued"] += 1
         else:
-            await self.store.put(reply)
             self.counts["created"] += 1
 
     async def release(self, continued: ThreadReply | None) -> None:
-        """A continue that holds nothing (failed, cut): the reply it continued may be continued again."""
+        """A continue that holds nothing (failed, cut): the reply it continued may be continued again. A Redis that
+        cannot be reached now is not the caller's error: the claim's lease then ends on its own."""
         if continued is not None:
-            await self.store.settle(continued.message_id, continued=False)
+            self._claim_ended(continued.message_id)
+            with contextlib.suppress(StoreUnavailable):
+                await self.store.settle(continued.message_id, continued=False)
 
     @staticmethod
     def _not_found(message_id: str) -> ApiError:

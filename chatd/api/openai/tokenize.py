@@ -3,6 +3,8 @@ as a turn renders it, so that the blocks it looks up are the blocks a worker pub
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -10,6 +12,7 @@ from chatd.api.admission import Admission
 from chatd.api.conversations import Conversations
 from chatd.api.http_errors import ApiError, refusals
 from chatd.api.openai.chat_schema import ChatCompletionRequest, ChatMessageIn, ToolDefinition
+from chatd.model.loader import LoadedModel
 
 
 class TokenizeRequest(BaseModel):
@@ -56,24 +59,34 @@ class TokenizeApi:
         self.router.add_api_route("/detokenize", self.detokenize, methods=["POST"], response_model=DetokenizeResponse)
 
     async def tokenize(self, request: Request, body: TokenizeRequest) -> TokenizeResponse:
+        """Tokenized in a thread: a prompt of megabytes must not stall the event loop (and every stream on it)."""
         self.admission.authenticate(request)
-        loaded = self.conversations.engine.loaded
+        loaded = self._loaded()
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "send either prompt (text) or messages (a chat request)", param="messages",
                            code="bad_request")
         if body.prompt is not None:
-            tokens = loaded.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await asyncio.to_thread(loaded.tokenizer.encode, body.prompt,
+                                             add_special_tokens=body.add_special_tokens)
         else:
             chat = ChatCompletionRequest(model=body.model or "", messages=body.messages, tools=body.tools)
             with refusals():
                 setup = chat.tool_setup(self.conversations.tool_format())
             system, history, content = chat.conversation()
-            tokens = self.conversations.render(system, history, content, setup, body.add_generation_prompt)
+            tokens = await asyncio.to_thread(self.conversations.render, system, history, content, setup,
+                                             body.add_generation_prompt)
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=loaded.max_context)
 
     async def detokenize(self, request: Request, body: DetokenizeRequest) -> DetokenizeResponse:
         self.admission.authenticate(request)
-        tokenizer = self.conversations.engine.loaded.tokenizer
+        tokenizer = self._loaded().tokenizer
         if any(token < 0 or token >= len(tokenizer) for token in body.tokens):
             raise ApiError(400, f"token ids are 0 to {len(tokenizer) - 1}", param="tokens", code="bad_request")
-        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
+
+    def _loaded(self) -> LoadedModel:
+        """The served model; a 503 (retry shortly) while it loads."""
+        loaded = self.conversations.engine.loaded
+        if loaded is None:
+            raise ApiError(503, "the model is still loading; retry shortly", code="unavailable", retry_after_s=1.0)
+        return loaded
