@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from chatd.api.constants import FUNCTION_NAME
-from chatd.api.openai.prompt_cache import PromptCacheBreakpoint, PromptCacheOptions, keep_for_s
+from chatd.api.openai.prompt_cache import PromptCacheBreakpoint, PromptCacheControls
 from chatd.api.openai.request_body import RequestBody
 from chatd.api.tool_calling import (
     Function,
@@ -146,7 +146,7 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class ChatCompletionRequest(RequestBody):
+class ChatCompletionRequest(RequestBody, PromptCacheControls):
     """Unknown fields are ignored (clients add their own); fields that would change the meaning of
     the reply are refused by `refuse_unsupported`, not ignored."""
 
@@ -164,8 +164,6 @@ class ChatCompletionRequest(RequestBody):
     session_id: str | None = Field(None, max_length=128)  # chatd's hint: continue this session
     prompt_cache_key: str | None = Field(None, max_length=128)  # OpenAI's: one key's requests try its last session
     cache_salt: str | None = Field(None, max_length=256)  # vLLM's field: caches shared only among the same salt
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # 24h: kept that long at least, ahead of LRU
-    prompt_cache_options: PromptCacheOptions | None = None
     # vLLM's sampling extensions (benchmark clients fix reply lengths with them)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
@@ -215,16 +213,6 @@ class ChatCompletionRequest(RequestBody):
             raise RequestRefused("prompt_cache_options.prewarm", "a chat completion always answers: prewarm with "
                                                                  "the Responses API")
         self.keep_for_s()  # (refuses a ttl given twice, and too many breakpoints)
-
-    def keep_for_s(self) -> float | None:
-        """How long what the request writes stays cached at least, ahead of plain LRU (`prompt_cache.keep_for_s`)."""
-        return keep_for_s(self.prompt_cache_options, self.prompt_cache_retention,
-                          [mark for _, mark in self.breakpoints()])
-
-    @property
-    def explicit_cache(self) -> bool:
-        """Whether only the request's breakpoints count as written (`prompt_cache_options.mode: explicit`)."""
-        return self.prompt_cache_options is not None and self.prompt_cache_options.mode == "explicit"
 
     def breakpoints(self) -> list[tuple[int, PromptCacheBreakpoint]]:
         """Each `prompt_cache_breakpoint`, with the index of the message it ends."""

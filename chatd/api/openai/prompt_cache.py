@@ -43,6 +43,27 @@ class PromptCacheOptions(BaseModel):
     comparison_response_id: str | None = Field(None, max_length=128)
 
 
+class PromptCacheControls(BaseModel):
+    """The prompt-cache fields both OpenAI request bodies take, and what they mean for the turn."""
+
+    prompt_cache_options: PromptCacheOptions | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # (deprecated by prompt_cache_options.ttl)
+
+    def breakpoints(self) -> list[tuple[int, PromptCacheBreakpoint]]:
+        """Each `prompt_cache_breakpoint`, with the index of the message it ends (as the body numbers them)."""
+        raise NotImplementedError
+
+    def keep_for_s(self) -> float | None:
+        """How long what the request writes stays cached at least, ahead of plain LRU (`keep_for_s`)."""
+        return keep_for_s(self.prompt_cache_options, self.prompt_cache_retention,
+                          [mark for _, mark in self.breakpoints()])
+
+    @property
+    def explicit_cache(self) -> bool:
+        """Whether only the request's breakpoints count as written (`prompt_cache_options.mode: explicit`)."""
+        return self.prompt_cache_options is not None and self.prompt_cache_options.mode == "explicit"
+
+
 def keep_for_s(options: PromptCacheOptions | None, retention: str | None,
                breakpoints: list[PromptCacheBreakpoint]) -> float | None:
     """How long what the request writes stays cached at least, ahead of plain LRU (the longest of the request's ttl,

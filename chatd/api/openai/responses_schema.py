@@ -20,7 +20,7 @@ from chatd.api.openai.input_items import (
     ReasoningItem,
     SentItem,
 )
-from chatd.api.openai.prompt_cache import PromptCacheBreakpoint, PromptCacheOptions, keep_for_s
+from chatd.api.openai.prompt_cache import PromptCacheBreakpoint, PromptCacheControls
 from chatd.api.openai.request_body import RequestBody
 from chatd.api.tool_calling import Function, RequestRefused, ToolFormat, ToolSetup, checked_schema, tool_setup
 from sessions import Message, ToolCall
@@ -38,7 +38,7 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
-class ResponseRequest(RequestBody):
+class ResponseRequest(RequestBody, PromptCacheControls):
     """Unknown fields are ignored; fields that would change the meaning of the reply are refused by
     `refuse_unsupported`, naming the parameter."""
 
@@ -62,8 +62,6 @@ class ResponseRequest(RequestBody):
     # False: a warm-up, its prompt prefilled into the session's cache and nothing generated (WebSocket mode's
     # field; `prompt_cache_options.prewarm` says the same).
     generate: bool = True
-    prompt_cache_options: PromptCacheOptions | None = None
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # (deprecated by prompt_cache_options.ttl)
     prompt_cache_key: str | None = Field(None, max_length=128)
     safety_identifier: str | None = Field(None, max_length=256)
     # OpenAI's default: a conversation over the context is refused (`auto`: its oldest turns are dropped).
@@ -108,16 +106,6 @@ class ResponseRequest(RequestBody):
     def warm_up(self) -> bool:
         """Whether this only prefills its prompt (`generate: false`, or `prompt_cache_options.prewarm`)."""
         return not self.generate or (self.prompt_cache_options is not None and self.prompt_cache_options.prewarm)
-
-    def keep_for_s(self) -> float | None:
-        """How long what the request writes stays cached at least, ahead of plain LRU (`prompt_cache.keep_for_s`)."""
-        return keep_for_s(self.prompt_cache_options, self.prompt_cache_retention,
-                          [mark for _, mark in self.breakpoints()])
-
-    @property
-    def explicit_cache(self) -> bool:
-        """Whether only the request's breakpoints count as written (`prompt_cache_options.mode: explicit`)."""
-        return self.prompt_cache_options is not None and self.prompt_cache_options.mode == "explicit"
 
     def items(self) -> list[SentItem]:
         """`input` as items, as the client sent them (after its item references are resolved: `with_items`)."""
