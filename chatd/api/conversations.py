@@ -71,12 +71,11 @@ class Conversations:
             spliced = _splice(history, session.messages)
             prompt_ids = plain_ids if spliced == history and _ids_of(spliced) == _ids_of(history) else \
                 self.render(system, spliced, content, setup)
-            matches.append((session, spliced, prompt_ids))
-        for session, _, prompt_ids in matches:
             if session.system == system and _same(session.messages, history) and \
                     _keeps_cache(session, common_prefix_length(session.token_ids, prompt_ids)) and \
                     not self.turns.is_claimed(session.session_id):
-                return session, plain_ids, True
+                return session, plain_ids, True  # (before rendering the candidates after it)
+            matches.append((session, spliced, prompt_ids))
         return await self.branch(owner, system, history, plain_ids, matches), plain_ids, False
 
     async def branch(self, owner: str | None, system: str | None, history: list[Message], plain_ids: list[int],

@@ -76,7 +76,7 @@ class KVEventPublisher:
         self.batches_sent = 0
         self.batches_dropped = 0  # batches the queue had no room for (the ledger then sends its full state)
         self.sender_failures = 0  # times the sender thread failed and was started again
-        self._queue: queue.Queue[list[KVEvent] | None] = queue.Queue(maxsize=queued_batches)
+        self._queue: queue.Queue[tuple[list[KVEvent], int] | None] = queue.Queue(maxsize=queued_batches)
         self._queued_bytes, self._queued_limit, self._lock = 0, queued_bytes, threading.Lock()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
         self._buffered_bytes, self._replay_limit = 0, replay_bytes
@@ -100,7 +100,7 @@ class KVEventPublisher:
                 self.batches_dropped += 1
                 return False
             try:
-                self._queue.put_nowait(events)
+                self._queue.put_nowait((events, size))
             except queue.Full:
                 self.batches_dropped += 1
                 return False
@@ -113,7 +113,7 @@ class KVEventPublisher:
         `AllBlocksCleared` at start reaches only consumers already subscribed, so a router unregisters a worker it
         lost, as Dynamo's discovery does.)"""
         deadline = time.monotonic() + 10
-        for last in ([AllBlocksCleared()], None):
+        for last in (([AllBlocksCleared()], 0), None):
             try:
                 self._queue.put(last, timeout=max(0.0, deadline - time.monotonic()))
             except queue.Full:
@@ -169,14 +169,15 @@ class KVEventPublisher:
     def _serve(self, publisher: zmq.Socket, router: zmq.Socket | None) -> None:
         while True:
             try:  # (with a replay socket to answer, a look at it every 50 ms; else asleep until a batch comes)
-                events = self._queue.get(timeout=0.05 if router is not None else None)
+                queued = self._queue.get(timeout=0.05 if router is not None else None)
             except queue.Empty:
-                events = []
-            if events is None:
+                queued = ([], 0)
+            if queued is None:
                 return
+            events, size = queued
             if events:
                 with self._lock:
-                    self._queued_bytes -= batch_bytes(events)
+                    self._queued_bytes -= size  # (as `send` counted it)
                 payload = msgpack.packb([time.time(), [encode(e, self.block_size, self.as_map) for e in events], 0])
                 publisher.send_multipart([self.topic, self._seq.to_bytes(8, "big"), payload])
                 self._keep(self._seq, payload)
