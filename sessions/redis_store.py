@@ -40,6 +40,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from sessions import redis_scripts as scripts
 from sessions.encoding import UNREACHABLE, pack_ids, redis_key, unpack_ids
 from sessions.redis_client import RedisEvents, async_client, write_and_wait
 from sessions.state import Message, Session, ToolCall, new_session_id, turn_messages
@@ -53,95 +54,6 @@ RETRY_FLUSH_S = 0.5
 LEASE_WAIT_S = 2.0
 BACK_OFF_S = 5.0
 FAILOVER_RETRY_S = 0.25  # between retries of a durable write whose node cannot answer
-# Take the lease if free, and only then advance the session's fence; in the same round trip, read the session as the
-# turn will run it. KEYS lease, fence, meta, messages, tokens. Returns {fence, meta, messages, tokens} or nil. A retry
-# that finds the lease its own (the reply to the first try was lost) gets the fence that try took; a lease this worker
-# could not release (ARGV[4], its token) is taken over. With ARGV[5] '1', a session that does not exist is 0, and
-# nothing is written (a client naming made-up sessions leaves no keys behind).
-_ACQUIRE = """
-if ARGV[5] == '1' and redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
-local fence = nil
-local held = redis.call('GET', KEYS[1])
-if held == ARGV[1] then
-  fence = tonumber(redis.call('GET', KEYS[2]))
-else
-  if held == ARGV[4] then redis.call('DEL', KEYS[1]) end
-  if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-    fence = redis.call('INCR', KEYS[2])
-    redis.call('PEXPIRE', KEYS[2], ARGV[3])
-  end
-end
-if not fence then return nil end
-return {fence, redis.call('HGETALL', KEYS[3]), redis.call('LRANGE', KEYS[4], 0, -1), redis.call('GET', KEYS[5])}
-"""
-_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-# A session as one consistent read (one round trip, on a cluster too): KEYS meta, messages, tokens.
-_READ = """
-return {redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1), redis.call('GET', KEYS[3])}
-"""
-# Lua's `unpack` fails past about 8,000 values (its C stack): messages are pushed this many at a time.
-_PUSH_BATCH = 1000
-# RPUSH the messages in ARGV[first..], a batch at a time (a branched history may hold thousands of messages).
-_PUSH = f"""
-local function push(key, first)
-  for i = first, #ARGV, {_PUSH_BATCH} do
-    redis.call('RPUSH', key, unpack(ARGV, i, math.min(i + {_PUSH_BATCH - 1}, #ARGV)))
-  end
-end
-"""
-# A new session: KEYS meta, messages; ARGV retention (s), the meta fields as a JSON object of strings, messages...
-_CREATE = _PUSH + """
-for name, value in pairs(cjson.decode(ARGV[2])) do redis.call('HSET', KEYS[1], name, value) end
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-if #ARGV > 2 then
-  push(KEYS[2], 3)
-  redis.call('EXPIRE', KEYS[2], ARGV[1])
-end
-return 'ok'
-"""
-# A completed turn: KEYS meta, messages, tokens, fence, lease; ARGV expected version, fence ('' for none), retention
-# (s), updated_at, dropped_turns, this write's id, packed token ids, the lease's token ('' for none), messages...
-# Returns 'ok', 'done' (this write was applied already: a retry), 'gone', 'fence' or 'version <stored>'. Once the turn
-# is written the lease is let go in the same round trip (if it is still the writer's: never a newer holder's).
-_APPEND = _PUSH + """
-local function let_go()
-  if ARGV[8] ~= '' and redis.call('GET', KEYS[5]) == ARGV[8] then redis.call('DEL', KEYS[5]) end
-end
-local stored = redis.call('HGET', KEYS[1], 'version')
-if not stored then return 'gone' end
-if tonumber(stored) == tonumber(ARGV[1]) + 1 and redis.call('HGET', KEYS[1], 'write') == ARGV[6] then
-  let_go()
-  return 'done'
-end
-if tonumber(stored) ~= tonumber(ARGV[1]) then return 'version ' .. stored end
-if ARGV[2] ~= '' and tonumber(redis.call('GET', KEYS[4]) or '0') ~= tonumber(ARGV[2]) then return 'fence' end
-push(KEYS[2], 9)
-redis.call('SET', KEYS[3], ARGV[7])
-redis.call('HSET', KEYS[1], 'version', tostring(tonumber(ARGV[1]) + 1), 'updated_at', ARGV[4],
-           'dropped_turns', ARGV[5], 'write', ARGV[6])
-for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
-let_go()
-return 'ok'
-"""
-
-# An edited history (an item deleted): KEYS meta, messages, tokens, lease; ARGV expected version, retention (s),
-# updated_at, system (JSON), removed_items, dropped_turns, messages... Returns 'ok', 'gone', 'busy' (a worker holds its
-# lease: a turn runs) or 'version <stored>'. The reached token ids are dropped: the next turn writes them.
-_REWRITE = _PUSH + """
-local stored = redis.call('HGET', KEYS[1], 'version')
-if not stored then return 'gone' end
-if tonumber(stored) ~= tonumber(ARGV[1]) then return 'version ' .. stored end
-if redis.call('EXISTS', KEYS[4]) == 1 then return 'busy' end
-redis.call('DEL', KEYS[2], KEYS[3])
-push(KEYS[2], 7)
-redis.call('HSET', KEYS[1], 'version', tostring(tonumber(ARGV[1]) + 1), 'updated_at', ARGV[3], 'system', ARGV[4],
-           'removed_items', ARGV[5], 'dropped_turns', ARGV[6])
-for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
-return 'ok'
-"""
-
-
 def _all_keys(session_id: str) -> list[str]:
     return [redis_key(session_id, part) for part in ("meta", "messages", "tokens", "lease", "fence")]
 
@@ -240,7 +152,7 @@ class RedisSessionStore:
                 if self._down():
                     raise RedisConnectionError("backing off after Redis was unreachable")
                 taken = await self._call(lambda: self._redis.eval(
-                    _ACQUIRE, 5, *[redis_key(session_id, part) for part in ("lease", "fence", "meta", "messages",
+                    scripts.ACQUIRE, 5, *[redis_key(session_id, part) for part in ("lease", "fence", "meta", "messages",
                                                                             "tokens")],
                     token, self.lease_ttl_ms, int(self.retention_s * 1000), self._unreleased.get(session_id, ""),
                     "0" if self._has_pending(session_id) else "1"))
@@ -294,7 +206,7 @@ class RedisSessionStore:
         keys = [redis_key(session.session_id, part) for part in ("meta", "messages", "tokens", "lease")]
         try:
             outcome = await self.write(keys[0], (
-                "EVAL", _REWRITE, len(keys), *keys, session.version, self.retention_s, repr(time.time()),
+                "EVAL", scripts.REWRITE, len(keys), *keys, session.version, self.retention_s, repr(time.time()),
                 json.dumps(system), removed_items, dropped_turns, *[_encode_message(m) for m in messages]))
         except UNREACHABLE as error:
             self._unreachable()
@@ -358,7 +270,7 @@ class RedisSessionStore:
                 "dropped_turns": "0", "created_at": repr(session.created_at), "updated_at": repr(session.updated_at),
                 "tool_options": json.dumps(session.tool_options)}
         keys = [redis_key(session.session_id, "meta"), redis_key(session.session_id, "messages")]
-        await self.write(keys[0], ("EVAL", _CREATE, 2, *keys, self.retention_s, json.dumps(meta),
+        await self.write(keys[0], ("EVAL", scripts.CREATE, 2, *keys, self.retention_s, json.dumps(meta),
                                    *[_encode_message(m) for m in session.messages]))
 
     async def write(self, key: str, command: tuple):
@@ -383,7 +295,7 @@ class RedisSessionStore:
 
     async def _read(self, session_id: str) -> Session | None:
         keys = [redis_key(session_id, part) for part in ("meta", "messages", "tokens")]
-        return _session(session_id, *await self._redis.eval(_READ, len(keys), *keys))
+        return _session(session_id, *await self._redis.eval(scripts.READ, len(keys), *keys))
 
     def _adopt(self, session_id: str, stored: Session | None) -> Session | None:
         """A session as Redis holds it, kept as this worker's copy (the same object while its version is)."""
@@ -462,7 +374,7 @@ class _RedisLease:
         while True:
             await asyncio.sleep(self.store.lease_ttl_ms / 3000)
             try:
-                await self.store._redis.eval(_RENEW, 1, redis_key(self.session_id, "lease"), self.token,
+                await self.store._redis.eval(scripts.RENEW, 1, redis_key(self.session_id, "lease"), self.token,
                                              self.store.lease_ttl_ms)
             except UNREACHABLE as error:
                 self.store.errors += 1
@@ -483,7 +395,7 @@ class _RedisLease:
             self.store._unreleased_lease(self.session_id, self.token)
             return
         try:
-            await self.store._redis.eval(_RELEASE, 1, redis_key(self.session_id, "lease"), self.token)
+            await self.store._redis.eval(scripts.RELEASE, 1, redis_key(self.session_id, "lease"), self.token)
         except UNREACHABLE as error:
             self.store.events.error(error)
             self.store._unreachable()
@@ -506,7 +418,7 @@ class _Append:
     async def __call__(self) -> None:
         keys = [redis_key(self.session_id, part) for part in ("meta", "messages", "tokens", "fence", "lease")]
         outcome = await self.store.write(keys[0], (
-            "EVAL", _APPEND, len(keys), *keys, self.version, "" if self.fence is None else self.fence,
+            "EVAL", scripts.APPEND, len(keys), *keys, self.version, "" if self.fence is None else self.fence,
             self.store.retention_s, repr(self.at), self.dropped_turns, self.write_id, self.tokens,
             "" if self.lease is None else self.lease.token, *self.messages))
         outcome = outcome.decode() if isinstance(outcome, bytes) else outcome
