@@ -5,16 +5,15 @@ and every node sees the replicas (so that a primary killed by a test fails over 
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
+from chatd.cli.server_process import free_port
 from sessions.redis_client import RedisSetupError
 
 NODES = 6
@@ -24,7 +23,7 @@ BUS_OFFSET = 10_000  # a node's cluster bus listens on its port plus this
 class RedisClusterNodes:
     def __init__(self, folder: Path, nodes: int = NODES):
         self.folder = folder
-        self.ports = [_node_port() for _ in range(nodes)]
+        self.ports = [free_port(BUS_OFFSET) for _ in range(nodes)]
         self.processes: list[subprocess.Popen] = []
 
     @property
@@ -126,25 +125,3 @@ def _answers(port: int, process: subprocess.Popen) -> bool:
         tail = log.read_text(errors="replace").splitlines()[-5:] if log.exists() else []
         raise RuntimeError(f"redis-server on port {port} exited ({process.returncode}): " + " | ".join(tail))
     return _node(port).ping()
-
-
-def _ephemeral_floor() -> int:
-    """The lowest port the kernel hands out to outgoing connections: a node's ports stay below it, where no test's
-    client connection can take one between the check that it is free and the node's bind."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32_768
-
-
-def _node_port() -> int:
-    """A free port whose cluster bus port is free too, both below the ephemeral range."""
-    while True:
-        port = random.randrange(10_000, _ephemeral_floor() - BUS_OFFSET)
-        try:
-            for candidate in (port, port + BUS_OFFSET):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", candidate))
-        except OSError:
-            continue
-        return port

@@ -16,9 +16,10 @@ import redis
 import yaml
 
 from chatd.cli.client import ChatError
+from chatd.cli.server_process import free_port
 from chatd.config import Settings
 from sessions.redis_client import RedisSetupError, RedisTopology, topology
-from tests.redis_cluster import RedisClusterNodes, _node_port
+from tests.redis_cluster import BUS_OFFSET, RedisClusterNodes
 from tests.support import two_workers_and_a_reference
 
 QUESTIONS = ["My parcel is late.", "It was sent on Monday.", "Where is it now?", "Can you check again?",
@@ -215,7 +216,7 @@ def test_the_compose_cluster_profile_starts_a_cluster_chatd_finds(tmp_path):
     for worker in ("chatd-1", "chatd-2"):
         assert services[worker]["environment"]["CHATD_REDIS_URL"] == "${CHATD_REDIS_URL:-redis://redis:6379/0}"
         assert services[worker]["restart"] == "unless-stopped", "restarted until the cluster is joined"
-    ports = {name: _node_port() for name in names}
+    ports = {name: free_port(BUS_OFFSET) for name in names}
     processes = []
     try:
         for name in names:

@@ -4,6 +4,7 @@ its URL read from the line it prints once it serves."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import shlex
 import signal
@@ -14,11 +15,27 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def free_port() -> int:
-    """A port nothing listens on now (the operating system's choice)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def ephemeral_floor() -> int:
+    """The lowest port the kernel hands out to outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
+def free_port(*offsets: int) -> int:
+    """A port nothing listens on now (nor on the port each offset above it), below the ephemeral range: there no
+    client connection (of this process or any other) can take it between this check and the bind of whatever is
+    handed it, as one the kernel picks (bind to port 0) can be, seen in CI as `Address already in use`."""
+    while True:
+        port = random.randrange(10_000, ephemeral_floor() - max(offsets, default=0))
+        try:
+            for candidate in (port, *(port + offset for offset in offsets)):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
 
 
 class ServerProcess:

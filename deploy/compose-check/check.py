@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,8 @@ import openai
 import websockets.sync.client
 import yaml
 from websockets.asyncio.client import connect
+
+from chatd.cli.server_process import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -65,12 +66,6 @@ def run(*command: str, env: dict | None = None, timeout: float = 900, quiet: boo
     if not quiet and done.stdout.strip():
         print("   " + done.stdout.strip().replace("\n", "\n   ")[-1500:], flush=True)
     return done.stdout
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Dockerd:
