@@ -104,6 +104,9 @@ class Settings(BaseSettings):
     thread_ttl_s: float | None = Field(None, gt=0, description="how long an Anthropic message thread's latest reply "
                                        "can be continued once it was held (default: --session-ttl-s; Anthropic's "
                                        "own: 5 minutes)")
+    thread_claim_lease_s: float = Field(30.0, gt=0, description=(
+        "how long a thread reply's claim outlives a worker that stopped renewing it (killed mid-turn): a running "
+        "turn renews it every third of this; after it, the reply may be continued again on any worker"))
     session_retention_s: float = Field(7 * 24 * 3600, gt=0,
                                        description="how long an unused session is kept (in memory or in Redis)")
     remote_kv: bool = Field(False, description="also keep every session's cache in Redis, shared by all workers "
@@ -122,12 +125,12 @@ class Settings(BaseSettings):
         "are dropped, and a snapshot queued over 30 s is too (counted on /metrics)"))
     remote_kv_chunk_tokens: int = Field(CHUNK_TOKENS, ge=16, multiple_of=16, description=(
         "positions per chunk of a cache in Redis: a chunk Redis holds (a shared system prompt, earlier turns) is not "
-        "written or fetched again (docs/benchmarks.md)"))
+        "written or fetched again (docs/benchmarks-history.md)"))
     shared_prompt_min_tokens: int = Field(
         32, ge=16, description="a system prompt of at least this many tokens is held once on the device, a "
                                "segment that its sessions start with and that a batched step reads once (a short "
                                "one gathered with each row's own tokens); a shorter one is copied into each "
-                               "session that uses it (docs/benchmarks.md)")
+                               "session that uses it (docs/benchmarks-history.md)")
     warm_prompt: TextList = Field(default_factory=list, description="a file holding a system prompt (its text, "
                                   "without a final newline) to prefill at start and keep on the device through any "
                                   "eviction, shared by every session and key that uses it (repeatable)")

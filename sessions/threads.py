@@ -45,6 +45,7 @@ class ThreadStore(Protocol):
     """Where thread replies are held: this process, or Redis."""
 
     ttl_s: float
+    lease_s: float  # a claim not renewed for this long ends
 
     async def put(self, reply: ThreadReply) -> None: ...
 
@@ -54,14 +55,14 @@ class ThreadStore(Protocol):
     async def settle(self, message_id: str, continued: bool) -> None: ...
 
     async def renew(self, message_id: str) -> None:
-        """The claim's turn is still running: its lease starts again (CLAIM_LEASE_S)."""
+        """The claim's turn is still running: its lease starts again."""
 
 
 class InMemoryThreadStore:
     """Thread replies in this process, each kept for the TTL after it was held or last continued."""
 
     def __init__(self, ttl_s: float, clock=time.monotonic):
-        self.ttl_s = ttl_s
+        self.ttl_s, self.lease_s = ttl_s, CLAIM_LEASE_S  # (a claim here dies with its process)
         self._replies: TTLCache[str, ThreadReply] = TTLCache(LOCAL_THREADS, ttl_s, timer=clock)
         self._states: TTLCache[str, str] = TTLCache(LOCAL_THREADS, ttl_s, timer=clock)
 
@@ -126,8 +127,8 @@ class RedisThreadStore:
     """Thread replies in Redis, shared by every worker and kept across restarts; written as the sessions' turns are
     (acknowledged once replicas hold them, where the session store waits for replicas)."""
 
-    def __init__(self, sessions: RedisSessionStore, ttl_s: float):
-        self.ttl_s = ttl_s
+    def __init__(self, sessions: RedisSessionStore, ttl_s: float, lease_s: float = CLAIM_LEASE_S):
+        self.ttl_s, self.lease_s = ttl_s, lease_s
         self._sessions, self._redis, self._ttl_ms = sessions, sessions.client, max(1000, int(ttl_s * 1000))
 
     async def put(self, reply: ThreadReply) -> None:
@@ -141,7 +142,7 @@ class RedisThreadStore:
             return "not_found", None  # (never an id chatd made; its keys' hash tags would name two cluster slots)
         key = _reply_key(message_id)
         found = await self._call(self._sessions.write(key, (
-            "EVAL", _CLAIM, 2, key, _state_key(message_id), int(CLAIM_LEASE_S * 1000),
+            "EVAL", _CLAIM, 2, key, _state_key(message_id), int(self.lease_s * 1000),
             owner or "", "1" if owner is None else "0", scope or "", "1" if scope is None else "0")))
         claim = found[0].decode() if isinstance(found[0], bytes) else found[0]
         return claim, ThreadReply(**json.loads(found[1])) if claim == "claimed" else None
@@ -155,7 +156,7 @@ class RedisThreadStore:
 
     async def renew(self, message_id: str) -> None:
         state = _state_key(message_id)
-        await self._call(self._redis.eval(_RENEW, 1, state, int(CLAIM_LEASE_S * 1000)))
+        await self._call(self._redis.eval(_RENEW, 1, state, int(self.lease_s * 1000)))
 
     def _call(self, command):
         return self._sessions.beside(command, "thread")

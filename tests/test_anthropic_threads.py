@@ -14,7 +14,6 @@ import httpx2  # (the SDK's own HTTP client package)
 import pytest
 from anthropic import beta_async_tool
 
-import sessions.threads as threads_module
 from sessions import StoreUnavailable
 from sessions.redis_store import RedisSessionStore
 from sessions.threads import RedisThreadStore, ThreadReply
@@ -147,11 +146,10 @@ async def test_an_expired_thread_is_replayed_whole_under_a_new_one(smollm2):
 
 
 CUSTOMER = ["My internet is down since this morning.", "I already restarted the router.", "The light is red.",
-            "It is a Northwind X2 router.", "I live at 4 Elm Road.", "Can a technician come tomorrow?",
-            "Morning would be best.", "Thank you, that is all."]
+            "It is a Northwind X2 router.", "Can a technician come tomorrow?", "Thank you, that is all."]
 
 
-async def test_eight_turns_through_thread_continues_equal_the_whole_conversation_on_a_cacheless_server(smollm2):
+async def test_six_turns_through_thread_continues_equal_the_whole_conversation_on_a_cacheless_server(smollm2):
     async with served(smollm2) as server, served(smollm2, session_cache=False) as uncached:
         async with recording_client(server, []) as client, recording_client(uncached, []) as reference:
             history, previous = [], None
@@ -250,12 +248,11 @@ async def test_a_continue_that_fails_or_is_cut_holds_nothing_and_one_in_flight_i
         assert raised.value.body["error"]["details"]["error_code"] == "thread_not_found", "a cut reply is not held"
 
 
-async def test_a_claim_whose_worker_died_ends_with_its_lease_and_a_running_one_is_renewed(redis_db, monkeypatch):
+async def test_a_claim_whose_worker_died_ends_with_its_lease_and_a_running_one_is_renewed(redis_db):
     """A continue's claim is leased: one that is renewed (its turn runs) keeps the reply in flight past the lease;
     one that is not (its worker was killed mid-turn) ends with it, and the reply may be continued again."""
-    monkeypatch.setattr(threads_module, "CLAIM_LEASE_S", 0.4)
     sessions = RedisSessionStore(redis_db.url, retention_s=60)
-    store = RedisThreadStore(sessions, ttl_s=60)
+    store = RedisThreadStore(sessions, ttl_s=60, lease_s=0.4)
     for message_id in ("msg_renewed", "msg_orphaned"):
         await store.put(ThreadReply(message_id, None, None, "session", 1, 2, MODEL, SYSTEM, None))
         assert (await store.claim(message_id, None, None))[0] == "claimed"

@@ -47,12 +47,15 @@ async def test_serve_a_local_checkpoint_chat_and_stop_on_sigterm(tiny_checkpoint
 
 
 def test_threads_sets_the_model_threads_and_defaults_to_the_cores_the_process_may_use(tiny_checkpoint):
-    for flags, expected in (([], len(os.sched_getaffinity(0))), (["--threads", "1"], 1)):
-        server = chatd("serve", "--model", str(tiny_checkpoint), "--port", "0", "--device", "cpu", *flags)
-        try:
+    cases = (([], len(os.sched_getaffinity(0))), (["--threads", "1"], 1))
+    servers = [chatd("serve", "--model", str(tiny_checkpoint), "--port", "0", "--device", "cpu", *flags)
+               for flags, _ in cases]  # both at once: most of a start is importing torch
+    try:
+        for server, (_, expected) in zip(servers, cases, strict=True):
             line = server.stdout.readline()
             assert re.search(rf"\b{expected} threads?\)", line), line
-        finally:
+    finally:
+        for server in servers:
             server.send_signal(signal.SIGTERM)
             assert server.wait(30) == 0
 

@@ -24,8 +24,8 @@ async def test_five_turns_reuse_the_device_cache_and_match_a_cacheless_server(sm
         session_a = (await with_cache.open_session(system=SYSTEM)).session_id
         session_b = (await without_cache.open_session(system=SYSTEM)).session_id
         for index, content in enumerate(TURNS):
-            hit = await with_cache.chat(session_a, content, max_new_tokens=40)
-            miss = await without_cache.chat(session_b, content, max_new_tokens=40)
+            hit = await with_cache.chat(session_a, content, max_new_tokens=24)
+            miss = await without_cache.chat(session_b, content, max_new_tokens=24)
             hit_done, miss_done = await hit.result(), await miss.result()
             # Token by token: one delta per released piece, the same pieces, the same count.
             assert hit.deltas == miss.deltas, f"turn {index + 1}"
@@ -54,7 +54,7 @@ async def test_an_int8_host_tier_keeps_every_conversation_where_full_precision_d
     budget of two full-precision caches: at full precision the host tier must drop caches (recomputed);
     in int8 it keeps all four, so every returning turn restores from the host tier (or was never evicted), and
     says so."""
-    device_mb, host_mb = kv_budget_mb(smollm2, 256), kv_budget_mb(smollm2, 2 * 200)
+    device_mb, host_mb = kv_budget_mb(smollm2, 200), kv_budget_mb(smollm2, 2 * 160)
     results = {}
     for kv_dtype in ("same", "int8"):
         settings = Settings(port=0, device_cache_mb=device_mb, host_cache_mb=host_mb, host_kv_dtype=kv_dtype)
@@ -62,7 +62,7 @@ async def test_an_int8_host_tier_keeps_every_conversation_where_full_precision_d
             await server.wait_ready()
             async with ChatClient(await connect(server.url)) as client:
                 sessions = {name: (await client.open_session(system=SYSTEM)).session_id for name in CUSTOMERS}
-                results[kv_dtype] = [await (await client.chat(sessions[name], questions[turn], max_new_tokens=24))
+                results[kv_dtype] = [await (await client.chat(sessions[name], questions[turn], max_new_tokens=16))
                                      .result() for turn in range(3) for name, questions in CUSTOMERS.items()]
     later = {kv_dtype: done[len(CUSTOMERS):] for kv_dtype, done in results.items()}  # turns 2 and 3
     # (the first customer prefilled the short system prompt, which the others copy from its cache: while they

@@ -62,14 +62,14 @@ async def test_a_warm_up_then_three_turns_read_the_cache_and_equal_the_whole_con
         for index, question in enumerate(QUESTIONS):
             history.append({"role": "user", "content": question})
             await connection.response.create(model=MODEL, input=question, previous_response_id=previous.id,
-                                              max_output_tokens=64, temperature=0)
+                                              max_output_tokens=32, temperature=0)
             previous = (await collect(connection, 1))[1][None].response
-            assert previous.output_text == await reference_reply(reference, history, 64), f"turn {index + 1}"
+            assert previous.output_text == await reference_reply(reference, history, 32), f"turn {index + 1}"
             usage = previous.usage
             if index == 0:
                 assert usage.input_tokens_details.cached_tokens >= warm.usage.input_tokens
             else:
-                assert usage.input_tokens_details.cached_tokens >= 0.8 * usage.input_tokens, (index, usage)
+                assert usage.input_tokens - usage.input_tokens_details.cached_tokens < 40, (index, usage)
             history.append({"role": "assistant", "content": previous.output_text})
 
 

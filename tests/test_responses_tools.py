@@ -44,10 +44,10 @@ def _calls(response) -> list:
 async def _tool_rounds(client: openai.AsyncOpenAI) -> list:
     """A lookup, a ticket and an answer, each round sending only the outputs of the last one's calls."""
     responses, new_input = [], "My order NW-2231 never arrived and my bill doubled. Please help."
-    for choice in ("required", {"type": "function", "name": "open_ticket"}, "none"):
+    for choice, limit in (("required", 64), ({"type": "function", "name": "open_ticket"}, 64), ("none", 24)):
         response = await client.responses.create(
             model=MODEL, instructions=SYSTEM, input=new_input, tools=TOOLS, tool_choice=choice,
-            parallel_tool_calls=False, max_output_tokens=64, temperature=0,
+            parallel_tool_calls=False, max_output_tokens=limit, temperature=0,
             previous_response_id=responses[-1].id if responses else None)
         responses.append(response)
         new_input = _outputs(_calls(response))

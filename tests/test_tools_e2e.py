@@ -39,9 +39,10 @@ async def _agent_loop(client: openai.AsyncOpenAI) -> list:
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": "My order NW-2231 never arrived and my bill doubled. Please help."}]
     completions = []
-    for choice in ("required", {"type": "function", "function": {"name": "open_ticket"}}, "none"):
+    for choice, limit in (("required", 64), ({"type": "function", "function": {"name": "open_ticket"}}, 64),
+                          ("none", 24)):
         completion = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
-                                                          tool_choice=choice, max_tokens=64, temperature=0)
+                                                          tool_choice=choice, max_tokens=limit, temperature=0)
         completions.append(completion)
         message = completion.choices[0].message
         messages.append(message.model_dump(exclude_none=True))

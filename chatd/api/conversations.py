@@ -27,19 +27,16 @@ from chatd.engine.turn import TurnFailed, TurnResult
 from chatd.model.prompt import PromptRenderer
 from sessions import Message, Session, SessionStore, StoreUnavailable
 from sessions.prefix_index import BLOCK
-from sessions.redis_store import RedisSessionStore
 from sessions.shared_prefix_index import SharedPrefixIndex
 
 
 class Conversations:
     """Finds, claims and starts the session of a request that carries its whole conversation."""
 
-    def __init__(self, engine: Engine, sessions: SessionStore, settings: Settings, turns: TurnRunner):
-        self.engine, self.sessions, self.settings, self.turns = engine, sessions, settings, turns
-        # In Redis when sessions are: every worker finds every conversation, whichever worker it reached before.
-        shared = isinstance(sessions, RedisSessionStore)
-        self.index = SharedPrefixIndex(sessions.client if shared else None, settings.session_retention_s,
-                                       sessions.events if shared else None)
+    def __init__(self, engine: Engine, sessions: SessionStore, settings: Settings, turns: TurnRunner,
+                 index: SharedPrefixIndex):
+        """`index` lives where sessions do (the server's choice): in Redis, every worker finds every conversation."""
+        self.engine, self.sessions, self.settings, self.turns, self.index = engine, sessions, settings, turns, index
         self._renderer: PromptRenderer | None = None
 
     def tool_format(self) -> ToolFormat:

@@ -52,8 +52,9 @@ from sessions import InMemorySessionStore, SessionStore
 from sessions.redis_client import RedisEvents
 from sessions.redis_client import topology as redis_topology
 from sessions.redis_store import RedisSessionStore
-from sessions.responses import InMemoryResponseStore, RedisResponseStore
-from sessions.threads import InMemoryThreadStore, RedisThreadStore
+from sessions.responses import InMemoryResponseStore, RedisResponseStore, ResponseStore
+from sessions.shared_prefix_index import SharedPrefixIndex
+from sessions.threads import InMemoryThreadStore, RedisThreadStore, ThreadStore
 
 log = logging.getLogger(__name__)
 SAMPLE_EVERY_S = 5.0  # how often tier occupancy and cache counters are sampled for /v1/stats
@@ -80,6 +81,19 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
             self.transport.close()
             return
         super().shutdown()
+
+
+def _stores_beside(sessions: SessionStore, settings: Settings
+                   ) -> tuple[SharedPrefixIndex, ThreadStore, ResponseStore]:
+    """The stores kept where sessions are: in Redis when sessions are (any worker finds any conversation, thread
+    reply and stored response, and a restart loses none), else in this process."""
+    thread_ttl_s, retention_s = settings.thread_ttl_s or settings.session_ttl_s, settings.session_retention_s
+    if not isinstance(sessions, RedisSessionStore):
+        return (SharedPrefixIndex(None, retention_s, None), InMemoryThreadStore(thread_ttl_s),
+                InMemoryResponseStore(retention_s))
+    return (SharedPrefixIndex(sessions.client, retention_s, sessions.events),
+            RedisThreadStore(sessions, thread_ttl_s, settings.thread_claim_lease_s),
+            RedisResponseStore(sessions, retention_s))
 
 
 class ChatServer:
@@ -116,20 +130,15 @@ class ChatServer:
         self.turns = TurnRunner(self.engine, self.sessions, settings, on_turn=self._turn_finished,
                                 on_request=self.metrics.observe_request)
         self.gateway = Gateway(self.turns, self.keys, on_error=self._error_sent)
-        self.conversations = Conversations(self.engine, self.sessions, settings, self.turns)
+        index, threads, responses = _stores_beside(self.sessions, settings)
+        self.conversations = Conversations(self.engine, self.sessions, settings, self.turns, index)
         admission = Admission(self.engine, settings, self.turns, self.keys)
         self.openai = OpenAIApi(admission, self.conversations, self.turns)
         self.completions = CompletionsApi(admission, self.conversations)
         self.tokenize = TokenizeApi(admission, self.conversations)
         self.kv_blocks = KVBlocksApi(admission, self.engine, settings)
-        thread_ttl_s = settings.thread_ttl_s or settings.session_ttl_s
-        threads = (RedisThreadStore(self.sessions, thread_ttl_s) if isinstance(self.sessions, RedisSessionStore)
-                   else InMemoryThreadStore(thread_ttl_s))
         self.threads = Threads(threads, self.conversations)
         self.anthropic = AnthropicApi(admission, self.conversations, self.turns, self.threads)
-        retention_s = settings.session_retention_s
-        responses = (RedisResponseStore(self.sessions, retention_s)
-                     if isinstance(self.sessions, RedisSessionStore) else InMemoryResponseStore(retention_s))
         self.response_turns = ResponseTurns(admission, self.conversations, responses)
         self.responses = ResponsesApi(self.response_turns)
         self.response_sockets = ResponsesSockets(self.response_turns, settings)

@@ -23,7 +23,7 @@ from chatd.api.http_errors import ApiError
 from chatd.api.tool_calling import ToolSetup
 from chatd.engine.turn import TurnResult
 from sessions import Message, Session, StoreUnavailable
-from sessions.threads import CLAIM_LEASE_S, ThreadReply, ThreadStore
+from sessions.threads import ThreadReply, ThreadStore
 
 
 def thread_error(status: int, error_code: str, message: str, **details: object) -> ApiError:
@@ -94,7 +94,7 @@ class Threads:
     async def _renew(self, message_id: str) -> None:
         """Renew a claim while its turn runs (a Redis that cannot be reached: the next try, or the lease ends)."""
         while True:
-            await asyncio.sleep(CLAIM_LEASE_S / 3)
+            await asyncio.sleep(self.store.lease_s / 3)
             with contextlib.suppress(StoreUnavailable):
                 await self.store.renew(message_id)
 
