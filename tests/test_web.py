@@ -159,6 +159,13 @@ async def test_phone_viewport_and_unreachable_server(smollm2, browser):
     await page.close()
 
 
+CARDS_OVERFLOWING = """[...document.querySelectorAll('.tile')].filter(tile => {
+    const box = tile.getBoundingClientRect();
+    return [...tile.children].some(part => { const inner = part.getBoundingClientRect();
+        return inner.left < box.left || inner.right > box.right || part.scrollWidth > part.clientWidth + 1; });
+}).map(tile => tile.querySelector('.label').textContent)"""
+
+
 async def test_dashboard_draws_live_charts_after_traffic(server, browser):
     """Runs after the chat test in this module, so the server has traffic to show."""
     origin = f"http://127.0.0.1:{server.port}"
@@ -184,6 +191,9 @@ async def test_dashboard_draws_live_charts_after_traffic(server, browser):
         r"Responses WebSockets: connections / lanes / queued creates0 / 0 / 0"))
     await expect(page.locator("#summary")).to_contain_text("Steers: accepted / successors / pending / refused")
     first_update = await page.locator("#updated").inner_text()
+    for width in (1024, 1280, 1920):  # every card holds its text, at every width a desk's screen has
+        await page.set_viewport_size({"width": width, "height": 1000})
+        assert await page.evaluate(CARDS_OVERFLOWING) == [], width
     await asyncio.sleep(3.5)
     assert await page.locator("#updated").inner_text() != first_update  # it refreshes by itself
     await page.screenshot(path=SCREENSHOTS / "dashboard.png", full_page=True)

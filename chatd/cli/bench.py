@@ -320,7 +320,8 @@ def _start_servers(flag_sets: list[str], checkouts: list[Path | None]) -> list[S
 
 
 def main(args) -> None:
-    """The entry point: parse the command line and run the command."""
+    """`chatd bench` with its parsed flags: start the servers it names (or use --url), play the same workload on
+    each, alternating rounds, then print the report and write the JSON and the plot."""
     workload = Workload(load_scenarios(args.scenarios), args.customers, args.turns, args.think_s,
                         args.max_new_tokens, args.seed, args.api_key)
     flag_sets = [args.a, args.b] if args.compare else ([args.serve] if args.serve is not None else [])

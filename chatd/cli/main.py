@@ -40,11 +40,7 @@ def _setting_source(loc: tuple, overrides: dict) -> str:
     return "--" + name.replace("_", "-") if name in overrides else "CHATD_" + name.upper()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """The entry point: parse the command line and run the command."""
-    parser = argparse.ArgumentParser(prog="chatd", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    _serve_parser(commands)
+def _chat_parser(commands: argparse._SubParsersAction) -> None:
     chat = commands.add_parser("chat", help="chat with a running server from the terminal")
     chat.add_argument("--url", default="ws://127.0.0.1:8765/ws")
     chat.add_argument("--system", default=None, help="system prompt for a new session")
@@ -59,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
                       help="with --tools: none, auto (the default), required, or one function's name")
     chat.add_argument("--json-schema", type=Path, default=None, metavar="JSON_FILE",
                       help="hold every reply to this JSON Schema")
+
+
+def _kv_size_parser(commands: argparse._SubParsersAction) -> None:
     kv_size = commands.add_parser("kv-size", help="print the KV cache size per session for a model")
     kv_size.add_argument("--model", default="smollm2-135m")
     kv_size.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
@@ -67,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     kv_size.add_argument("--budget-mb", type=float, default=None, help="also show how many sessions fit this budget")
     kv_size.add_argument("--shared-prompt", type=int, default=0, metavar="TOKENS",
                          help="also show sessions per GB after a shared prompt of this length, held once or copied")
+
+
+def _bench_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="simulated customers against one or two servers")
     target = bench.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="bench a running server: ws://…/ws for chatd, or http://…/v1 for an "
@@ -97,59 +99,82 @@ def main(argv: list[str] | None = None) -> None:
                        help="folder of scenario files (default: bench/scenarios)")
     bench.add_argument("--output", type=Path, default=Path("bench/results/chatd-bench.json"),
                        help="JSON result; the plot goes next to it as .png")
+
+
+def _serve(args: argparse.Namespace) -> None:
+    """Settings from the flags over the environment; a bad value, an unservable model or an unreachable Redis is one
+    line and a non-zero exit, never a traceback."""
+    overrides = {name: value for name, value in vars(args).items()
+                 if name in Settings.model_fields and value is not None}
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as error:  # one line naming the flag or variable, never a traceback
+        print("chatd serve: " + "; ".join(f"{_setting_source(e['loc'], overrides)}: "
+                                          f"{e['msg'].removeprefix('Value error, ')}" for e in error.errors()),
+              file=sys.stderr)
+        sys.exit(2)
+    except SettingsError as error:  # a value pydantic-settings itself could not read
+        print(f"chatd serve: {error}", file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One line per connection and probe is noise in production; frame dumps (DEBUG) would show API keys.
+    logging.getLogger("websockets").setLevel(logging.INFO if settings.log_level == "debug" else logging.WARNING)
+    from chatd.api.server import EngineFailed, ModelLoadError, run
+    from chatd.model.loader import check_model
+    from chatd.model.servable import Unservable
+    from sessions.redis_client import RedisSetupError
+
+    try:
+        check_model(settings.model)
+    except Unservable as error:  # one line, before the port opens
+        print(f"chatd serve: model {settings.model!r} cannot be served: {error}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        asyncio.run(run(settings))
+    except (ModelLoadError, EngineFailed) as error:
+        sys.exit(f"chatd: {error}")
+    except RedisSetupError as error:  # one line naming Redis and the setting, before the model loads
+        sys.exit(f"chatd serve: {error}")
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from chatd.cli import bench as bench_command
+
+    args.scenarios = args.scenarios or bench_command.DEFAULT_SCENARIOS
+    bench_command.main(args)
+
+
+def _kv_size(args: argparse.Namespace) -> None:
+    from chatd.model.kv_size import kv_size_table
+
+    print(kv_size_table(args.model, args.tokens, args.dtype, args.budget_mb, shared_prompt=args.shared_prompt))
+
+
+def _chat(args: argparse.Namespace) -> None:
+    from websockets.exceptions import InvalidHandshake
+
+    from chatd.cli.client import ChatError
+    from chatd.cli.terminal import chat as run_chat
+    from chatd.cli.terminal import tool_fields_from
+
+    try:
+        tool_fields = tool_fields_from(args.tools, args.json_schema, args.tool_choice)
+        asyncio.run(run_chat(args.url, args.system, args.session_id, args.max_new_tokens, args.api_key,
+                             tool_fields))
+    except (ChatError, InvalidHandshake, OSError, ValueError) as error:
+        sys.exit(f"chatd chat: {error}")
+
+
+COMMANDS = {"serve": (_serve_parser, _serve), "chat": (_chat_parser, _chat), "kv-size": (_kv_size_parser, _kv_size),
+            "bench": (_bench_parser, _bench)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The entry point: parse the command line and run the command (each command's modules load only when it
+    runs, so that `--help` and a bad flag answer before torch loads)."""
+    parser = argparse.ArgumentParser(prog="chatd", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for add_parser, _ in COMMANDS.values():
+        add_parser(commands)
     args = parser.parse_args(argv)
-
-    if args.command == "serve":
-        overrides = {name: value for name, value in vars(args).items()
-                     if name in Settings.model_fields and value is not None}
-        try:
-            settings = Settings(**overrides)
-        except ValidationError as error:  # one line naming the flag or variable, never a traceback
-            print("chatd serve: " + "; ".join(f"{_setting_source(e['loc'], overrides)}: "
-                                              f"{e['msg'].removeprefix('Value error, ')}" for e in error.errors()),
-                  file=sys.stderr)
-            sys.exit(2)
-        except SettingsError as error:  # a value pydantic-settings itself could not read
-            print(f"chatd serve: {error}", file=sys.stderr)
-            sys.exit(2)
-        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        # One line per connection and probe is noise in production; frame dumps (DEBUG) would show API keys.
-        logging.getLogger("websockets").setLevel(logging.INFO if settings.log_level == "debug" else logging.WARNING)
-        from chatd.api.server import EngineFailed, ModelLoadError, run
-        from chatd.model.loader import check_model
-        from chatd.model.servable import Unservable
-        from sessions.redis_client import RedisSetupError
-
-        try:
-            check_model(settings.model)
-        except Unservable as error:  # one line, before the port opens
-            print(f"chatd serve: model {settings.model!r} cannot be served: {error}", file=sys.stderr)
-            sys.exit(2)
-        try:
-            asyncio.run(run(settings))
-        except (ModelLoadError, EngineFailed) as error:
-            sys.exit(f"chatd: {error}")
-        except RedisSetupError as error:  # one line naming Redis and the setting, before the model loads
-            sys.exit(f"chatd serve: {error}")
-    elif args.command == "bench":
-        from chatd.cli import bench as bench_command
-
-        args.scenarios = args.scenarios or bench_command.DEFAULT_SCENARIOS
-        bench_command.main(args)
-    elif args.command == "kv-size":
-        from chatd.model.kv_size import kv_size_table
-
-        print(kv_size_table(args.model, args.tokens, args.dtype, args.budget_mb, shared_prompt=args.shared_prompt))
-    else:
-        from websockets.exceptions import InvalidHandshake
-
-        from chatd.cli.client import ChatError
-        from chatd.cli.terminal import chat as run_chat
-        from chatd.cli.terminal import tool_fields_from
-
-        try:
-            tool_fields = tool_fields_from(args.tools, args.json_schema, args.tool_choice)
-            asyncio.run(run_chat(args.url, args.system, args.session_id, args.max_new_tokens, args.api_key,
-                                 tool_fields))
-        except (ChatError, InvalidHandshake, OSError, ValueError) as error:
-            sys.exit(f"chatd chat: {error}")
+    COMMANDS[args.command][1](args)

@@ -4,7 +4,7 @@ cgroup's CPU quota: a container may see more cores than it may use), less what o
 torch's OpenMP threads spin-wait for each other at the end of every parallel region; when one of them is
 descheduled because another busy process shares its core, the others spin until it runs again. Beside one busy
 process on a 2-core machine, one stream fell from 28-30 to 0.7 decode tokens/s with two threads, and ran at 17.9
-with one (docs/benchmarks.md). So the engine looks, every half second between its steps, at how much of its CPUs
+with one (docs/benchmarks-history.md). So the engine looks, every half second between its steps, at how much of its CPUs
 other processes used (`/proc/stat`, less this process's own time) and runs with the threads the rest can hold,
 until the CPUs come back.
 """
