@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -26,12 +26,13 @@ class TurnEndings:
     """The turns the engine has taken and not ended, and the ways they end. The engine thread's alone, but for
     `running`, which any thread may read."""
 
-    def __init__(self, faults: FaultPoints, speculator: Speculator, publish: Callable[[], None]):
-        self._faults, self._speculator, self._publish = faults, speculator, publish
+    def __init__(self, faults: FaultPoints, speculator: Speculator):
+        self._faults, self._speculator = faults, speculator
         self.cache: CacheStore | None = None  # once the model is loaded
         self.live: dict[int, Turn] = {}  # every turn taken from the queue and not yet ended, by id
         self.failures: Counter[str] = Counter()  # turns failed, by stage
         self._counted: set[int] = set()  # the started turns (by id), as of the last step, less those ended since
+        self._ended: list[tuple[Turn, TurnResult | TurnFailed]] = []  # ended since the last `announce`
 
     @property
     def running(self) -> int:
@@ -52,12 +53,22 @@ class TurnEndings:
         return turns
 
     def end(self, turn: Turn, event: TurnResult | TurnFailed) -> None:
-        """A turn's last event: it is no longer the engine's. The counters are published first, so that a
-        client that has its answer reads them with its turn counted."""
+        """A turn's last event: it is no longer the engine's. Its client is told at `announce`, once the loop has
+        published the counters, so that a client that has its answer reads them with its turn counted."""
         self.live.pop(id(turn), None)
         self._counted.discard(id(turn))
-        self._publish()
-        turn.emit(event)
+        self._ended.append((turn, event))
+
+    @property
+    def ended(self) -> bool:
+        """Whether turns ended since the last `announce`."""
+        return bool(self._ended)
+
+    def announce(self) -> None:
+        """Tell each turn that ended its last event (after the step, or when the engine stops)."""
+        ended, self._ended = self._ended, []
+        for turn, event in ended:
+            turn.emit(event)
 
     def cancelled_before_start(self, turn: Turn) -> None:
         """A turn cancelled before it fed anything: it ends with nothing generated and nothing written."""

@@ -85,7 +85,7 @@ class Engine(CacheCommands):
         self.speculator = Speculator(self.settings.speculation_tokens if self.settings.speculation == "on" else 0,
                                      ReplyBooks(budget_bytes=None if books_mb is None else int(books_mb * 2**20)))
         self.counts = StepCounts()
-        self.endings = TurnEndings(self.faults, self.speculator, self._publish)
+        self.endings = TurnEndings(self.faults, self.speculator)
         self.planner: StepPlanner | None = None  # plan, execute, update: once the model is loaded
         self._executor: StepExecutor | None = None
         self._updater: StepUpdater | None = None
@@ -169,6 +169,7 @@ class Engine(CacheCommands):
             if not self._take_commands(block=idle):
                 break
             self._step()
+            self._announce_endings()
             self.endings.count(self.planner.started())
             self.governor.tick(working=self.planner.busy)
             if time.monotonic() - expired_at >= EXPIRE_EVERY_S:
@@ -206,8 +207,16 @@ class Engine(CacheCommands):
                 command.result.set_exception(EngineUnavailable(self._unavailable()))
         for turn in turns:
             self.endings.end(turn, TurnFailed("unavailable", self._unavailable()))
+        self._announce_endings()
         with self._lock:
             self._waiting = 0
+
+    def _announce_endings(self) -> None:
+        """The turns that ended, told once the counters are published (once, not at each ending): a client that
+        has its answer reads them with its turn counted."""
+        if self.endings.ended:
+            self._publish()
+            self.endings.announce()
 
     def _publish(self) -> None:
         """Publish the cache store's and the arena's counters for /metrics and /v1/stats, which read the latest
