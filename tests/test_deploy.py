@@ -105,10 +105,30 @@ async def test_nginx_routes_a_session_to_one_worker_and_fails_over(nginx, worker
 
 async def test_a_worker_killed_mid_turn_leaves_every_completed_turn_and_no_trace(workers, redis_db,
                                                                                  tiny_checkpoint):
-    """Worker 0 is killed while a websocket turn and an Anthropic thread's continue both stream on it: the turn is a
-    retryable `disconnected`, and after a restart its session holds every completed turn and nothing of the cut
-    one; the thread reply's claim, no longer renewed, is in flight on worker 1 until its lease ends
-    (`--thread-claim-lease-s`), then continuable there."""
+    first = f"ws://127.0.0.1:{workers[0].port}/ws"
+    async with ChatClient(await connect(first)) as client:
+        session_id = (await client.open_session()).session_id
+        for index in range(2):
+            await (await client.chat(session_id, f"completed {index}", max_new_tokens=4)).result()
+        interrupted = await client.chat(session_id, "interrupted turn", max_new_tokens=400)
+        await anext(interrupted)
+        workers[0].kill()
+        with pytest.raises(ChatError) as lost:
+            await interrupted.result()
+        assert (lost.value.code, lost.value.retryable) == ("disconnected", True)
+    workers[0] = start_worker(tiny_checkpoint, redis_db.url)  # restarted
+    ready, done = await one_turn(f"ws://127.0.0.1:{workers[0].port}/ws", session_id, "after the crash",
+                                 max_new_tokens=4)
+    assert ready.turns == 2 and done.usage.completion_tokens == 4
+    stored = await RedisSessionStore(redis_db.url, retention_s=60).get(session_id)
+    assert [m.content for m in stored.messages if m.role == "user"] == ["completed 0", "completed 1",
+                                                                         "after the crash"]
+
+
+async def test_a_thread_reply_claimed_by_a_killed_worker_can_be_continued_once_its_lease_ends(workers):
+    """A continue streaming on worker 0 holds the reply's claim; worker 0 is killed mid-reply: on worker 1 the reply
+    is still in flight (its claim is not renewed, not released), then, once the lease ends
+    (`--thread-claim-lease-s`), continuable there."""
     bases = [f"http://127.0.0.1:{worker.port}" for worker in workers]
     model = httpx.get(bases[0] + "/v1/models").json()["data"][0]["id"]
     claude = [anthropic.AsyncAnthropic(base_url=base, api_key="unused", max_retries=0) for base in bases]
@@ -117,28 +137,12 @@ async def test_a_worker_killed_mid_turn_leaves_every_completed_turn_and_no_trace
         model=model, max_tokens=4, messages=[{"role": "user", "content": "Hello."}], thread={"type": "create"}, **beta)
     continuing = {"model": model, "messages": [{"role": "user", "content": "Go on."}],
                   "thread": {"type": "continue", "previous_message_id": created.id}, **beta}
-    async with ChatClient(await connect(f"ws://127.0.0.1:{workers[0].port}/ws")) as client:
-        session_id = (await client.open_session()).session_id
-        for index in range(2):
-            await (await client.chat(session_id, f"completed {index}", max_new_tokens=4)).result()
-        interrupted = await client.chat(session_id, "interrupted turn", max_new_tokens=400)
-        await anext(interrupted)
-        async with claude[0].beta.messages.stream(max_tokens=400, **continuing) as stream:
-            async for event in stream:
-                if event.type == "content_block_delta":
-                    break
-            workers[0].kill()
-        with pytest.raises(ChatError) as lost:
-            await interrupted.result()
-        assert (lost.value.code, lost.value.retryable) == ("disconnected", True)
+    async with claude[0].beta.messages.stream(max_tokens=400, **continuing) as stream:
+        async for event in stream:
+            if event.type == "content_block_delta":
+                workers[0].kill()
+                break
     await _continued_once_the_dead_claim_ends(claude[1], continuing)
-    workers[0] = start_worker(tiny_checkpoint, redis_db.url)  # restarted
-    ready, done = await one_turn(f"ws://127.0.0.1:{workers[0].port}/ws", session_id, "after the crash",
-                                 max_new_tokens=4)
-    assert ready.turns == 2 and done.usage.completion_tokens == 4
-    stored = await RedisSessionStore(redis_db.url, retention_s=60).get(session_id)
-    assert [m.content for m in stored.messages if m.role == "user"] == ["completed 0", "completed 1",
-                                                                         "after the crash"]
 
 
 async def _continued_once_the_dead_claim_ends(claude: anthropic.AsyncAnthropic, continuing: dict) -> None:
