@@ -152,8 +152,8 @@ class RedisSessionStore:
                 if self._down():
                     raise RedisConnectionError("backing off after Redis was unreachable")
                 taken = await self._call(lambda: self._redis.eval(
-                    scripts.ACQUIRE, 5, *[redis_key(session_id, part) for part in ("lease", "fence", "meta", "messages",
-                                                                            "tokens")],
+                    scripts.ACQUIRE, 5,
+                    *[redis_key(session_id, part) for part in ("lease", "fence", "meta", "messages", "tokens")],
                     token, self.lease_ttl_ms, int(self.retention_s * 1000), self._unreleased.get(session_id, ""),
                     "0" if self._has_pending(session_id) else "1"))
             except UNREACHABLE as error:

@@ -19,6 +19,7 @@ from typing import Literal, Protocol
 
 from cachetools import TTLCache
 
+from sessions import redis_scripts as scripts
 from sessions.redis_store import RedisSessionStore
 
 LOCAL_THREADS = 100_000  # the in-memory store forgets the oldest beyond this many replies
@@ -113,8 +114,6 @@ if state then return {'in_flight'} end
 redis.call('SET', KEYS[2], 'running', 'PX', ARGV[1])
 return {'claimed', raw}
 """
-# KEYS: the state. ARGV: the lease in ms. A running claim's lease starts again (a settled one is left alone).
-_RENEW = "if redis.call('GET', KEYS[1]) == 'running' then return redis.call('PEXPIRE', KEYS[1], ARGV[1]) end return 0"
 # KEYS: the reply, its state. ARGV: the TTL in ms. Continued: said so, and the reply kept the TTL again.
 _CONTINUED = """
 redis.call('SET', KEYS[2], 'continued', 'PX', ARGV[1])
@@ -156,7 +155,8 @@ class RedisThreadStore:
 
     async def renew(self, message_id: str) -> None:
         state = _state_key(message_id)
-        await self._call(self._redis.eval(_RENEW, 1, state, int(self.lease_s * 1000)))
+        # (the session lease's script: a running claim's lease starts again, a settled one is left alone)
+        await self._call(self._redis.eval(scripts.RENEW, 1, state, "running", int(self.lease_s * 1000)))
 
     def _call(self, command):
         return self._sessions.beside(command, "thread")

@@ -142,16 +142,12 @@ async def test_a_thread_reply_claimed_by_a_killed_worker_can_be_continued_once_i
             if event.type == "content_block_delta":
                 workers[0].kill()
                 break
-    await _continued_once_the_dead_claim_ends(claude[1], continuing)
-
-
-async def _continued_once_the_dead_claim_ends(claude: anthropic.AsyncAnthropic, continuing: dict) -> None:
     with pytest.raises(anthropic.BadRequestError) as in_flight:
-        await claude.beta.messages.create(max_tokens=4, **continuing)
+        await claude[1].beta.messages.create(max_tokens=4, **continuing)
     assert in_flight.value.body["error"]["details"]["error_code"] == "thread_continue_in_flight"
     for _ in range(60):
         try:
-            continued = await claude.beta.messages.create(max_tokens=4, **continuing)
+            continued = await claude[1].beta.messages.create(max_tokens=4, **continuing)
             break
         except anthropic.BadRequestError as error:
             assert error.body["error"]["details"]["error_code"] == "thread_continue_in_flight"
