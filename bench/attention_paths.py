@@ -20,7 +20,7 @@ from common import synthetic_history, write_result
 from decode_floor import run_turns
 
 from chatd.config import Settings
-from chatd.engine.scheduler import Engine
+from chatd.engine.engine import Engine
 from chatd.model.loader import load_model
 from chatd.model.prompt import PromptRenderer
 from sessions import Session

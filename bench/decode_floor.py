@@ -22,8 +22,8 @@ from common import median_ms, synthetic_history, write_result
 from transformers import DynamicCache
 
 from chatd.config import Settings
+from chatd.engine.engine import Engine
 from chatd.engine.sampling import SamplingParams
-from chatd.engine.scheduler import Engine
 from chatd.engine.turn import TokenText, Turn, TurnResult
 from chatd.model.loader import load_model
 from chatd.model.prompt import PromptRenderer

@@ -27,7 +27,10 @@ QUESTIONS = ["My internet is down since this morning.", "How do I change the add
 def worker() -> dict:
     """Milliseconds per decode step over each case, in this process's checkout."""
     from chatd.config import Settings
-    from chatd.engine.scheduler import Engine
+    try:
+        from chatd.engine.engine import Engine
+    except ImportError:  # (a checkout from before the module was named for what it holds)
+        from chatd.engine.scheduler import Engine
     from chatd.model.loader import load_model
 
     loaded = load_model("smollm2-135m", device="cpu", dtype="float32")

@@ -22,7 +22,7 @@ from cache_store.remote.remote_format import StoredKV
 from cache_store.remote.remote_moves import pinned
 from chatd.config import Settings
 from chatd.engine.deep_check import deep_check_distance
-from chatd.engine.scheduler import Engine
+from chatd.engine.engine import Engine
 from chatd.model.loader import load_model
 
 HERE = Path(__file__).parent

@@ -60,7 +60,7 @@ class Stopwatch:
 def cost(repeats: int) -> dict:
     from cache_store.tier_events import NO_EVENTS
     from chatd.config import Settings
-    from chatd.engine.scheduler import Engine
+    from chatd.engine.engine import Engine
     from chatd.model.loader import load_model
 
     loaded = load_model(MODEL, device="cpu", dtype="float32")

@@ -22,7 +22,10 @@ def worker() -> dict:
 
     from cache_store import CacheEntry
     from chatd.config import Settings
-    from chatd.engine.scheduler import Engine
+    try:
+        from chatd.engine.engine import Engine
+    except ImportError:  # (a checkout from before the module was named for what it holds)
+        from chatd.engine.scheduler import Engine
     from chatd.model.loader import load_model
 
     # Before issue 41 a step took one token per row; since, a list of tokens per row.

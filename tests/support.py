@@ -14,8 +14,8 @@ from cache_store import CacheLookup, CacheStore, kv_bytes_per_token
 from chatd.api.server import ChatServer
 from chatd.cli.client import ChatClient
 from chatd.config import Settings
+from chatd.engine.engine import Engine
 from chatd.engine.sampling import SamplingParams
-from chatd.engine.scheduler import Engine
 from chatd.engine.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
 from chatd.model.loader import LoadedModel, stop_token_ids
 from sessions import Session

@@ -5,7 +5,7 @@ import json
 import threading
 from pathlib import Path
 
-from chatd.engine import scheduler
+from chatd.engine import engine as engine_module
 from sessions import Session
 from tests.support import run_together, run_turn, running_engine
 
@@ -134,7 +134,7 @@ def test_turns_queued_behind_a_full_batch_start_as_soon_as_it_empties(tiny, monk
     """With --max-batch 1 the turns behind the first wait in the queue; once the batch is empty the engine starts the
     next at once. (Before, it slept until its housekeeping wake-up, a second each time: made a minute here, so that
     only an engine that idles with work queued runs into the wait's limit.)"""
-    monkeypatch.setattr(scheduler, "EXPIRE_EVERY_S", 60.0)
+    monkeypatch.setattr(engine_module, "EXPIRE_EVERY_S", 60.0)
     with running_engine(tiny, max_batch=1) as engine:
         sessions = [Session(f"q{i}") for i in range(3)]
         done = threading.Event()

@@ -151,3 +151,32 @@ def test_the_engine_the_cache_store_and_the_apis_stay_readable():
                          if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
                          and (length := node.end_lineno - node.lineno + 1) > 60]
     assert not too_long, too_long
+
+
+def test_chatd_reaches_the_cache_store_through_its_boundary():
+    """chatd imports cache_store's own names and its top floor, never a room's module (a room may then move what it
+    holds without chatd noticing)."""
+    wrong = [(module, target) for module, targets in modules().items() if module.startswith("chatd")
+             for target in targets if target.startswith("cache_store.") and room(target) not in ("top", "shared")]
+    assert not wrong, wrong
+
+
+TURN_STATES = {"queued", "head", "prefilling", "decoding", "fetching"}
+
+
+def test_a_turn_changes_state_in_one_place():
+    """Only `TurnQueues` moves a turn between its states: no other engine module changes a state's queue, and the
+    updater, which moves turns on after a step, does not reach into the planner."""
+    wrong = []
+    for path in (ROOT / "chatd" / "engine").glob("*.py"):
+        if path.name in ("turn_queues.py", "fetching.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            changed = [node.func.value] if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("append", "appendleft", "pop", "popleft", "remove", "clear", "extend") else []
+            if isinstance(node, ast.Assign | ast.AugAssign):
+                changed = node.targets if isinstance(node, ast.Assign) else [node.target]
+            wrong += [f"{path.name}:{node.lineno}" for target in changed
+                      if isinstance(target, ast.Attribute) and target.attr in TURN_STATES]
+    assert not wrong, wrong
+    assert "chatd.engine.planner" not in modules()["chatd.engine.updater"]

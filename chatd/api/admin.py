@@ -10,12 +10,12 @@ import logging
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from cache_store.checks.stage_faults import STAGES
+from cache_store import STAGES
 from cache_store.faults import FAULT_KINDS, TIERS, NoCache, corrupt
 from chatd.api.auth import KeyRing
 from chatd.api.http_responses import json_response
 from chatd.config import Settings
-from chatd.engine.scheduler import Engine
+from chatd.engine.engine import Engine
 from sessions import SessionStore
 
 log = logging.getLogger(__name__)

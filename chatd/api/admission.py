@@ -13,8 +13,8 @@ from chatd.api.http_errors import ApiError, refusals
 from chatd.api.tool_calling import ToolSetup, compile_grammar
 from chatd.api.turns import TurnRunner
 from chatd.config import Settings
+from chatd.engine.engine import Engine
 from chatd.engine.grammar import CompiledGrammar
-from chatd.engine.scheduler import Engine
 
 
 class ReplyBody(Protocol):

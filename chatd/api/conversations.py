@@ -22,7 +22,7 @@ from chatd.api.tool_calling import ToolFormat, ToolSetup, format_for
 from chatd.api.turn_errors import ErrorMessage
 from chatd.api.turns import MOVED_ON, StartedTurn, TurnPlan, TurnRequest, TurnRunner
 from chatd.config import Settings
-from chatd.engine.scheduler import Engine
+from chatd.engine.engine import Engine
 from chatd.engine.turn import TurnFailed, TurnResult
 from chatd.model.prompt import PromptRenderer
 from sessions import Message, Session, SessionStore, StoreUnavailable

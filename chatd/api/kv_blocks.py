@@ -14,7 +14,7 @@ from cache_store.block_ledger import blocks_of, held_tokens
 from chatd.api.admission import Admission
 from chatd.api.http_errors import ApiError
 from chatd.config import Settings
-from chatd.engine.scheduler import Engine
+from chatd.engine.engine import Engine
 from chatd.engine.supervision import EngineUnavailable
 
 

@@ -42,7 +42,7 @@ from chatd.api.turns import TurnRunner
 from chatd.api.websocket.client_socket import ClientSocket
 from chatd.api.websocket.gateway import Gateway
 from chatd.config import Settings
-from chatd.engine.scheduler import Engine
+from chatd.engine.engine import Engine
 from chatd.engine.turn import TurnResult
 from chatd.model.kv_size import kv_report
 from chatd.model.loader import LoadedModel, load_model

@@ -14,8 +14,8 @@ from chatd.api.rate_limit import RateLimiter
 from chatd.api.tool_calling import ToolSetup
 from chatd.api.turn_errors import ErrorMessage
 from chatd.config import Settings
+from chatd.engine.engine import Engine
 from chatd.engine.sampling import SamplingParams
-from chatd.engine.scheduler import Engine
 from chatd.engine.turn import TokenText, Turn, TurnEvent, TurnFailed, TurnResult
 from sessions import (
     Lease,

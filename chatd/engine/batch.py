@@ -20,8 +20,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from cache_store import CacheEntry
-from cache_store.device.arena import ArenaCache, KVArena
+from cache_store import ArenaCache, CacheEntry, KVArena
 from chatd.engine.attention import ArenaRows
 from chatd.engine.chain_attention import ChainPlan
 

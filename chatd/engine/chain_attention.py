@@ -27,8 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_store.device.arena import ArenaCache, KVArena
-from cache_store.device.chain import segments
+from cache_store import ArenaCache, KVArena, segments
 
 
 def partial_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,

@@ -1,6 +1,6 @@
-"""Where a turn ends, whatever ends it: its reply written back, a failure at some stage, a cancellation before it
-started, a refusal. Every turn the engine took is tracked here until its last event, so that a stopping engine can
-answer each."""
+"""Where a turn ends, whatever ends it: its reply written back, a failure at some stage, a cancellation, a refusal.
+Every write-back and release of a turn's cache at its end happens here, and every turn the engine took is tracked
+here until its last event, so that a stopping engine can answer each."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
-from cache_store import CacheStore
-from cache_store.checks.stage_faults import FaultPoints
+from cache_store import CacheStore, FaultPoints
 from cache_store.failure_log import log_failure
 from chatd.engine.drafts import Speculator
 from chatd.engine.running_turn import RunningTurn
@@ -26,9 +25,8 @@ class TurnEndings:
     """The turns the engine has taken and not ended, and the ways they end. The engine thread's alone, but for
     `running`, which any thread may read."""
 
-    def __init__(self, faults: FaultPoints, speculator: Speculator):
-        self._faults, self._speculator = faults, speculator
-        self.cache: CacheStore | None = None  # once the model is loaded
+    def __init__(self, cache: CacheStore, faults: FaultPoints, speculator: Speculator):
+        self._cache, self._faults, self._speculator = cache, faults, speculator
         self.live: dict[int, Turn] = {}  # every turn taken from the queue and not yet ended, by id
         self.failures: Counter[str] = Counter()  # turns failed, by stage
         self._counted: set[int] = set()  # the started turns (by id), as of the last step, less those ended since
@@ -71,9 +69,33 @@ class TurnEndings:
             turn.emit(event)
 
     def cancelled_before_start(self, turn: Turn) -> None:
-        """A turn cancelled before it fed anything: it ends with nothing generated and nothing written."""
+        """A turn cancelled before it was admitted: it ends with nothing generated and nothing written."""
         queue_ms = (time.perf_counter() - turn.received_at) * 1000.0
         self.end(turn, TurnResult.cancelled_before_start(queue_ms))
+
+    def cancelled(self, running: RunningTurn) -> None:
+        """An admitted turn cancelled before its first token: its session's claim on the cache let go when it never
+        looked its cache up (a fetch under way is dropped), or its cache written back as it found it."""
+        if running.lookup is None:
+            if running.fetch is not None:
+                running.fetch.job.cancel()
+            self._cache.release(running.turn.session_id)
+            self.cancelled_before_start(running.turn)
+        else:
+            running.first_token_at = time.perf_counter()
+            self.finish(running, "cancelled")
+
+    def turned_away(self, running: RunningTurn, refusal: TurnFailed) -> None:
+        """An admitted turn that cannot run now (`busy`): its cache written back as it found it, or its session's
+        claim on the cache let go when it had none yet."""
+        session_id = running.turn.session_id
+        if running.entry is not None:
+            running.entry.crop(running.rollback_to)
+            self._cache.put(session_id, running.entry, running.turn.session_version)
+            running.let_go()
+        else:
+            self._cache.release(session_id)
+        self.end(running.turn, refusal)
 
     def finish(self, running: RunningTurn, finish: FinishReason) -> None:
         """Write the cache back (rolled back first if cancelled) and report the result."""
@@ -86,7 +108,7 @@ class TurnEndings:
             if finish in ("stop", "length"):
                 self._speculator.finished(turn.owner or "", running.prompt_ids, running.generated)
             with torch.inference_mode():
-                self.cache.put(turn.session_id, entry, turn.session_version + (finish != "cancelled"),
+                self._cache.put(turn.session_id, entry, turn.session_version + (finish != "cancelled"),
                                keep_for_s=turn.keep_for_s)
             running.let_go()
         except Exception as error:
@@ -104,8 +126,8 @@ class TurnEndings:
                     turn.session_id, stage)
         self.failures[stage] += 1
         self._faults.disarm(turn.session_id)
-        if isinstance(failed, RunningTurn) or not self.cache.device.is_running(turn.session_id):
-            self.cache.abandon(turn.session_id)  # never another turn's running cache
+        if isinstance(failed, RunningTurn) or not self._cache.device.is_running(turn.session_id):
+            self._cache.abandon(turn.session_id)  # never another turn's running cache
         if isinstance(failed, RunningTurn):
             failed.let_go()
         self.end(turn, TurnFailed("internal", f"the turn failed at the {stage} stage: {type(error).__name__}"))

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from cache_store.checks.stage_faults import FaultPoints
+from cache_store import FaultPoints
 from chatd.engine.model_runner import ModelRunner
 from chatd.engine.step_cost import StepCost
 from chatd.engine.step_plan import DecodePlan, DecodeRow, PrefillChunk, RowOutcome

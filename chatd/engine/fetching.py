@@ -7,8 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from cache_store import CacheStore
-from cache_store.remote.remote_moves import FetchRequest
+from cache_store import CacheStore, FetchRequest
 from chatd.engine.running_turn import RunningTurn
 
 

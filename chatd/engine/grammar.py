@@ -27,7 +27,7 @@ import torch
 from cachetools import LRUCache
 from transformers import PreTrainedTokenizerBase
 
-from cache_store.checks.stage_faults import FaultPoints
+from cache_store import FaultPoints
 
 log = logging.getLogger(__name__)
 GRAMMAR_CACHE_SIZE = 256

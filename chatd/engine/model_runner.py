@@ -14,8 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from cache_store import CacheEntry
-from cache_store.device.arena import ArenaCache, KVArena, TemporaryCache
+from cache_store import ArenaCache, CacheEntry, KVArena, TemporaryCache
 from chatd.engine.attention import use_arena_attention
 from chatd.engine.batch import batched_step
 from chatd.engine.chain_attention import ChainPlan

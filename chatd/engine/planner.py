@@ -13,87 +13,53 @@ as possible, so that a turn ahead that shared its system prompt in this very ste
 from __future__ import annotations
 
 import logging
-import time
-from collections import deque
 from collections.abc import Callable, Iterator
 
 import torch
 
-from cache_store import CacheEntry, CacheLookup, CacheStore, SessionRunning
-from cache_store.checks.stage_faults import FaultPoints
-from cache_store.device.arena import ArenaCache, ArenaFull
+from cache_store import ArenaCache, ArenaFull, CacheStore, FaultPoints, KVArena, SessionRunning
 from cache_store.failure_log import log_failure
 from chatd.config import Settings
 from chatd.engine.drafts import Speculator
 from chatd.engine.endings import TurnEndings
-from chatd.engine.fetching import FetchingTurns
 from chatd.engine.grammar import GrammarCompiler
-from chatd.engine.model_runner import ModelRunner
 from chatd.engine.running_turn import RunningTurn
 from chatd.engine.step_plan import DecodePlan, DecodeRow, PrefillChunk, StepCounts
 from chatd.engine.turn import Turn, TurnFailed
+from chatd.engine.turn_queues import TurnQueues
 from chatd.engine.turn_setup import CacheFinder, TurnPreparer
 
 log = logging.getLogger(__name__)
 
 
 class StepPlanner:
-    """The turns by state, and what each step runs of them. The engine thread's alone."""
+    """What each step runs of the turns in `queues`, which it reads and moves on as it plans. The engine thread's
+    alone."""
 
-    def __init__(self, settings: Settings, cache: CacheStore, runner: ModelRunner, preparer: TurnPreparer,
-                 finder: CacheFinder, grammars: GrammarCompiler, speculator: Speculator, faults: FaultPoints,
-                 endings: TurnEndings, counts: StepCounts, left_queue: Callable[[], None], wake: Callable[[], None]):
-        self._settings, self._cache, self._runner, self._arena = settings, cache, runner, runner.arena
+    def __init__(self, settings: Settings, queues: TurnQueues, cache: CacheStore, arena: KVArena,
+                 preparer: TurnPreparer, finder: CacheFinder, grammars: GrammarCompiler, speculator: Speculator,
+                 faults: FaultPoints, endings: TurnEndings, counts: StepCounts, left_queue: Callable[[], None]):
+        self._settings, self._queues, self._cache, self._arena = settings, queues, cache, arena
         self._preparer, self._finder, self._grammars, self._speculator = preparer, finder, grammars, speculator
         self._faults, self._endings, self._counts, self._left_queue = faults, endings, counts, left_queue
-        self.queued: deque[Turn] = deque()  # submitted, not started: admitted oldest first
-        self._head: RunningTurn | None = None  # the oldest, rendered, waiting for device memory
-        self.prefilling: deque[RunningTurn] = deque()  # admitted, prompt being fed chunk by chunk
-        self.fetching = FetchingTurns(wake)  # admitted, their cache on its way from Redis
-        self.decoding: list[RunningTurn] = []  # the decode batch
-        self._riders: list[RunningTurn] = []  # prefilling turns whose last chunk rides this step's decode pass
-
-    def started(self) -> list[RunningTurn]:
-        """The turns admitted and not ended: decoding, prefilling, or fetching their cache from Redis."""
-        return [*self.decoding, *self.prefilling, *self.fetching]
-
-    def has_work(self) -> bool:
-        """Whether the next step has a turn to run: one prefilling or decoding, one waiting for room, or a queued one
-        the batch has room for (a turn waiting on a full batch, or on Redis, gives the engine nothing to do)."""
-        return bool(self.decoding or self.prefilling or self._head
-                    or (self.queued and len(self.started()) < self._settings.max_batch))
-
-    @property
-    def busy(self) -> bool:
-        """Whether the model has work (what the thread governor counts as working)."""
-        return bool(self.decoding or self.prefilling)
-
-    def clear(self) -> None:
-        """The engine stops: no turn is planned again (the endings answer them)."""
-        self.queued.clear()
-        self._head, self.prefilling, self.decoding, self._riders = None, deque(), [], []
-        self.fetching.clear()
 
     # ----- admission and the fetch state -----
 
     def collect_fetches(self) -> None:
         """Turns whose fetch has finished, or that waited for it as long as recomputing would take, go back to the
         front of the prefilling turns (oldest first), to look up their cache; cancelled ones end."""
-        for running in reversed(self.fetching.take_done()):
-            if running.turn.cancelled.is_set():
-                running.fetch.job.cancel()
-                self._cache.release(running.turn.session_id)
-                self._endings.cancelled_before_start(running.turn)
-            else:
-                self.prefilling.appendleft(running)
+        for running in self._queues.fetched():
+            self._endings.cancelled(running)
 
     def admit(self) -> None:
         """Start waiting turns, oldest first, while the batch has room and the device budget can hold
         what their caches may reach; each is then looked up and prefilled chunk by chunk before it
         joins the decode batch. The oldest that does not fit waits, and the others behind it, for a
         running turn to finish (first come, first served)."""
-        while (self._head or self.queued) and len(self.started()) < self._settings.max_batch:
-            running, self._head = self._head or self._render(self.queued.popleft()), None
+        queues = self._queues
+        while (queues.head or queues.queued) and len(queues.started()) < self._settings.max_batch:
+            waiting = queues.next_to_admit()
+            running = waiting if isinstance(waiting, RunningTurn) else self._render(waiting)
             if running is None:
                 self._left_queue()
                 continue
@@ -104,7 +70,7 @@ class StepPlanner:
                 continue
             try:
                 admitted = self._cache.admit(turn.session_id, turn, running.reserve_bytes,
-                                             alone=not self.started())
+                                             alone=not queues.started())
             except SessionRunning as error:  # a second turn of a session: never let it near the cache
                 self._left_queue()
                 self._endings.end(turn, TurnFailed("busy", f"{error}; retry when it has finished"))
@@ -114,10 +80,10 @@ class StepPlanner:
                 self._endings.fail(turn, error, "admission")
                 continue
             if not admitted:
-                self._head = running
+                queues.wait_for_room(running)
                 return
             self._left_queue()
-            self.prefilling.append(running)
+            queues.admitted(running)
 
     def _render(self, turn: Turn) -> RunningTurn | None:
         try:
@@ -134,18 +100,21 @@ class StepPlanner:
 
     # ----- prefill -----
 
-    def prefill_chunks(self) -> Iterator[PrefillChunk]:
+    def prefill_chunks(self, riders: list[RunningTurn]) -> Iterator[PrefillChunk]:
         """This step's chunks fed alone, up to --prefill-chunk prompt tokens on the oldest prefilling turns (so that
         prefill shares the engine with the others' decode steps, and several short prefills, a returning customer's
-        new message on top of its cache, start in the same step). Each is run and taken before the next is planned."""
-        budget = self._settings.prefill_chunk
-        while self.prefilling and budget > 0:
-            head = self.prefilling[0]
+        new message on top of its cache, start in the same step). Each is run and taken before the next is planned.
+        A turn whose last chunk rides the decode pass instead is added to `riders`, for `decode_plan`."""
+        budget, prefilling = self._settings.prefill_chunk, self._queues.prefilling
+        while prefilling and budget > 0:
+            head = prefilling[0]
             if (chunk := self._next_chunk(head, budget)) is not None:
                 budget -= len(chunk.tokens)
-                if not chunk.rides:
+                if chunk.rides:
+                    riders.append(head)
+                else:
                     yield chunk
-            if self.prefilling and self.prefilling[0] is head and not head.has_room:
+            if prefilling and prefilling[0] is head and not head.has_room:
                 return  # it waits for a decoding turn to finish and free its region (first come, first served)
 
     def _next_chunk(self, running: RunningTurn, budget: int) -> PrefillChunk | None:
@@ -153,8 +122,8 @@ class StepPlanner:
         or the rest of its prompt riding the decode step; None when it feeds nothing now (it ended, waits for room, or
         waits for its cache from Redis)."""
         if running.turn.cancelled.is_set():
-            self.prefilling.popleft()
-            self._cancel(running)
+            self._queues.left_prefill(running)
+            self._endings.cancelled(running)
             return None
         session_id = running.turn.session_id
         stage = "lookup"
@@ -170,24 +139,15 @@ class StepPlanner:
                 stage = "prefill"
                 self._faults.check("prefill", session_id)
         except Exception as error:
-            self.prefilling.popleft()
+            self._queues.left_prefill(running)
             self._endings.fail(running, error, stage)
             return None
         if self._rides(running, budget):
-            self.prefilling.popleft()
-            self._riders.append(running)
+            self._queues.left_prefill(running)
             return PrefillChunk(running, running.pending, rides=True)
         if running.share_prefix:  # the system prompt alone first (in chunks too), to be shared with later sessions
             return PrefillChunk(running, running.pending[:min(budget, running.prefix_len - running.entry.num_tokens)])
         return PrefillChunk(running, running.pending[:budget])
-
-    def _cancel(self, running: RunningTurn) -> None:
-        if running.lookup is None:  # its cache was never touched
-            self._cache.release(running.turn.session_id)
-            self._endings.cancelled_before_start(running.turn)
-        else:
-            running.first_token_at = time.perf_counter()
-            self._endings.finish(running, "cancelled")
 
     def _look_up(self, running: RunningTurn) -> bool:
         """Find the turn's cache (as late as possible: turns ahead may have shared a prefix), once what should come
@@ -200,7 +160,7 @@ class StepPlanner:
         except ArenaFull:  # no room on the device for its cache (restored, fetched, or its segment)
             self._wait_for_room(running)
             return False
-        self.begin_prefill(running, lookup)
+        self._finder.begin_prefill(running, lookup)
         return True
 
     def _fetch(self, running: RunningTurn) -> bool:
@@ -209,24 +169,14 @@ class StepPlanner:
         request = self._finder.remote_request(running)
         if request is None:
             return False
-        self.prefilling.popleft()
-        self.fetching.start(running, self._cache, request)
+        self._queues.to_fetch(running, self._cache, request)
         return True
-
-    def begin_prefill(self, running: RunningTurn, lookup: CacheLookup) -> None:
-        """Take the cache the lookup found (or a new one) and line up the prompt tokens it does not cover."""
-        running.lookup = lookup
-        running.hold(lookup.entry or CacheEntry(self._runner.new_cache()))
-        running.has_room = False
-        running.rollback_to = lookup.cached_tokens
-        running.pending = running.prompt_ids[lookup.cached_tokens:]
-        running.share_prefix = lookup.source == "miss" and running.prefix_len > 0
 
     def _rides(self, running: RunningTurn, budget: int) -> bool:
         """Whether the turn's last chunk is fed in this step's decode pass, as one more row of it (one pass for the
         decoding turns and a returning customer's new message): when there is a decode step, the rest of its prompt
         fits the budget, its cache is in the arena, and no system prompt is to be split off and shared."""
-        return (bool(self.decoding) and len(running.pending) <= budget and not running.share_prefix
+        return (bool(self._queues.decoding) and len(running.pending) <= budget and not running.share_prefix
                 and isinstance(running.entry.cache, ArenaCache))
 
     # ----- room in the arena -----
@@ -257,30 +207,22 @@ class StepPlanner:
     def _wait_for_room(self, running: RunningTurn) -> None:
         """The turn stays first in line while a decoding turn may still free a region; with none
         decoding it can only wait forever, so it is answered `busy`, its cache kept as it found it."""
-        if self.decoding:
+        if self._queues.decoding:
             return
-        self.prefilling.popleft()
-        session_id = running.turn.session_id
-        if running.entry is not None:
-            running.entry.crop(running.rollback_to)
-            self._cache.put(session_id, running.entry, running.turn.session_version)
-            running.let_go()
-        else:
-            self._cache.release(session_id)
-        self._endings.end(running.turn, TurnFailed("busy", "the device has no room for this conversation's cache "
-                                                           "right now; retry shortly"))
+        self._queues.left_prefill(running)
+        self._endings.turned_away(running, TurnFailed("busy", "the device has no room for this conversation's cache "
+                                                              "right now; retry shortly"))
 
     # ----- the decode step -----
 
-    def decode_plan(self) -> DecodePlan | None:
+    def decode_plan(self, riders: list[RunningTurn]) -> DecodePlan | None:
         """The step's packed pass: every decoding turn's next token with its draft, then each riding turn's rest of
         its prompt; None when no turn decodes or rides."""
-        batch, self.decoding = self.decoding, []
-        riders, self._riders = self._riders, []
+        batch = self._queues.take_decoding()
         if not batch and not riders:
             return None
         self._counts.batch_sizes[len(batch)] += 1
-        self._counts.steps_beside_fetches += bool(self.fetching)
+        self._counts.steps_beside_fetches += bool(self._queues.fetching)
         needed = self._speculator.cost.break_even(len(batch))
         self._speculator.new_step()
         rows = []

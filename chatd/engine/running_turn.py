@@ -6,8 +6,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from cache_store import CacheEntry, CacheLookup
-from cache_store.remote.remote_moves import RemoteFetch
+from cache_store import CacheEntry, CacheLookup, RemoteFetch
 from chatd.engine.deep_check import DeepCheck
 from chatd.engine.drafts import RowDrafts
 from chatd.engine.grammar import ReplyGrammar

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cache_store.checks.stage_faults import InjectedFatalFault
+from cache_store import InjectedFatalFault
 
 _CUDA_FAILURES = ("CUDA error", "device-side assert", "illegal memory access", "CUBLAS_STATUS", "cuDNN error")
 

@@ -12,9 +12,7 @@ from collections import deque
 
 import torch
 
-from cache_store import CacheEntry, CacheLookup, CacheStore, kv_bytes_per_token
-from cache_store.device.arena import KVArena, TemporaryCache
-from cache_store.remote.remote_moves import FetchRequest
+from cache_store import CacheEntry, CacheLookup, CacheStore, FetchRequest, KVArena, TemporaryCache, kv_bytes_per_token
 from chatd.config import Settings
 from chatd.engine.deep_check import DEEP_CHECK_TOLERANCE, DEEP_CHECK_TOLERANCE_INT8, DeepCheck
 from chatd.engine.grammar import GrammarCompiler
@@ -127,6 +125,15 @@ class CacheFinder:
             checked = lookup.entry if lookup.entry.own_tokens else lookup.entry.clone(lambda tokens: TemporaryCache())
             running.deep_check = DeepCheck(checked, CacheEntry(self._runner.scratch_cache()))
         return lookup
+
+    def begin_prefill(self, running: RunningTurn, lookup: CacheLookup) -> None:
+        """Take the cache the lookup found (or a new one) and line up the prompt tokens it does not cover."""
+        running.lookup = lookup
+        running.hold(lookup.entry or CacheEntry(self._runner.new_cache()))
+        running.has_room = False
+        running.rollback_to = lookup.cached_tokens
+        running.pending = running.prompt_ids[lookup.cached_tokens:]
+        running.share_prefix = lookup.source == "miss" and running.prefix_len > 0
 
     def judge(self, running: RunningTurn) -> CacheLookup:
         """The turn's deep check, all of its tokens recomputed: its lookup, or a `corrupt` miss."""

@@ -8,27 +8,26 @@ import time
 
 import torch
 
-from cache_store import CacheStore
-from cache_store.checks.stage_faults import FaultPoints
+from cache_store import CacheStore, FaultPoints
 from chatd.engine.drafts import Speculator
 from chatd.engine.endings import TurnEndings
 from chatd.engine.grammar import GrammarCompiler, fill_masks, masked_logits, masks_by_row
-from chatd.engine.planner import StepPlanner
 from chatd.engine.running_turn import RunningTurn
 from chatd.engine.step_plan import DecodePlan, PrefillChunk, RowOutcome, StepCounts
 from chatd.engine.turn import FinishReason, PromptRead
+from chatd.engine.turn_queues import TurnQueues
 from chatd.engine.turn_setup import CacheFinder
 
 
 class StepUpdater:
-    """Takes each executed chunk and pass; the engine thread's alone."""
+    """Takes each executed chunk and pass, and moves each turn on in `queues`; the engine thread's alone."""
 
-    def __init__(self, cache: CacheStore, finder: CacheFinder, grammars: GrammarCompiler, speculator: Speculator,
-                 stop_token_ids: frozenset[int], faults: FaultPoints, planner: StepPlanner, endings: TurnEndings,
+    def __init__(self, queues: TurnQueues, cache: CacheStore, finder: CacheFinder, grammars: GrammarCompiler,
+                 speculator: Speculator, stop_token_ids: frozenset[int], faults: FaultPoints, endings: TurnEndings,
                  counts: StepCounts):
-        self._cache, self._finder, self._grammars, self._speculator = cache, finder, grammars, speculator
-        self._stop_token_ids, self._faults = stop_token_ids, faults
-        self._planner, self._endings, self._counts = planner, endings, counts
+        self._queues, self._cache, self._finder, self._grammars = queues, cache, finder, grammars
+        self._speculator, self._stop_token_ids, self._faults = speculator, stop_token_ids, faults
+        self._endings, self._counts = endings, counts
 
     def chunk_fed(self, chunk: PrefillChunk, outcome: torch.Tensor | Exception | None) -> None:
         """A chunk fed alone has run (`outcome`: its logits, or what failed it): a deep check that has recomputed
@@ -41,18 +40,18 @@ class StepUpdater:
             with torch.inference_mode():
                 if chunk.check:
                     if running.deep_check.done:
-                        self._planner.begin_prefill(running, self._finder.judge(running))
+                        self._finder.begin_prefill(running, self._finder.judge(running))
                     return
                 self._fed(running, chunk.tokens)
         except Exception as error:
             self._fail_prefilling(running, error, chunk.stage)
             return
         if not running.pending:
-            self._planner.prefilling.popleft()
+            self._queues.left_prefill(running)
             self._prefilled(running, outcome)
 
     def _fail_prefilling(self, running: RunningTurn, error: Exception, stage: str) -> None:
-        self._planner.prefilling.popleft()
+        self._queues.left_prefill(running)
         self._endings.fail(running, error, stage)
 
     def _fed(self, running: RunningTurn, tokens: list[int]) -> None:
@@ -97,9 +96,9 @@ class StepUpdater:
         if running.lookup.cached_tokens and not bool(torch.isfinite(first_logits).all()):
             # A NaN or Inf anywhere in the reused keys and values reaches these logits: the cheapest
             # finite check there is, on every turn. Start over from scratch.
-            self._planner.begin_prefill(running, self._cache.report_corruption(
+            self._finder.begin_prefill(running, self._cache.report_corruption(
                 running.turn.session_id, ("finite",), running.turn.session_version))
-            self._planner.prefilling.appendleft(running)
+            self._queues.back_to_prefill(running)
             return
         running.first_token_at = time.perf_counter()
         running.turn.prompt_read = PromptRead(running.prompt_ids, running.lookup.cached_tokens)
@@ -136,7 +135,7 @@ class StepUpdater:
         if finish:
             self._endings.finish(running, finish)
         else:
-            self._planner.decoding.append(running)
+            self._queues.to_decode(running)
 
     def _take(self, running: RunningTurn, logits: torch.Tensor, mask: torch.Tensor | None
               ) -> tuple[bool, FinishReason | None]:

@@ -1,27 +1,97 @@
-"""What the engine works with once its model is loaded, built in one place: the KV arena within the
-device budget, the model runner over it, the cache store with its tiers, the warm prompts in it, and the KV events
-that tell outside routers what its tiers hold."""
+"""What the engine works with once its model is loaded, built in one piece (`build`): the KV arena within the
+device budget, the model runner over it, the cache store with its tiers, the warm prompts in it, the KV events that
+tell outside routers what its tiers hold, and the step's planner, executor and updater over the turns' states."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from cache_store import CacheEntry, CacheLayout, CacheStore, KVGeometry, Offloader, kv_bytes_per_token
+from cache_store import (
+    CacheEntry,
+    CacheLayout,
+    CacheStore,
+    FaultPoints,
+    KVArena,
+    KVGeometry,
+    Offloader,
+    RemoteTier,
+    holding,
+    kv_bytes_per_token,
+)
 from cache_store.block_ledger import BlockLedger, public_scope
-from cache_store.checks.stage_faults import FaultPoints
-from cache_store.device.arena import KVArena
-from cache_store.device.entry import holding
 from cache_store.lookup import CopyObserver
-from cache_store.remote.remote_tier import RemoteTier
 from chatd.config import Settings
+from chatd.engine.cpu_share import ThreadGovernor, usable_cpus
+from chatd.engine.drafts import Speculator
+from chatd.engine.endings import TurnEndings
+from chatd.engine.executor import StepExecutor
+from chatd.engine.grammar import GrammarCompiler
 from chatd.engine.kv_events import KVEventPublisher, default_topic
 from chatd.engine.model_runner import ModelRunner
+from chatd.engine.planner import StepPlanner
+from chatd.engine.step_plan import StepCounts
+from chatd.engine.turn_queues import TurnQueues
+from chatd.engine.turn_setup import CacheFinder, TurnPreparer
+from chatd.engine.updater import StepUpdater
 from chatd.model.loader import LoadedModel
 
 MB = 1024 * 1024
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    """What loading the model makes, all at once: the engine has every part or none."""
+
+    loaded: LoadedModel
+    governor: ThreadGovernor  # fewer threads while other processes take this one's CPUs
+    arena: KVArena
+    runner: ModelRunner
+    cache: CacheStore
+    grammars: GrammarCompiler  # compiles what constrained replies follow, off the engine thread
+    queues: TurnQueues
+    endings: TurnEndings
+    finder: CacheFinder
+    planner: StepPlanner
+    executor: StepExecutor
+    updater: StepUpdater
+    kv_events: KVEventPublisher | None  # with --kv-events-endpoint: what the tiers hold, published
+    ledger: BlockLedger | None
+
+    def close(self) -> None:
+        """Stop the threads the parts run (the remote tier's, the grammar compiler's, the KV events' sender)."""
+        if self.cache.remote is not None:
+            self.cache.remote.close()
+        self.grammars.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+
+def build(loaded: LoadedModel, settings: Settings, faults: FaultPoints, speculator: Speculator, counts: StepCounts,
+          on_cache_copy: CopyObserver | None, left_queue: Callable[[], None], wake: Callable[[], None]) -> EngineParts:
+    """Every part of the engine for `loaded`, as `settings` size them, with the warm prompts prefilled.
+    `left_queue`: a queued turn was taken; `wake`: a fetch finished."""
+    threads = settings.threads or usable_cpus()
+    torch.set_num_threads(threads)
+    governor = ThreadGovernor(threads, adaptive=settings.adaptive_threads)
+    arena, runner, cache = wire(loaded, settings, faults, on_cache_copy)
+    kv_events, ledger = publish_kv_events(cache, settings) or (None, None)
+    grammars = GrammarCompiler(loaded.tokenizer, loaded.model.config.get_text_config().vocab_size,
+                               loaded.stop_token_ids, faults)
+    queues, endings = TurnQueues(wake), TurnEndings(cache, faults, speculator)
+    preparer = TurnPreparer(loaded, arena, settings, grammars)
+    finder = CacheFinder(cache, runner, settings, loaded.model.dtype)
+    planner = StepPlanner(settings, queues, cache, arena, preparer, finder, grammars, speculator, faults, endings,
+                          counts, left_queue)
+    updater = StepUpdater(queues, cache, finder, grammars, speculator, loaded.stop_token_ids, faults, endings, counts)
+    for text in settings.warm_prompts():
+        warm_prompt(runner, cache, preparer.system_ids(text))
+    return EngineParts(loaded, governor, arena, runner, cache, grammars, queues, endings, finder, planner,
+                       StepExecutor(runner, faults, speculator.cost), updater, kv_events, ledger)
 
 
 def wire(loaded: LoadedModel, settings: Settings, faults: FaultPoints,

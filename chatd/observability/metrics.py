@@ -11,8 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cache_store.checks.integrity import CHECKS
-from cache_store.checks.stage_faults import STAGES
+from cache_store import CHECKS, STAGES
 from cache_store.lookup import CacheSource, MissReason
 from chatd.engine.turn import TurnResult
 
