@@ -35,7 +35,7 @@ def fork(tiers: CacheTiers, new_cache: NewCache, source: str, target: str, promp
     copy.checksum = checksum(copy.tensors())
     tiers.make_room(copy.nbytes(), keep=source)
     with holding(copy):
-        tiers.device.put(target, copy, connected=target in tiers.notes.connected)
+        tiers.place(target, copy)
     return shared
 
 

@@ -1,5 +1,6 @@
 """The cache boundary. A turn asks what it may reuse and gets one `CacheLookup` back; everything
-about tiers, eviction, offload and sharing stays behind this object.
+about tiers, eviction, offload and sharing stays behind this object, which decides a lookup's order (device, host,
+Redis, a shared prefix, miss) and leaves every move between tiers to `CacheTiers`, the only holder of the tiers.
 
 Not thread-safe: the engine thread is its only caller.
 """
@@ -23,8 +24,7 @@ from cache_store.device.arena import UNIT, ArenaCache, ArenaFull, TemporaryCache
 from cache_store.device.device_tier import DeviceTier
 from cache_store.device.entry import CacheEntry, NewCache
 from cache_store.device.eviction import ConnectedLRUPolicy, EvictionPolicy
-from cache_store.device.segments import SharedSegments, is_segment, segment_key
-from cache_store.failure_log import log_failure
+from cache_store.device.segments import SharedSegments, segment_key
 from cache_store.host.host_pool import HostBufferPool
 from cache_store.host.host_tier import HostTier
 from cache_store.host.offload import Offloader
@@ -41,7 +41,6 @@ from cache_store.remote.cost_model import CostModel, RemoteDecision, Throughput
 from cache_store.remote.remote_caches import RemoteCaches
 from cache_store.remote.remote_format import EVERY_VERSION
 from cache_store.remote.remote_moves import FetchRequest, RemoteFetch, RemoteMoves
-from cache_store.remote_lookup import RemoteLookup
 from cache_store.session_notes import REMEMBERED_SESSIONS, SessionNotes
 from cache_store.store_stats import store_stats
 from cache_store.tier_moves import TierMoves
@@ -72,27 +71,23 @@ class CacheStore:
                  layer_windows: Sequence[int | None] = (), min_shared_tokens: int = UNIT, always_fetch: bool = False):
         self.enabled = enabled
         self.host_kv_dtype, self.remote_kv_dtype = host_kv_dtype, remote_kv_dtype
-        self.remote = remote
         self.cost = CostModel(remote.throughput if remote else Throughput(), always_fetch)
         self.layout = layout
         self.layer_windows = tuple(layer_windows) or (None,) * layout.layers  # per layer: sliding window or None
         self.model_key = model_key
-        self.notes = SessionNotes(clock)
-        self.device = DeviceTier(device_budget_bytes, policy or ConnectedLRUPolicy(self.notes.kept), clock)
-        self.segments = SharedSegments(self.device, model_key, layout)
-        self.host = HostTier(host_budget_bytes, HostBufferPool(pinned=offloader.pins_memory), clock, self.notes.kept)
         self.faults = faults or FaultPoints()
         self.ttl_s = ttl_s
-        self.counters: Counter[str] = Counter()
         self.new_cache = new_cache
         self.offloader = offloader
         self._clock = clock
-        moves = TierMoves(self.host, offloader, new_cache, layout, model_key, host_kv_dtype, self.faults)
-        self.tiers = CacheTiers(self.device, self.host, self.segments, moves, self.notes, remote, self.counters,
-                                on_copy or (lambda direction, tier, seconds: None))
-        self._remote = RemoteLookup(remote, RemoteMoves(remote, offloader, new_cache, layout, model_key,
-                                                        remote_kv_dtype), self.tiers, self.cost, min_shared_tokens,
-                                    pin=offloader.pins_memory) if remote is not None else None
+        notes = SessionNotes(clock)
+        device = DeviceTier(device_budget_bytes, policy or ConnectedLRUPolicy(notes.kept), clock)
+        host = HostTier(host_budget_bytes, HostBufferPool(pinned=offloader.pins_memory), clock, notes.kept)
+        self.tiers = CacheTiers(
+            device, host, SharedSegments(device, model_key, layout),
+            TierMoves(host, offloader, new_cache, layout, model_key, host_kv_dtype, self.faults), notes, remote,
+            RemoteMoves(remote, offloader, new_cache, layout, model_key, remote_kv_dtype) if remote else None,
+            on_copy or (lambda direction, tier, seconds: None))
         # A system prompt shorter than this is copied into each session that uses it, from a session's cache that
         # holds it (`_prompt_copies`: prompt key -> the session and its cache, weakly: a pointer, not a holder;
         # running or not, resident or released), rather than attended as a segment (faster at every step when short).
@@ -100,9 +95,36 @@ class CacheStore:
         self._prompt_copies: LRUCache[str, tuple[str, weakref.ref[CacheEntry]]] = LRUCache(REMEMBERED_SESSIONS)
         self._turns: dict[str, object] = {}  # session id -> its running turn, from admit to put or abandon
 
+    # The tiers' parts, which the engine's housekeeping, the metrics and the tests read (the tiers hold them).
+
+    @property
+    def device(self) -> DeviceTier:
+        return self.tiers.device
+
+    @property
+    def host(self) -> HostTier:
+        return self.tiers.host
+
+    @property
+    def remote(self) -> RemoteCaches | None:
+        """Redis (`--remote-kv`), or None."""
+        return self.tiers.remote
+
+    @property
+    def notes(self) -> SessionNotes:
+        return self.tiers.notes
+
+    @property
+    def segments(self) -> SharedSegments:
+        return self.tiers.segments
+
+    @property
+    def counters(self) -> Counter[str]:
+        return self.tiers.counters
+
     def owner_of(self, key: str) -> str | None:
         """Whose caches a tier's key belongs to: a segment's, or a session's as its last turn said."""
-        return self.segments.owner_of(key) if is_segment(key) else self.notes.owner_of(key)
+        return self.tiers.owner_of(key)
 
     @property
     def on_copy(self) -> CopyObserver:
@@ -122,16 +144,10 @@ class CacheStore:
         When even evicting every idle cache is not enough, the turn is not admitted (False: wait for a
         running turn to finish), unless it is `alone`, with no other turn running to wait for: then it
         runs over the budget, and its cache leaves the device at write-back."""
-        if self.device.is_running(session_id):
+        if self.tiers.device.is_running(session_id):
             raise SessionRunning(f"session {session_id} is already running a turn")
-        victims, fits = self.device.plan_room(self.device.extra_bytes(session_id, nbytes), keep=session_id)
-        if not fits and not alone:
+        if not self.tiers.admit(session_id, nbytes, alone):
             return False
-        for key in victims:
-            self.tiers.evict(key)
-        if not fits:  # alone over the budget: every idle cache goes (segments once nothing starts with them)
-            self.tiers.evict_idle(keep=session_id)
-        self.device.reserve(session_id, nbytes)
         self._turns[session_id] = turn
         return True
 
@@ -141,21 +157,22 @@ class CacheStore:
         worker has none as current as the turn (`session_version`; a session with no completed turn has nothing
         in Redis worth a round trip), and Redis answers. Names, by their ids, what the device holds that a fetch
         may keep. No call to Redis here: the fetch runs on the remote tier's threads (`start_fetch`)."""
-        if self.remote is None or not self.enabled or session_version == 0 or not self.remote.reachable:
+        tiers = self.tiers
+        if tiers.remote is None or not self.enabled or session_version == 0 or not tiers.remote.reachable:
             return None
-        own = self.device.peek(session_id) or self.host.get(session_id)
+        own = tiers.newest_copy(session_id)
         if own is not None and own.session_version >= session_version:
             return None
-        self.notes.remember_scope(session_id, scope, prefix_len)
+        tiers.notes.remember_scope(session_id, scope, prefix_len)
         # (the segment checked now, and brought back from the host tier if it must: what the fetch keeps is sound)
         segment = self._segment_for(prompt_ids, prefix_len, scope) if own is None else None
-        return self._remote.request(session_id, session_version, own, segment)
+        return tiers.remote_moves.request(session_id, session_version, tiers.notes.scope_of(session_id), own, segment)
 
     def start_fetch(self, request: FetchRequest, prompt_tokens: int,
                     done: Callable[[], None] = lambda: None) -> RemoteFetch:
         """Fetch what `request` asks for on the remote tier's threads; `done` is called (on one of them) when it has
         finished. The turn waits for it at most as long as recomputing its `prompt_tokens` is estimated to take."""
-        return self._remote.start(request, prompt_tokens, done)
+        return self.tiers.remote_moves.start(request, prompt_tokens, self.cost, done)
 
     def lookup(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int = 0,
                session_version: int = 0, turn: object | None = None, scope: str | None = None,
@@ -171,14 +188,14 @@ class CacheStore:
             self.admit(session_id, turn, 0, alone=True)
         if not self.enabled:
             return CacheLookup("miss", 0, miss_reason="disabled")
-        self.notes.remember_scope(session_id, scope, prefix_len)
+        self.tiers.notes.remember_scope(session_id, scope, prefix_len)
         # Another worker completed turns of this session since this worker's copy was written: Redis, which that
         # worker wrote, may hold the newest, which continues this copy (or else this copy is of no use).
-        stale = self._older_than(session_id, session_version)
-        if stale and self.remote is None:
-            self._discard_copies(session_id)
+        stale = (own := self.tiers.newest_copy(session_id)) is not None and own.session_version < session_version
+        if stale and self.tiers.remote is None:
+            self.tiers.discard_copies(session_id)
         found = self._on_device(session_id)
-        if isinstance(found, _Found) and found.entry is None and session_id in self.host:
+        if isinstance(found, _Found) and found.entry is None and session_id in self.tiers.host:
             found = self._from_host(session_id)
         decision = None
         if isinstance(found, _Found) and fetch is not None and (found.entry is None or stale):
@@ -186,7 +203,7 @@ class CacheStore:
         if isinstance(found, CacheLookup):
             return found  # a corrupt copy, cleared
         if stale and found.source != "remote":
-            self._discard_copies(session_id)
+            self.tiers.discard_copies(session_id)
             return CacheLookup("miss", 0, miss_reason="stale", remote=decision)
         if found.entry is None:
             return dataclasses.replace(self._start_from_prefix(session_id, prompt_ids, prefix_len, scope),
@@ -195,7 +212,7 @@ class CacheStore:
 
     def _on_device(self, session_id: str) -> _Found | CacheLookup:
         """The session's resident cache (None: not resident), checked."""
-        entry = self.device.get(session_id)
+        entry = self.tiers.device.get(session_id)
         if entry is not None and (failed := self.tiers.check_resident(session_id, entry)):
             return self.report_corruption(session_id, failed)
         return _Found(entry, "device")
@@ -215,19 +232,19 @@ class CacheStore:
         copy or its system prompt's segment) up to its last good chunk; and the fetch's decision."""
         outcome = fetch.outcome()
         decision = outcome.decision
-        self.counters.update(outcome.counters)
+        self.tiers.counters.update(outcome.counters)
         if decision is not None:
-            self.counters[f"remote_decisions_{decision.choice}"] += 1
+            self.tiers.counters[f"remote_decisions_{decision.choice}"] += 1
         if outcome.header is None or decision.choice != "fetch":
             return found, decision
         held = found.entry or self._segment_for(prompt_ids, prefix_len, scope)
-        fetched = self._remote.adopt(session_id, outcome, held)
+        fetched = self.tiers.adopt(session_id, outcome, held)
         if outcome.failed and fetched is None:
             return self.report_corruption(session_id, outcome.failed, outcome.header.session_version), decision
         self.tiers.count_corruption(outcome.failed)  # (a chunk failed: the turn recomputes from the last good one)
         if fetched is None:
             return found, decision
-        self._remote.share_system_prompt(fetched, prompt_ids, prefix_len, scope)
+        self.tiers.share_system_prompt(fetched, prompt_ids, prefix_len, scope, self.min_shared_tokens)
         return _Found(fetched, "remote", outcome.failed), decision
 
     def _resume(self, session_id: str, found: _Found, prompt_ids: Sequence[int],
@@ -239,16 +256,9 @@ class CacheStore:
             self.drop(session_id, entry.session_version)  # nothing in it is of use, in any tier
             return CacheLookup("miss", 0, miss_reason="drift")
         entry.crop(reusable)
-        self.device.cropped(session_id)
+        self.tiers.cropped(session_id, reusable)
         entry.checksum = None  # the turn changes it; write-back takes a new one
-        if (kept := self.host.get(session_id)) is not None and len(kept.token_ids) > reusable:
-            self.host.discard(session_id)  # positions it holds are computed again: its next offload is whole
         return CacheLookup(found.source, reusable, entry.acquire(), cleared=found.cleared, remote=decision)
-
-    def _discard_copies(self, session_id: str) -> None:
-        """A stale session's copies on the device and the host are of no use."""
-        self.device.discard(session_id)
-        self.host.discard(session_id)
 
     def put(self, session_id: str, entry: CacheEntry, session_version: int = 0,
             keep_for_s: float | None = None) -> None:
@@ -256,34 +266,30 @@ class CacheStore:
         reuse verifies; it becomes evictable again. `session_version` counts the completed turns the
         cache includes; `keep_for_s` (a cache breakpoint's ttl) keeps it resident that long ahead of plain LRU."""
         self._end_turn(session_id)
+        tiers = self.tiers
         if keep_for_s:
-            self.notes.keep(session_id, keep_for_s)
-        if not self.enabled or entry.num_tokens == 0 or self.segments.missing(entry) is not None:
+            tiers.notes.keep(session_id, keep_for_s)
+        if not self.enabled or entry.num_tokens == 0 or tiers.segments.missing(entry) is not None:
             self.drop(session_id)  # (a segment it starts with was dropped while it ran: it recomputes)
             return
-        self.device.discard(session_id)  # (the turn still holds `entry`: the tier takes it back below)
-        self.notes.found(session_id)
+        tiers.device.discard(session_id)  # (the turn still holds `entry`: the tier takes it back below)
+        tiers.notes.found(session_id)
         if isinstance(entry.cache, ArenaCache):
             entry.cache.fit()  # its region shrinks to what it holds: the rest is free for others
         entry.fingerprint = fingerprint(entry, self.model_key, session_id, self.layout)
         entry.checksum = checksum(entry.tensors())
         entry.session_version = session_version
-        base = self.tiers.continued_copy(session_id, entry)
+        base = tiers.continued_copy(session_id, entry)
         if base is not None:  # that offload copies only the positions after `base`: they alone are checked then
             own = len(base.token_ids) - entry.prefix_tokens
             entry.suffix_checksum = (len(base.token_ids), checksum([(k[..., own:, :], v[..., own:, :])
                                                                    for k, v in entry.tensors()]), entry.checksum)
-        self.tiers.make_room(entry.nbytes())
-        self.device.put(session_id, entry, connected=session_id in self.notes.connected)
-        if self.remote is not None:
-            try:
-                self.counters.update(self._remote.moves.share(session_id, entry, self.notes.scope_of(session_id)))
-            except Exception as error:  # the turn is done and its cache is here: only other workers go without it
-                log_failure(log, error, "session %s: snapshotting its cache for Redis failed; Redis keeps the copy "
-                                        "before", session_id)
-                self.counters["remote_snapshot_failures"] += 1
-        if isinstance(entry.cache, TemporaryCache) or self.device.used_bytes() > self.device.budget_bytes:
-            self.tiers.offload(session_id)  # longer than the whole arena, or alone larger than the budget
+        tiers.make_room(entry.nbytes())
+        tiers.place(session_id, entry)
+        if tiers.remote is not None:
+            tiers.share_remotely(session_id, entry)
+        if isinstance(entry.cache, TemporaryCache) or tiers.device.used_bytes() > tiers.device.budget_bytes:
+            tiers.offload(session_id)  # longer than the whole arena, or alone larger than the budget
 
     def release(self, session_id: str) -> None:
         """The session's turn ended without touching its cache (cancelled before its lookup)."""
@@ -310,7 +316,7 @@ class CacheStore:
             if source is not None:
                 self._prompt_copies[key] = (source, weakref.ref(entry))
             return False
-        return self.segments.share(entry, key, pinned, owner=None if pinned else scope) is not None
+        return self.tiers.segments.share(entry, key, pinned, owner=None if pinned else scope) is not None
 
     def fork(self, source: str, target: str, prompt_ids: Sequence[int]) -> int:
         """Start `target`'s cache from the part of `source`'s device-resident cache that `prompt_ids` begins with
@@ -319,16 +325,15 @@ class CacheStore:
 
     def touch(self, session_id: str, connected: bool) -> None:
         """Record whether a client is connected to the session: connected caches are evicted last."""
-        (self.notes.connected.add if connected else self.notes.connected.discard)(session_id)
-        if (residency := self.device.residency(session_id)) is not None:
-            residency.connected = connected
+        self.tiers.connected(session_id, connected)
 
     def prefetch(self, session_id: str) -> bool:
         """Bring a session's cache from the host tier back to the device ahead of its turn. A hint:
         it never evicts a running cache, and does nothing if the cache is not in the host tier."""
-        if not self.enabled or session_id not in self.host or session_id in self.device:
+        tiers = self.tiers
+        if not self.enabled or session_id not in tiers.host or session_id in tiers.device:
             return False
-        if not self.device.can_fit(self.host.get(session_id).device_nbytes):
+        if not tiers.device.can_fit(tiers.host.get(session_id).device_nbytes):
             return False
         try:
             entry, failed = self.tiers.restore(session_id)
@@ -356,7 +361,7 @@ class CacheStore:
         """The session is closed: drop its cache (in Redis too, whatever its version) and everything known about
         it."""
         self.drop(session_id, EVERY_VERSION)
-        self.notes.forget(session_id)
+        self.tiers.notes.forget(session_id)
 
     def evict_one(self) -> bool:
         """Evict the idle cache the policy ranks lowest (to free a region of the arena); False if none is idle."""
@@ -370,20 +375,7 @@ class CacheStore:
     def expire(self) -> list[str]:
         """Drop the caches of disconnected sessions idle for longer than the TTL (not those kept resident for a
         cache breakpoint, until its own ttl ends)."""
-        if self.ttl_s is None:
-            return []
-        deadline = self._clock() - self.ttl_s
-        expired = [key for key in self.device if not is_segment(key) and self._idle_since(key) < deadline
-                   and not self.notes.kept(key)]
-        named = {self.host.get(key).prefix_key for key in self.host.keys()}  # segments that host entries start with
-        expired += [key for key in self.host.keys() if key not in self.notes.connected and key not in named
-                    and self.host.put_at(key) < deadline and not self.notes.kept(key)]
-        for key in expired:
-            self.device.discard(key)
-            self.host.discard(key)
-            self.notes.lost(key)
-            self.counters["expired"] += 1
-        return expired
+        return self.tiers.expire(self._clock() - self.ttl_s) if self.ttl_s is not None else []
 
     def stats(self) -> dict[str, int]:
         """Occupancy and cumulative counters, for metrics and `/v1/stats`."""
@@ -395,7 +387,7 @@ class CacheStore:
                            scope: str | None) -> CacheLookup:
         """A new cache that starts with the resident segment holding the prompt's system prompt: nothing is
         copied."""
-        reason: MissReason = "evicted" if self.notes.was_lost(session_id) else "new"
+        reason: MissReason = "evicted" if self.tiers.notes.was_lost(session_id) else "new"
         if not 0 < prefix_len < len(prompt_ids):
             return CacheLookup("miss", 0, miss_reason=reason)
         segment = self._segment_for(prompt_ids, prefix_len, scope)
@@ -404,7 +396,7 @@ class CacheStore:
                 CacheLookup("miss", 0, miss_reason=reason)
         entry = CacheEntry(self.new_cache(prefix_len), list(segment.token_ids))
         chain.attach(entry.cache, segment.cache)
-        self.device.put(session_id, entry, connected=session_id in self.notes.connected)
+        self.tiers.place(session_id, entry)
         return CacheLookup("prefix", segment.num_tokens, entry)
 
     def _copy_from_session(self, session_id: str, prompt: Sequence[int], scope: str | None) -> CacheLookup | None:
@@ -421,8 +413,8 @@ class CacheStore:
             entry = source.clone(self.new_cache, len(prompt))
         except ArenaFull:
             return None
-        self.tiers.make_room(self.device.extra_bytes(session_id, entry.nbytes()), keep=owner)
-        self.device.put(session_id, entry, connected=session_id in self.notes.connected)
+        self.tiers.make_room(self.tiers.device.extra_bytes(session_id, entry.nbytes()), keep=owner)
+        self.tiers.place(session_id, entry)
         return CacheLookup("prefix", len(prompt), entry)
 
     def _segment_for(self, prompt_ids: Sequence[int], prefix_len: int, scope: str | None) -> CacheEntry | None:
@@ -432,18 +424,10 @@ class CacheStore:
             return None
         ids = list(prompt_ids[:prefix_len])
         warm = segment_key(ids, None)
-        return self.tiers.find_segment(warm if self.device.is_pinned(warm) else segment_key(ids, scope), ids)
-
-    def _older_than(self, session_id: str, session_version: int) -> bool:
-        entry = self.device.get(session_id) or self.host.get(session_id)
-        return entry is not None and entry.session_version < session_version
+        return self.tiers.find_segment(warm if self.tiers.device.is_pinned(warm) else segment_key(ids, scope), ids)
 
     def _end_turn(self, session_id: str) -> None:
-        self.device.unreserve(session_id)
+        self.tiers.device.unreserve(session_id)
         self._turns.pop(session_id, None)
-
-    def _idle_since(self, key: str) -> float:
-        residency = self.device.residency(key)
-        return float("inf") if residency.running or residency.connected else residency.last_access
 
 

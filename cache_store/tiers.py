@@ -1,11 +1,12 @@
 """The tiers a cache lives in, and the decisions that move it between them: room on the device (evicting in the
 policy's order, offloading to the host tier), a host copy restored (after the shared segment it names, found or
-restored first), a shared segment found, a resident cache checked, a cache dropped from every tier, a failed check
-reported.
+restored first), what a fetch from Redis brought adopted, a shared segment found, a resident cache checked, a cache
+dropped from every tier, a failed check reported.
 
-The moves themselves (`TierMoves`) are plain transfers that return what they did; this records it (counters,
-losses, copy timings). Below the cache store (`CacheStore`, which serves the turns), above the moves and the tiers
-(`DeviceTier`, `HostTier`, Redis for deletes). In the engine thread.
+The only holder of the device, host and remote tiers, the session notes and the counters. The moves themselves
+(`TierMoves`, `RemoteMoves`) are plain transfers that return what they did; this records it (counters, losses, copy
+timings). Below the cache store (`CacheStore`, the boundary that serves the turns and calls only this), above the
+moves and the tiers. In the engine thread.
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ from collections.abc import Sequence
 
 import cache_store.device.chain as chain
 from cache_store.checks.integrity import Check, check_identity, check_tensors, checksum
+from cache_store.device.arena import UNIT
 from cache_store.device.device_tier import DeviceTier
 from cache_store.device.entry import CacheEntry, holding
-from cache_store.device.segments import SharedSegments, is_segment
+from cache_store.device.segments import SharedSegments, is_segment, segment_key
+from cache_store.failure_log import log_failure
 from cache_store.host.host_tier import HostTier
 from cache_store.host.offload import HostEntry
 from cache_store.lookup import CopyObserver
 from cache_store.remote.remote_caches import RemoteCaches
+from cache_store.remote.remote_moves import FetchOutcome, RemoteMoves
 from cache_store.session_notes import SessionNotes
 from cache_store.tier_moves import Moved, TierMoves
 
@@ -31,14 +35,78 @@ log = logging.getLogger(__name__)
 
 
 class CacheTiers:
-    """Device, host and (for deletes) Redis, with the moves between them and what they record."""
+    """Device, host and Redis, with the moves between them and what they record."""
 
     def __init__(self, device: DeviceTier, host: HostTier, segments: SharedSegments, moves: TierMoves,
-                 notes: SessionNotes, remote: RemoteCaches | None, counters: Counter[str], on_copy: CopyObserver):
+                 notes: SessionNotes, remote: RemoteCaches | None, remote_moves: RemoteMoves | None,
+                 on_copy: CopyObserver):
         self.device, self.host, self.segments, self.moves = device, host, segments, moves
-        self.notes, self.remote, self.counters, self.on_copy = notes, remote, counters, on_copy
+        self.notes, self.remote, self.remote_moves, self.on_copy = notes, remote, remote_moves, on_copy
+        self.counters: Counter[str] = Counter()
+
+    def place(self, key: str, entry: CacheEntry) -> None:
+        """Put `entry` on the device as `key`'s cache (evicted last while its client is connected)."""
+        self.device.put(key, entry, connected=key in self.notes.connected)
+
+    def owner_of(self, key: str) -> str | None:
+        """Whose caches a tier's key belongs to: a segment's, or a session's as its last turn said."""
+        return self.segments.owner_of(key) if is_segment(key) else self.notes.owner_of(key)
+
+    def newest_copy(self, key: str) -> CacheEntry | HostEntry | None:
+        """The session's copy on this worker: on the device, else in the host tier."""
+        return self.device.peek(key) or self.host.get(key)
+
+    def discard_copies(self, key: str) -> None:
+        """A stale session's copies on the device and the host are of no use."""
+        self.device.discard(key)
+        self.host.discard(key)
+
+    def cropped(self, key: str, tokens: int) -> None:
+        """A session's resident cache was cut to `tokens` for a turn: a host copy holding positions past them is
+        of no use (they are computed again), so that its next offload is whole."""
+        self.device.cropped(key)
+        if (kept := self.host.get(key)) is not None and len(kept.token_ids) > tokens:
+            self.host.discard(key)
+
+    def connected(self, key: str, connected: bool) -> None:
+        """Whether a client is connected to the session: connected caches are evicted last."""
+        (self.notes.connected.add if connected else self.notes.connected.discard)(key)
+        if (residency := self.device.residency(key)) is not None:
+            residency.connected = connected
+
+    def expire(self, deadline: float) -> list[str]:
+        """Drop the caches of disconnected sessions idle since before `deadline` (not those kept resident for a
+        cache breakpoint, until its own ttl ends), on the device and the host."""
+        def idle_since(key: str) -> float:
+            residency = self.device.residency(key)
+            return float("inf") if residency.running or residency.connected else residency.last_access
+
+        expired = [key for key in self.device if not is_segment(key) and idle_since(key) < deadline
+                   and not self.notes.kept(key)]
+        named = {self.host.get(key).prefix_key for key in self.host.keys()}  # segments that host entries start with
+        expired += [key for key in self.host.keys() if key not in self.notes.connected and key not in named
+                    and self.host.put_at(key) < deadline and not self.notes.kept(key)]
+        for key in expired:
+            self.discard_copies(key)
+            self.notes.lost(key)
+            self.counters["expired"] += 1
+        return expired
 
     # ##### Room on the device #####
+
+    def admit(self, key: str, nbytes: int, alone: bool) -> bool:
+        """Room for a turn whose cache may reach `nbytes`, reserved against the device budget: idle caches evicted in
+        the policy's order; when even all of them would not do, False, unless the turn is `alone` (then every idle
+        cache goes and it runs over the budget)."""
+        victims, fits = self.device.plan_room(self.device.extra_bytes(key, nbytes), keep=key)
+        if not fits and not alone:
+            return False
+        for victim in victims:
+            self.evict(victim)
+        if not fits:  # alone over the budget: every idle cache goes (segments once nothing starts with them)
+            self.evict_idle(keep=key)
+        self.device.reserve(key, nbytes)
+        return True
 
     def make_room(self, need_bytes: int, keep: str | Sequence[str] = ()) -> None:
         """Evict, in the policy's order, what `need_bytes` more on the device need (never `keep`)."""
@@ -159,9 +227,48 @@ class CacheTiers:
             self.make_room(self.device.extra_bytes(key, good.device_nbytes), keep=keep)
         copy_started = time.perf_counter()
         with holding(self.moves.copy_in(key, good, segment, stamp)) as entry:
-            self.device.put(key, entry, connected=key in self.notes.connected)
+            self.place(key, entry)
         self.on_copy("restore", "host", checked_s + time.perf_counter() - copy_started)
         return entry
+
+    def adopt(self, key: str, outcome: FetchOutcome, held: CacheEntry | None) -> CacheEntry | None:
+        """What a fetch from Redis brought, copied into place after what `held` keeps, on the device (None: it
+        continues nothing held, and the turn recomputes). The device holds what it returns."""
+        adoption = self.remote_moves.prepare(key, outcome, held)
+        if adoption is None:
+            return None
+        self.make_room(self.device.extra_bytes(key, adoption.own_bytes), keep=adoption.keep)
+        copy_started = time.perf_counter()
+        entry = self.remote_moves.adopt(key, adoption)
+        self.place(key, entry)
+        if entry is not held:
+            entry.release()  # (the tier holds it; the lookup hands the turn a reference of its own)
+        self.on_copy("restore", "remote", outcome.fetched_s + time.perf_counter() - copy_started)
+        self.counters["remote_restores"] += 1
+        return entry
+
+    def share_system_prompt(self, entry: CacheEntry, prompt_ids: Sequence[int], prefix_len: int, scope: str | None,
+                            min_shared_tokens: int) -> None:
+        """After a restore from Redis, make the whole units of the prompt's system prompt a shared segment here
+        (nothing copied) when none holds it yet: the next session with that system prompt starts with it, and a
+        later restore from Redis fetches none of its chunks."""
+        tokens = prefix_len // UNIT * UNIT
+        if (tokens < max(UNIT, min_shared_tokens) or entry.prefix_tokens or entry.num_tokens <= tokens
+                or entry.token_ids[:prefix_len] != list(prompt_ids[:prefix_len])):
+            return
+        key = segment_key(prompt_ids[:prefix_len], scope)
+        if self.segments.share(entry, key, tokens=tokens, owner=scope) is not None:
+            self.counters["remote_policies_held"] += 1
+
+    def share_remotely(self, key: str, entry: CacheEntry) -> None:
+        """Snapshot a session's written-back cache for Redis (written on the remote tier's threads). A failure costs
+        only the other workers, which keep the copy before."""
+        try:
+            self.counters.update(self.remote_moves.share(key, entry, self.notes.scope_of(key)))
+        except Exception as error:  # the turn is done and its cache is here: only other workers go without it
+            log_failure(log, error, "session %s: snapshotting its cache for Redis failed; Redis keeps the copy "
+                                    "before", key)
+            self.counters["remote_snapshot_failures"] += 1
 
     def find_segment(self, key: str, token_ids: list[int]) -> CacheEntry | None:
         """The segment `key` holding exactly `token_ids`: on the device (checked), or brought back from the host

@@ -180,3 +180,26 @@ def test_a_turn_changes_state_in_one_place():
                       if isinstance(target, ast.Attribute) and target.attr in TURN_STATES]
     assert not wrong, wrong
     assert "chatd.engine.planner" not in modules()["chatd.engine.updater"]
+
+
+TIERS = ("DeviceTier", "HostTier", "RemoteCaches")
+# Besides `CacheTiers`, the one decision-maker that holds every tier: the helpers that each work on one tier.
+TIER_HELPERS = {"SharedSegments": "DeviceTier", "TierMoves": "HostTier", "RemoteMoves": "RemoteCaches"}
+
+
+def test_only_the_tiers_hold_a_tier():
+    """No class in cache_store keeps a tier (the device, the host, Redis) but `CacheTiers` and the helper that works
+    on that one tier: the cache store, lookups, branches and statistics ask the tiers."""
+    wrong = []
+    for path in (ROOT / "cache_store").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef) or node.name == "CacheTiers":
+                continue
+            for init in (item for item in node.body if isinstance(item, ast.FunctionDef) and item.name == "__init__"):
+                handed = {arg.arg: tier for arg in init.args.args + init.args.kwonlyargs if arg.annotation is not None
+                          for tier in TIERS if tier in ast.unparse(arg.annotation)}
+                kept = {handed[name.id] for statement in ast.walk(init) if isinstance(statement, ast.Assign)
+                        for name in (statement.value.elts if isinstance(statement.value, ast.Tuple)
+                                     else [statement.value]) if isinstance(name, ast.Name) and name.id in handed}
+                wrong += [f"{node.name} keeps {tier}" for tier in kept if TIER_HELPERS.get(node.name) != tier]
+    assert not wrong, wrong

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -34,7 +35,7 @@ from cache_store.checks.integrity import (
 from cache_store.device.arena import ArenaCache
 from cache_store.device.entry import CacheEntry, KVTensors, NewCache, entry_from_parts
 from cache_store.failure_log import log_failure
-from cache_store.host.offload import Offloader
+from cache_store.host.offload import HostEntry, Offloader
 from cache_store.identity import CacheLayout
 from cache_store.remote.chunks import chunk_identity, chunk_names, shared_chunks
 from cache_store.remote.cost_model import CostModel, RemoteDecision
@@ -268,6 +269,27 @@ class RemoteMoves:
         skipped = start * self.remote.chunk_tokens
         return Counter({"remote_snapshot_bytes": sum(k.nbytes + v.nbytes for k, v in [*tensors, *(scales or [])]),
                         "remote_snapshot_kv_bytes_skipped": skipped * self.layout.token_bytes})
+
+    def request(self, session_id: str, session_version: int, scope: str, own: CacheEntry | HostEntry | None,
+                segment: CacheEntry | None) -> FetchRequest:
+        """Ask for the session's copy in Redis (its chunks named for `scope`), naming by their ids what a fetch may
+        keep: the session's own older copy (`own`, on the device or the host), else the segment its prompt starts
+        with."""
+        if isinstance(own, HostEntry):
+            held = HeldIds(tuple(own.token_ids), False, own.prefix_tokens)
+        else:
+            held = self.held_ids(own if own is not None else segment)
+        return FetchRequest(session_id, session_version, scope, self.model_key, self.layout, self.remote_kv_dtype,
+                            held, pin=self.offloader.pins_memory)
+
+    def start(self, request: FetchRequest, prompt_tokens: int, cost: CostModel,
+              done: Callable[[], None]) -> RemoteFetch:
+        """Fetch on the remote tier's threads (`done` called there once it has finished); the turn waits at most as
+        long as recomputing its `prompt_tokens` is estimated to take."""
+        job = self.remote.submit(lambda: fetch_copy(request, self.remote, cost))
+        job.add_done_callback(lambda _: done())
+        patience = cost.patience_s(prompt_tokens, self.remote.timeout_s)
+        return RemoteFetch(job, time.monotonic(), patience, cost.prefill_s(prompt_tokens))
 
     def held_ids(self, held: CacheEntry | None) -> HeldIds | None:
         """What a fetch may keep of `held` (a cache on the device: the session's own, or a segment)."""
