@@ -21,7 +21,7 @@ import torch
 from common import write_result
 from transformers import DynamicCache
 
-from cache_store import CacheEntry, CacheLayout, CacheStore, Offloader
+from cache_store import CacheEntry, CacheLayout, CacheQuery, CacheStore, Offloader
 from cache_store.remote.remote_format import EVERY_VERSION
 from cache_store.remote.remote_tier import RemoteTier
 
@@ -56,7 +56,7 @@ def host_round(kv_dtype: str, tokens: int) -> tuple[float, float, int]:
     offload_s = time.perf_counter() - started
     held = tier.host.used_bytes()
     started = time.perf_counter()
-    lookup = tier.lookup("s", list(range(tokens)) + [0])
+    lookup = tier.lookup(CacheQuery("s", list(range(tokens)) + [0]))
     restore_s = time.perf_counter() - started
     assert lookup.source == "host", lookup
     return offload_s, restore_s, held
@@ -70,7 +70,7 @@ def remote_round(kv_dtype: str, tokens: int, url: str) -> tuple[float, int]:
     reader = RemoteTier(url, ttl_s=600)
     nbytes = reader.head("s").nbytes
     started = time.perf_counter()
-    lookup = store(kv_dtype, reader).lookup("s", list(range(tokens)) + [0])
+    lookup = store(kv_dtype, reader).lookup(CacheQuery("s", list(range(tokens)) + [0]))
     restore_s = time.perf_counter() - started
     assert lookup.source == "remote", lookup
     reader.delete("s", EVERY_VERSION)

@@ -97,7 +97,7 @@ def full_fetch(tokens: int, sizes: list[int], repeats: int = 5) -> dict:
     import torch
     from transformers import DynamicCache
 
-    from cache_store import CacheEntry, CacheLayout, CacheStore, Offloader
+    from cache_store import CacheEntry, CacheLayout, CacheQuery, CacheStore, Offloader
     from cache_store.remote.remote_tier import RemoteTier
     from tests.redis_server import RedisServer
 
@@ -121,14 +121,14 @@ def full_fetch(tokens: int, sizes: list[int], repeats: int = 5) -> dict:
             for size in sizes:
                 writer = RemoteTier(server.url, ttl_s=600, chunk_tokens=size)
                 writing = store(writer)
-                writing.lookup("s", [1, 2])
+                writing.lookup(CacheQuery("s", [1, 2]))
                 writing.put("s", CacheEntry(cache, list(range(tokens))))
                 writer.close()
                 samples = []
                 for _ in range(repeats):
                     reader = RemoteTier(server.url, ttl_s=600, chunk_tokens=size)
                     started = time.perf_counter()
-                    found = store(reader).lookup("s", [*range(tokens), 0])
+                    found = store(reader).lookup(CacheQuery("s", [*range(tokens), 0]))
                     samples.append(time.perf_counter() - started)
                     assert found.source == "remote", found
                     reader.close()

@@ -10,7 +10,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 _HOMES = {
-    "CacheEntry": "device.entry", "CacheLayout": "identity", "CacheLookup": "lookup", "CacheStore": "store",
+    "CacheEntry": "device.entry", "CacheLayout": "identity", "CacheLookup": "lookup", "CacheQuery": "lookup",
+    "CacheStore": "store",
     "ConnectedLRUPolicy": "device.eviction", "DeviceTier": "device.device_tier", "EvictionPolicy": "device.eviction",
     "Fingerprint": "identity", "HostEntry": "host.offload", "HostTier": "host.host_tier", "KVGeometry": "sizing",
     "LRUPolicy": "device.eviction", "Offloader": "host.offload", "Residency": "device.eviction",
@@ -22,7 +23,7 @@ _HOMES = {
     "RemoteTier": "remote.remote_tier",
 }
 
-__all__ = ["ArenaCache", "ArenaFull", "CHECKS", "CacheEntry", "CacheLayout", "CacheLookup", "CacheStore",
+__all__ = ["ArenaCache", "ArenaFull", "CHECKS", "CacheEntry", "CacheLayout", "CacheLookup", "CacheQuery", "CacheStore",
            "ConnectedLRUPolicy", "DeviceTier", "EvictionPolicy", "FaultPoints", "FetchRequest", "Fingerprint",
            "HostEntry", "HostTier", "InjectedFatalFault", "KVArena", "KVGeometry", "LRUPolicy", "Offloader",
            "RemoteFetch", "RemoteTier", "Residency", "STAGES", "SessionRunning", "TemporaryCache",
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from cache_store.host.host_tier import HostTier
     from cache_store.host.offload import HostEntry, Offloader
     from cache_store.identity import CacheLayout, Fingerprint
-    from cache_store.lookup import CacheLookup, SessionRunning, common_prefix_length
+    from cache_store.lookup import CacheLookup, CacheQuery, SessionRunning, common_prefix_length
     from cache_store.remote.remote_moves import FetchRequest, RemoteFetch
     from cache_store.remote.remote_tier import RemoteTier
     from cache_store.sizing import KVGeometry, kv_bytes_per_token

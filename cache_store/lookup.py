@@ -20,6 +20,20 @@ class SessionRunning(RuntimeError):
 
 
 @dataclass(frozen=True)
+class CacheQuery:
+    """What a turn asks of the cache store, the same for its request to Redis and its lookup: the session, the
+    prompt's ids, how many of them are its system prompt (which the owner's sessions share), the completed turns the
+    prompt includes (a cache older than that is stale), and whose caches it may share (`owner`: the API key's id;
+    None: the server has no keys)."""
+
+    session_id: str
+    prompt_ids: Sequence[int]
+    prefix_len: int = 0
+    session_version: int = 0
+    owner: str | None = None
+
+
+@dataclass(frozen=True)
 class CacheLookup:
     """What a turn may reuse: `entry` holds its first `cached_tokens` tokens and stays the turn's
     until `put` (or `drop`)."""

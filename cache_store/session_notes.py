@@ -26,7 +26,7 @@ class SessionNotes:
         # session id -> its owner and its system prompt's length, as its turns said
         self._scopes: LRUCache[str, tuple[object, int]] = LRUCache(REMEMBERED_SESSIONS)
 
-    def remember_scope(self, session_id: str, owner: str | None, prompt_tokens: int) -> None:
+    def remember_owner(self, session_id: str, owner: str | None, prompt_tokens: int) -> None:
         self._scopes[session_id] = (owner, prompt_tokens)
 
     def owner_of(self, session_id: str) -> str | None:

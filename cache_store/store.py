@@ -31,6 +31,7 @@ from cache_store.host.offload import Offloader
 from cache_store.identity import CacheLayout
 from cache_store.lookup import (
     CacheLookup,
+    CacheQuery,
     CacheSource,
     CopyObserver,
     MissReason,
@@ -151,22 +152,21 @@ class CacheStore:
         self._turns[session_id] = turn
         return True
 
-    def remote_request(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int = 0,
-                       session_version: int = 0, scope: str | None = None) -> FetchRequest | None:
+    def remote_request(self, query: CacheQuery) -> FetchRequest | None:
         """What a turn should ask Redis for before its lookup, if anything: the session's copy there, when this
         worker has none as current as the turn (`session_version`; a session with no completed turn has nothing
         in Redis worth a round trip), and Redis answers. Names, by their ids, what the device holds that a fetch
         may keep. No call to Redis here: the fetch runs on the remote tier's threads (`start_fetch`)."""
-        tiers = self.tiers
-        if tiers.remote is None or not self.enabled or session_version == 0 or not tiers.remote.reachable:
+        tiers, session_id, version = self.tiers, query.session_id, query.session_version
+        if tiers.remote is None or not self.enabled or version == 0 or not tiers.remote.reachable:
             return None
         own = tiers.newest_copy(session_id)
-        if own is not None and own.session_version >= session_version:
+        if own is not None and own.session_version >= version:
             return None
-        tiers.notes.remember_scope(session_id, scope, prefix_len)
+        tiers.notes.remember_owner(session_id, query.owner, query.prefix_len)
         # (the segment checked now, and brought back from the host tier if it must: what the fetch keeps is sound)
-        segment = self._segment_for(prompt_ids, prefix_len, scope) if own is None else None
-        return tiers.remote_moves.request(session_id, session_version, tiers.notes.scope_of(session_id), own, segment)
+        segment = self._segment_for(query.prompt_ids, query.prefix_len, query.owner) if own is None else None
+        return tiers.remote_moves.request(session_id, version, tiers.notes.scope_of(session_id), own, segment)
 
     def start_fetch(self, request: FetchRequest, prompt_tokens: int,
                     done: Callable[[], None] = lambda: None) -> RemoteFetch:
@@ -174,24 +174,23 @@ class CacheStore:
         finished. The turn waits for it at most as long as recomputing its `prompt_tokens` is estimated to take."""
         return self.tiers.remote_moves.start(request, prompt_tokens, self.cost, done)
 
-    def lookup(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int = 0,
-               session_version: int = 0, turn: object | None = None, scope: str | None = None,
-               fetch: RemoteFetch | None = None) -> CacheLookup:
+    def lookup(self, query: CacheQuery, turn: object | None = None, fetch: RemoteFetch | None = None) -> CacheLookup:
         """Find the session's cache (device, host, then what `fetch` brought from Redis), check it, crop it to what
         the prompt shares with it, and hand it to `turn`, which `admit` admitted (a lookup for a turn not admitted
         admits it as it goes). Raises `SessionRunning` while another turn of the session runs: a
         running cache is never handed to a second turn. Without a cache, start from the shared prefix
-        of the first `prefix_len` prompt ids when `scope` (the owner) shared it. A cache older than `session_version` is
+        of the first `prefix_len` prompt ids when the owner shared it. A cache older than `session_version` is
         stale. The last prompt token is always left to feed: its logits pick the first reply token."""
+        session_id, prompt_ids = query.session_id, query.prompt_ids
         turn = object() if turn is None else turn
         if self._turns.get(session_id) is not turn:
             self.admit(session_id, turn, 0, alone=True)
         if not self.enabled:
             return CacheLookup("miss", 0, miss_reason="disabled")
-        self.tiers.notes.remember_scope(session_id, scope, prefix_len)
+        self.tiers.notes.remember_owner(session_id, query.owner, query.prefix_len)
         # Another worker completed turns of this session since this worker's copy was written: Redis, which that
         # worker wrote, may hold the newest, which continues this copy (or else this copy is of no use).
-        stale = (own := self.tiers.newest_copy(session_id)) is not None and own.session_version < session_version
+        stale = (own := self.tiers.newest_copy(session_id)) is not None and own.session_version < query.session_version
         if stale and self.tiers.remote is None:
             self.tiers.discard_copies(session_id)
         found = self._on_device(session_id)
@@ -199,15 +198,14 @@ class CacheStore:
             found = self._from_host(session_id)
         decision = None
         if isinstance(found, _Found) and fetch is not None and (found.entry is None or stale):
-            found, decision = self._from_redis(session_id, fetch, found, prompt_ids, prefix_len, scope)
+            found, decision = self._from_redis(query, fetch, found)
         if isinstance(found, CacheLookup):
             return found  # a corrupt copy, cleared
         if stale and found.source != "remote":
             self.tiers.discard_copies(session_id)
             return CacheLookup("miss", 0, miss_reason="stale", remote=decision)
         if found.entry is None:
-            return dataclasses.replace(self._start_from_prefix(session_id, prompt_ids, prefix_len, scope),
-                                       remote=decision)
+            return dataclasses.replace(self._start_from_prefix(query), remote=decision)
         return self._resume(session_id, found, prompt_ids, decision)
 
     def _on_device(self, session_id: str) -> _Found | CacheLookup:
@@ -226,8 +224,8 @@ class CacheStore:
         self.tiers.count_corruption(cleared)  # (a later copy failed: the turn recomputes from the last good one)
         return _Found(entry, "host", cleared)
 
-    def _from_redis(self, session_id: str, fetch: RemoteFetch, found: _Found, prompt_ids: Sequence[int],
-                    prefix_len: int, scope: str | None) -> tuple[_Found | CacheLookup, RemoteDecision | None]:
+    def _from_redis(self, query: CacheQuery, fetch: RemoteFetch, found: _Found
+                    ) -> tuple[_Found | CacheLookup, RemoteDecision | None]:
         """What the fetch brought from Redis, copied into place after what the device holds (the session's older
         copy or its system prompt's segment) up to its last good chunk; and the fetch's decision."""
         outcome = fetch.outcome()
@@ -237,14 +235,15 @@ class CacheStore:
             self.tiers.counters[f"remote_decisions_{decision.choice}"] += 1
         if outcome.header is None or decision.choice != "fetch":
             return found, decision
-        held = found.entry or self._segment_for(prompt_ids, prefix_len, scope)
+        session_id, prompt_ids, prefix_len = query.session_id, query.prompt_ids, query.prefix_len
+        held = found.entry or self._segment_for(prompt_ids, prefix_len, query.owner)
         fetched = self.tiers.adopt(session_id, outcome, held)
         if outcome.failed and fetched is None:
             return self.report_corruption(session_id, outcome.failed, outcome.header.session_version), decision
         self.tiers.count_corruption(outcome.failed)  # (a chunk failed: the turn recomputes from the last good one)
         if fetched is None:
             return found, decision
-        self.tiers.share_system_prompt(fetched, prompt_ids, prefix_len, scope, self.min_shared_tokens)
+        self.tiers.share_system_prompt(fetched, prompt_ids, prefix_len, query.owner, self.min_shared_tokens)
         return _Found(fetched, "remote", outcome.failed), decision
 
     def _resume(self, session_id: str, found: _Found, prompt_ids: Sequence[int],
@@ -302,21 +301,21 @@ class CacheStore:
         self.drop(session_id)
         self._end_turn(session_id)
 
-    def put_prefix(self, entry: CacheEntry, scope: str | None = None, pinned: bool = False,
+    def put_prefix(self, entry: CacheEntry, owner: str | None = None, pinned: bool = False,
                    source: str | None = None) -> bool:
         """Share `entry`'s tokens (a system prompt just prefilled alone, in session `source`'s cache) with every
-        new session of `scope` (an owner: another never sees it, not even in timing) whose prompt begins with its
+        new session of `owner` (another never sees it, not even in timing) whose prompt begins with its
         ids: as a segment that they and `entry` start with, nothing copied; or, for a prompt shorter than
         `min_shared_tokens`, by copying it from `source`'s cache. `pinned` (a warm prompt): always a segment,
         never evicted, and found by every owner. Whether `entry` now starts with a segment."""
         if not self.enabled:
             return False
-        key = segment_key(entry.token_ids, None if pinned else scope)
+        key = segment_key(entry.token_ids, None if pinned else owner)
         if not pinned and entry.own_tokens // UNIT * UNIT < self.min_shared_tokens:
             if source is not None:
                 self._prompt_copies[key] = (source, weakref.ref(entry))
             return False
-        return self.tiers.segments.share(entry, key, pinned, owner=None if pinned else scope) is not None
+        return self.tiers.segments.share(entry, key, pinned, owner=None if pinned else owner) is not None
 
     def fork(self, source: str, target: str, prompt_ids: Sequence[int]) -> int:
         """Start `target`'s cache from the part of `source`'s device-resident cache that `prompt_ids` begins with
@@ -383,48 +382,48 @@ class CacheStore:
 
     # ##### Helpers #####
 
-    def _start_from_prefix(self, session_id: str, prompt_ids: Sequence[int], prefix_len: int,
-                           scope: str | None) -> CacheLookup:
+    def _start_from_prefix(self, query: CacheQuery) -> CacheLookup:
         """A new cache that starts with the resident segment holding the prompt's system prompt: nothing is
         copied."""
+        session_id, prompt_ids, prefix_len = query.session_id, query.prompt_ids, query.prefix_len
         reason: MissReason = "evicted" if self.tiers.notes.was_lost(session_id) else "new"
         if not 0 < prefix_len < len(prompt_ids):
             return CacheLookup("miss", 0, miss_reason=reason)
-        segment = self._segment_for(prompt_ids, prefix_len, scope)
+        segment = self._segment_for(prompt_ids, prefix_len, query.owner)
         if segment is None:
-            return self._copy_from_session(session_id, prompt_ids[:prefix_len], scope) or \
+            return self._copy_from_session(session_id, prompt_ids[:prefix_len], query.owner) or \
                 CacheLookup("miss", 0, miss_reason=reason)
         entry = CacheEntry(self.new_cache(prefix_len), list(segment.token_ids))
         chain.attach(entry.cache, segment.cache)
         self.tiers.place(session_id, entry)
         return CacheLookup("prefix", segment.num_tokens, entry)
 
-    def _copy_from_session(self, session_id: str, prompt: Sequence[int], scope: str | None) -> CacheLookup | None:
+    def _copy_from_session(self, session_id: str, prompt: Sequence[int], owner: str | None) -> CacheLookup | None:
         """A new cache holding a copy of a short system prompt, from the cache of the session that prefilled it
         (checked first, unless its turn is still running: then its write-back checks it)."""
-        owner, source = self._prompt_copies.get(segment_key(prompt, scope), (None, lambda: None))
-        source = source() if owner != session_id else None
+        holder, source = self._prompt_copies.get(segment_key(prompt, owner), (None, lambda: None))
+        source = source() if holder != session_id else None
         if source is None or source.released or source.token_ids[:len(prompt)] != list(prompt):
             return None
-        if source.checksum is not None and (failed := self.tiers.check_resident(owner, source)):
-            self.report_corruption(owner, failed)
+        if source.checksum is not None and (failed := self.tiers.check_resident(holder, source)):
+            self.report_corruption(holder, failed)
             return None
         try:
             entry = source.clone(self.new_cache, len(prompt))
         except ArenaFull:
             return None
-        self.tiers.make_room(self.tiers.device.extra_bytes(session_id, entry.nbytes()), keep=owner)
+        self.tiers.make_room(self.tiers.device.extra_bytes(session_id, entry.nbytes()), keep=holder)
         self.tiers.place(session_id, entry)
         return CacheLookup("prefix", len(prompt), entry)
 
-    def _segment_for(self, prompt_ids: Sequence[int], prefix_len: int, scope: str | None) -> CacheEntry | None:
+    def _segment_for(self, prompt_ids: Sequence[int], prefix_len: int, owner: str | None) -> CacheEntry | None:
         """The checked segment holding the prompt's first `prefix_len` ids: the owner's own, or a warm prompt
         (pinned, shared by every owner)."""
         if prefix_len <= 0 or not self.enabled:
             return None
         ids = list(prompt_ids[:prefix_len])
         warm = segment_key(ids, None)
-        return self.tiers.find_segment(warm if self.tiers.device.is_pinned(warm) else segment_key(ids, scope), ids)
+        return self.tiers.find_segment(warm if self.tiers.device.is_pinned(warm) else segment_key(ids, owner), ids)
 
     def _end_turn(self, session_id: str) -> None:
         self.tiers.device.unreserve(session_id)

@@ -247,7 +247,7 @@ class CacheTiers:
         self.counters["remote_restores"] += 1
         return entry
 
-    def share_system_prompt(self, entry: CacheEntry, prompt_ids: Sequence[int], prefix_len: int, scope: str | None,
+    def share_system_prompt(self, entry: CacheEntry, prompt_ids: Sequence[int], prefix_len: int, owner: str | None,
                             min_shared_tokens: int) -> None:
         """After a restore from Redis, make the whole units of the prompt's system prompt a shared segment here
         (nothing copied) when none holds it yet: the next session with that system prompt starts with it, and a
@@ -256,8 +256,8 @@ class CacheTiers:
         if (tokens < max(UNIT, min_shared_tokens) or entry.prefix_tokens or entry.num_tokens <= tokens
                 or entry.token_ids[:prefix_len] != list(prompt_ids[:prefix_len])):
             return
-        key = segment_key(prompt_ids[:prefix_len], scope)
-        if self.segments.share(entry, key, tokens=tokens, owner=scope) is not None:
+        key = segment_key(prompt_ids[:prefix_len], owner)
+        if self.segments.share(entry, key, tokens=tokens, owner=owner) is not None:
             self.counters["remote_policies_held"] += 1
 
     def share_remotely(self, key: str, entry: CacheEntry) -> None:

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from websockets.asyncio.client import connect
 
-from cache_store import CacheLookup, CacheStore, kv_bytes_per_token
+from cache_store import CacheLookup, CacheQuery, CacheStore, kv_bytes_per_token
 from chatd.api.server import ChatServer
 from chatd.cli.client import ChatClient
 from chatd.config import Settings
@@ -41,11 +41,12 @@ def lookup_through_redis(store: CacheStore, session_id: str, prompt_ids: list[in
                          session_version: int = 0, scope: str | None = None) -> CacheLookup:
     """A turn's lookup as the engine makes it: what the turn asks of Redis fetched first (on the remote tier's
     threads, waited for here), then the lookup with what it brought."""
-    request = store.remote_request(session_id, prompt_ids, prefix_len, session_version, scope)
+    query = CacheQuery(session_id, prompt_ids, prefix_len, session_version, scope)
+    request = store.remote_request(query)
     fetch = store.start_fetch(request, len(prompt_ids)) if request is not None else None
     if fetch is not None:
         fetch.job.result(timeout=30)
-    return store.lookup(session_id, prompt_ids, prefix_len, session_version, scope=scope, fetch=fetch)
+    return store.lookup(query, fetch=fetch)
 
 
 def kv_budget_mb(loaded: LoadedModel, tokens: int) -> float:

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 from cache_store import (
     CacheEntry,
     CacheLayout,
+    CacheQuery,
     CacheStore,
     LRUPolicy,
     Offloader,
@@ -69,19 +70,19 @@ def test_bytes_are_the_allocated_storage_and_match_the_formula():
 
 def test_first_turn_is_a_miss_new_and_a_disabled_cache_never_stores():
     store = make_store()
-    first = store.lookup("s", [1, 2, 3])
+    first = store.lookup(CacheQuery("s", [1, 2, 3]))
     assert (first.source, first.miss_reason) == ("miss", "new")
     store.abandon("s")
-    assert store.lookup("s", [1, 2]) == first
+    assert store.lookup(CacheQuery("s", [1, 2])) == first
     disabled = make_store(enabled=False)
     disabled.put("s", make_entry(ids(3)))
-    assert disabled.lookup("s", ids(4)).miss_reason == "disabled" and len(disabled.device) == 0
+    assert disabled.lookup(CacheQuery("s", ids(4))).miss_reason == "disabled" and len(disabled.device) == 0
 
 
 def test_extension_reuses_every_cached_token_and_marks_the_cache_running():
     store = make_store()
     store.put("s", make_entry([1, 2, 3, 4]))
-    lookup = store.lookup("s", [1, 2, 3, 4, 5, 6])
+    lookup = store.lookup(CacheQuery("s", [1, 2, 3, 4, 5, 6]))
     assert (lookup.source, lookup.cached_tokens, lookup.entry.token_ids) == ("device", 4, [1, 2, 3, 4])
     assert store.device.residency("s").running
     store.put("s", lookup.entry)
@@ -93,7 +94,7 @@ def test_divergence_crops_to_the_common_prefix_and_keeps_the_original_values():
     original = make_entry([1, 2, 3, 4, 5])
     expected = original.cache.layers[1].keys[..., :2, :].clone()
     store.put("s", original)
-    lookup = store.lookup("s", [1, 2, 9, 9, 9, 9])
+    lookup = store.lookup(CacheQuery("s", [1, 2, 9, 9, 9, 9]))
     assert (lookup.source, lookup.cached_tokens, lookup.entry.token_ids) == ("device", 2, [1, 2])
     assert lookup.entry.seq_lengths() == [2] * LAYERS
     assert torch.equal(lookup.entry.cache.layers[1].keys, expected)
@@ -102,9 +103,9 @@ def test_divergence_crops_to_the_common_prefix_and_keeps_the_original_values():
 def test_full_hit_leaves_the_last_prompt_token_and_nothing_in_common_is_drift():
     store = make_store()
     store.put("s", make_entry([1, 2, 3]))
-    assert store.lookup("s", [1, 2, 3]).cached_tokens == 2
+    assert store.lookup(CacheQuery("s", [1, 2, 3])).cached_tokens == 2
     store.put("t", make_entry([7, 8]))
-    lookup = store.lookup("t", [1, 2, 3])
+    lookup = store.lookup(CacheQuery("t", [1, 2, 3]))
     assert (lookup.source, lookup.miss_reason, "t" in store.device) == ("miss", "drift", False)
 
 
@@ -115,7 +116,7 @@ def test_eviction_order_disconnected_first_then_least_recent_never_running():
     store.touch("b", connected=True)
     store.put("d", make_entry(ids(10)))  # evicts a: disconnected and least recent
     store.put("e", make_entry(ids(10)))  # evicts c, not b: b is connected although older
-    running = store.lookup("d", ids(11))
+    running = store.lookup(CacheQuery("d", ids(11)))
     store.put("f", make_entry(ids(10)))  # evicts e: d is running
     store.put("g", make_entry(ids(10)))  # evicts f
     store.touch("g", connected=True)
@@ -141,7 +142,7 @@ def test_offload_then_restore_is_bit_for_bit_equal():
     store.put("a", evicted)
     store.put("b", make_entry(ids(10)))
     assert "a" in store.host and "a" not in store.device
-    lookup = store.lookup("a", ids(12))
+    lookup = store.lookup(CacheQuery("a", ids(12)))
     assert (lookup.source, lookup.cached_tokens) == ("host", 10)
     assert lookup.entry.token_ids == ids(10) and lookup.entry.is_consistent()
     for (k, v), (k0, v0) in zip(lookup.entry.tensors(), expected, strict=True):
@@ -158,7 +159,7 @@ def test_an_offload_after_a_turn_copies_only_what_the_turn_added(kv_dtype):
     store.put("a", make_entry(ids(20), seed=3))
     store.put("b", make_entry(ids(20), seed=4))  # evicts a
     first_bytes = store.counters["host_offload_bytes"]
-    lookup = store.lookup("a", ids(21))
+    lookup = store.lookup(CacheQuery("a", ids(21)))
     assert lookup.source == "host"
     first_copy = store.host.get("a")
     entry, grown = lookup.entry, make_entry(ids(6, start=100), seed=5)
@@ -171,7 +172,7 @@ def test_an_offload_after_a_turn_copies_only_what_the_turn_added(kv_dtype):
     chain = store.host.get("a")
     assert chain.base is first_copy and chain.own_tokens == 6 and len(chain.pieces()) == 2
     assert store.counters["host_offload_bytes"] - 2 * first_bytes < first_bytes / 2  # 6 positions, not 26
-    restored = store.lookup("a", ids(20) + ids(6, start=100) + [7])
+    restored = store.lookup(CacheQuery("a", ids(20) + ids(6, start=100) + [7]))
     assert (restored.source, restored.cached_tokens) == ("host", 26)
     for (k, v), (k0, v0) in zip(restored.entry.tensors(), expected, strict=True):
         if kv_dtype == "same":
@@ -183,7 +184,7 @@ def test_an_offload_after_a_turn_copies_only_what_the_turn_added(kv_dtype):
     store.put("a", restored.entry, session_version=1)
     store.put("d", make_entry(ids(20), seed=7))
     store.put("e", make_entry(ids(20), seed=8))
-    assert store.lookup("a", ids(27)).miss_reason == "corrupt"
+    assert store.lookup(CacheQuery("a", ids(27))).miss_reason == "corrupt"
 
 
 def test_a_damaged_later_copy_restores_the_chain_up_to_its_last_good_copy():
@@ -194,14 +195,14 @@ def test_a_damaged_later_copy_restores_the_chain_up_to_its_last_good_copy():
     expected = [(k.clone(), v.clone()) for k, v in first.tensors()]
     store.put("a", first)
     store.put("b", make_entry(ids(20), seed=4))
-    entry = store.lookup("a", ids(21)).entry
+    entry = store.lookup(CacheQuery("a", ids(21))).entry
     for layer, (keys, values) in enumerate(make_entry(ids(6, start=100), seed=5).tensors()):
         entry.cache.update(keys, values, layer)
     entry.token_ids = ids(20) + ids(6, start=100)
     store.put("a", entry, session_version=1)
     store.put("c", make_entry(ids(20), seed=6))
     store.host.get("a").tensors[2][1].view(-1)[0] += 1  # the turn's copy, not the first
-    lookup = store.lookup("a", ids(20) + ids(6, start=100) + [7])
+    lookup = store.lookup(CacheQuery("a", ids(20) + ids(6, start=100) + [7]))
     assert (lookup.source, lookup.cached_tokens, lookup.cleared) == ("host", 20, ("checksum",))
     for (k, v), (k0, v0) in zip(lookup.entry.tensors(), expected, strict=True):
         assert torch.equal(k, k0) and torch.equal(v, v0)
@@ -213,7 +214,7 @@ def test_a_full_host_tier_drops_the_least_recent_and_its_next_turn_is_a_miss_evi
     for name in "abc":
         store.put(name, make_entry(ids(10)))
     assert store.host.keys() == ["b"] and "c" in store.device
-    lookup = store.lookup("a", ids(12))
+    lookup = store.lookup(CacheQuery("a", ids(12)))
     assert (lookup.source, lookup.miss_reason) == ("miss", "evicted")
     assert store.counters["host_evictions"] == 1
 
@@ -246,7 +247,7 @@ def test_a_shared_prefix_starts_new_sessions_without_a_copy_and_is_never_mutated
     assert store.put_prefix(system)
     assert (system.prefix_tokens, system.own_tokens) == (16, 4), "whole units shared, the rest kept"
     segment = system.cache.prefix
-    lookup = store.lookup("new", ids(24), prefix_len=20)
+    lookup = store.lookup(CacheQuery("new", ids(24), prefix_len=20))
     assert (lookup.source, lookup.cached_tokens) == ("prefix", 16)
     assert lookup.entry.cache.prefix is segment and lookup.entry.own_tokens == 0, "nothing copied"
     assert chain.users(segment) == 2
@@ -256,10 +257,12 @@ def test_a_shared_prefix_starts_new_sessions_without_a_copy_and_is_never_mutated
     assert (lookup.entry.prefix_tokens, lookup.entry.own_tokens) == (0, 2) and chain.users(segment) == 1
     assert lookup.entry.tensors()[0][0].equal(original[0][:, :, :2])
     lookup.entry.cache.layers[0].keys.zero_()
-    again = store.lookup("other", ids(25), prefix_len=20)
+    again = store.lookup(CacheQuery("other", ids(25), prefix_len=20))
     assert again.entry.cache.prefix is segment and segment.layers[0].keys.equal(original[0][:, :, :16])
-    assert store.lookup("third", ids(20, start=1) + [0, 0], prefix_len=20).source == "miss", "ids are verified"
-    assert store.lookup("fourth", ids(24), prefix_len=20, scope="another key").source == "miss", "owners apart"
+    assert store.lookup(CacheQuery("third", ids(20, start=1) + [0, 0], prefix_len=20)).source == "miss", \
+        "ids are verified"
+    assert store.lookup(CacheQuery("fourth", ids(24), prefix_len=20, owner="another key")).source == "miss", \
+        "owners apart"
     assert store.stats()["prefixes"] == 1 and store.stats()["segment_users"] == 2
 
 
@@ -273,7 +276,7 @@ def test_ttl_drops_idle_disconnected_caches_only():
     clock.now += 150
     assert sorted(store.expire()) == ["idle", "offloaded"]
     assert "connected" in store.device and len(store.host) == 0
-    assert store.lookup("idle", ids(11)).miss_reason == "evicted"
+    assert store.lookup(CacheQuery("idle", ids(11))).miss_reason == "evicted"
 
 
 def test_an_empty_write_back_keeps_the_connection_state_and_forget_clears_it():
@@ -294,7 +297,7 @@ def test_prefetch_restores_a_host_cache_but_never_evicts_a_running_one():
     assert store.prefetch("a") and "a" in store.device and "b" in store.host
     assert not store.prefetch("a"), "already on the device"
     assert not store.prefetch("unknown")
-    store.lookup("a", ids(11))  # a is running now
+    store.lookup(CacheQuery("a", ids(11)))  # a is running now
     assert not store.prefetch("b") and "b" in store.host and "a" in store.device
 
 
@@ -303,16 +306,16 @@ def test_a_running_cache_is_never_handed_to_a_second_turn():
     store.put("s", make_entry([1, 2, 3, 4]))
     first_turn = object()
     assert store.admit("s", first_turn, 10 * BYTES_PER_TOKEN)
-    lookup = store.lookup("s", [1, 2, 3, 4, 5], turn=first_turn)
+    lookup = store.lookup(CacheQuery("s", [1, 2, 3, 4, 5]), turn=first_turn)
     assert lookup.source == "device"
     with pytest.raises(SessionRunning):
-        store.lookup("s", [1, 2, 3, 4, 5], turn=object())
+        store.lookup(CacheQuery("s", [1, 2, 3, 4, 5]), turn=object())
     with pytest.raises(SessionRunning):
-        store.lookup("s", [1, 2, 3, 4, 5])
+        store.lookup(CacheQuery("s", [1, 2, 3, 4, 5]))
     with pytest.raises(SessionRunning):
         store.admit("s", object(), 0)
     store.put("s", lookup.entry)
-    assert store.lookup("s", [1, 2, 3, 4, 5]).source == "device", "free again after write-back"
+    assert store.lookup(CacheQuery("s", [1, 2, 3, 4, 5])).source == "device", "free again after write-back"
 
 
 def test_a_running_turn_counts_at_the_size_it_may_reach_from_its_admission():
@@ -342,7 +345,7 @@ def test_a_value_changed_in_a_resident_cache_is_caught_by_its_checksum():
     store = make_store()
     store.put("s", make_entry(ids(10)))
     store.device.get("s").cache.layers[1].values[0, 0, 3, 1] += 1e-3
-    lookup = store.lookup("s", ids(12))
+    lookup = store.lookup(CacheQuery("s", ids(12)))
     assert (lookup.source, lookup.miss_reason, lookup.cleared) == ("miss", "corrupt", ("checksum",))
     assert "s" not in store.device
 
@@ -362,7 +365,7 @@ def test_host_buffers_are_reused_and_the_budget_counts_what_is_held():
     pool = store.host.pool
     assert store.host.keys() == ["c", "d"], "a third buffer would not fit 25 tokens"
     assert pool.held_bytes == 2 * size_class(10 * BYTES_PER_TOKEN) == store.host.used_bytes()
-    store.lookup("c", ids(11))  # restored (e made room for it); its host copy stays, first to go
+    store.lookup(CacheQuery("c", ids(11)))  # restored (e made room for it); its host copy stays, first to go
     assert store.host.keys() == ["c", "e"] and store.host.used_bytes() == pool.held_bytes
     store.put("f", make_entry(ids(10)))  # c's copy goes first, and f reuses its buffer rather than holding more
     assert store.host.keys() == ["e", "f"]
@@ -383,7 +386,7 @@ def test_budgets_are_never_exceeded(seed):
             prompt = history[session] + ids(rng.randint(1, 8), start=1000)
             turn = object()
             assert store.admit(session, turn, (len(prompt) + 4) * BYTES_PER_TOKEN)
-            store.lookup(session, prompt, turn=turn)
+            store.lookup(CacheQuery(session, prompt), turn=turn)
             assert store.device.used_bytes() <= store.device.budget_bytes
             grown = prompt + ids(rng.randint(0, 4), start=2000)
             if len(grown) <= 30:
@@ -457,7 +460,7 @@ def offload_two_sessions(scopes: tuple[str | None, str | None] = (None, None), s
                                                                strict=True):
             keys[..., shared:, :], values[..., shared:, :] = other_keys[..., shared:, :], other_values[..., shared:, :]
         entries[session] = [(k.clone(), v.clone()) for k, v in entry.tensors()]
-        store.lookup(session, [*token_ids, 7], prefix_len=shared, scope=scope)  # (their system prompt)
+        store.lookup(CacheQuery(session, [*token_ids, 7], prefix_len=shared, owner=scope))  # (their system prompt)
         store.put(session, entry)
         store.evict_idle()
     return store, entries
@@ -473,7 +476,7 @@ def test_sessions_of_one_owner_share_the_host_copy_of_their_common_start_and_res
     # the second offload copied only its positions after the shared copy: 36 of 100
     assert store.counters["host_offload_bytes"] == (100 + 36) * BYTES_PER_TOKEN
     for session in ("a", "b"):
-        found = store.lookup(session, [*store.host.get(session).token_ids, 7])
+        found = store.lookup(CacheQuery(session, [*store.host.get(session).token_ids, 7]))
         assert (found.source, found.cached_tokens) == ("host", 100)
         assert all(torch.equal(k, k0) and torch.equal(v, v0)
                    for (k, v), (k0, v0) in zip(found.entry.tensors(), expected[session], strict=True))
@@ -491,7 +494,7 @@ def test_a_damaged_shared_host_copy_is_caught_by_every_session_on_it_and_never_c
     shared.tensors[0][0].view(-1)[0] += 1
     prompts = {session: [*store.host.get(session).token_ids, 7] for session in ("a", "b")}
     for session in ("a", "b"):
-        found = store.lookup(session, prompts[session])
+        found = store.lookup(CacheQuery(session, prompts[session]))
         assert (found.source, found.miss_reason, found.cleared) == ("miss", "corrupt", ("checksum",))
         store.release(session)
     assert store.host.named([shared.name]) is None and store.counters["corrupt_checksum"] == 2
@@ -517,12 +520,12 @@ def test_a_restore_keeps_its_named_copies_while_room_is_made_for_it():
     store = make_store(device_tokens=110, host_tokens=150)
     entry = make_entry(ids(100), seed=1)
     expected = [(k.clone(), v.clone()) for k, v in entry.tensors()]
-    store.lookup("a", ids(101), prefix_len=70)
+    store.lookup(CacheQuery("a", ids(101), prefix_len=70))
     store.put("a", entry)
     store.evict_idle()
     assert [piece.name is not None for piece in store.host.get("a").pieces()] == [True, False]
     store.put("b", make_entry(ids(100, start=500), seed=2))
-    found = store.lookup("a", ids(101))  # evicts b, which no longer fits on the host
+    found = store.lookup(CacheQuery("a", ids(101)))  # evicts b, which no longer fits on the host
     assert (found.source, found.cached_tokens) == ("host", 100)
     assert all(torch.equal(k, k0) and torch.equal(v, v0)
                for (k, v), (k0, v0) in zip(found.entry.tensors(), expected, strict=True))

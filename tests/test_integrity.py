@@ -4,7 +4,7 @@ flipped byte, a frame for the wrong session, a truncated frame."""
 import torch
 from transformers import DynamicCache
 
-from cache_store import CacheLayout, Offloader
+from cache_store import CacheLayout, CacheQuery, Offloader
 from cache_store.checks.integrity import check_finite, check_identity, check_tensors, checksum, fingerprint
 from tests.test_cache_store import HEAD_DIM, HEADS, LAYERS, LAYOUT, ids, make_entry, make_store
 
@@ -67,12 +67,12 @@ def test_the_store_clears_a_corrupt_cache_in_every_tier_and_names_the_check():
     store.put("b", make_entry(ids(10), seed=1))  # a goes to the host tier
     host_tensors = store.host.get("a").tensors
     host_tensors[0][0].view(torch.uint8)[0, 0, 0, 0] ^= 1  # a flipped byte in host memory
-    lookup = store.lookup("a", ids(12))
+    lookup = store.lookup(CacheQuery("a", ids(12)))
     assert (lookup.source, lookup.miss_reason, lookup.cleared) == ("miss", "corrupt", ("checksum",))
     assert "a" not in store.host and "a" not in store.device
     assert store.counters["corrupt_checksum"] == 1
     store.abandon("a")  # that turn ended without a write-back
-    assert store.lookup("a", ids(12)).miss_reason == "new", "the next turn starts clean"
+    assert store.lookup(CacheQuery("a", ids(12))).miss_reason == "new", "the next turn starts clean"
 
 
 def test_a_frame_for_the_wrong_session_is_refused():
@@ -80,7 +80,7 @@ def test_a_frame_for_the_wrong_session_is_refused():
     store.put("a", make_entry(ids(6)))
     store.put("b", make_entry(ids(6), seed=2))
     store.device.put("a", store.device.get("b").clone(lambda tokens: DynamicCache()))  # b's cache served as a's
-    lookup = store.lookup("a", ids(8))
+    lookup = store.lookup(CacheQuery("a", ids(8)))
     assert (lookup.miss_reason, lookup.cleared) == ("corrupt", ("fingerprint",))
 
 

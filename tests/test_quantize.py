@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from cache_store import CacheEntry, CacheLayout, CacheStore, Offloader
+from cache_store import CacheEntry, CacheLayout, CacheQuery, CacheStore, Offloader
 from cache_store.checks.integrity import fingerprint
 from cache_store.host.quantize import dequantize, quantize, quantized_nbytes
 from cache_store.remote.remote_tier import RemoteTier
@@ -98,7 +98,7 @@ def test_a_restored_int8_cache_is_close_marked_and_reported():
     exact = [(k.clone(), v.clone()) for k, v in original.tensors()]
     tier.put("s", original)
     tier.evict_idle()
-    lookup = tier.lookup("s", list(range(1, 1 + TOKENS)) + [7])
+    lookup = tier.lookup(CacheQuery("s", list(range(1, 1 + TOKENS)) + [7]))
     assert (lookup.source, lookup.cached_tokens, lookup.quantized) == ("host", TOKENS, "int8")
     for (keys, values), (got_keys, got_values) in zip(exact, lookup.entry.tensors(), strict=True):
         assert got_keys.dtype == torch.float32
@@ -121,7 +121,7 @@ def test_a_corrupted_int8_host_entry_is_caught(damage):
         host_entry.scales[0][0].view(-1)[0] = float("nan")
     else:  # claims to be exact
         host_entry.fingerprint = dataclasses.replace(host_entry.fingerprint, quantized=None)
-    lookup = tier.lookup("s", list(range(2, 2 + TOKENS)) + [7])
+    lookup = tier.lookup(CacheQuery("s", list(range(2, 2 + TOKENS)) + [7]))
     assert (lookup.source, lookup.miss_reason) == ("miss", "corrupt")
     assert lookup.cleared == {"int8 byte": ("checksum",), "scale": ("checksum",), "nan scale": ("checksum",),
                               "unmarked": ("fingerprint",)}[damage]
@@ -130,7 +130,7 @@ def test_a_corrupted_int8_host_entry_is_caught(damage):
 def test_redis_holds_under_a_third_of_the_bytes_and_a_flipped_byte_is_caught(redis_db):
     writer_tier = RemoteTier(redis_db.url, ttl_s=60)
     writer = store("same", host_budget_bytes=10 * CACHE_BYTES, remote=writer_tier, remote_kv_dtype="int8")
-    writer.lookup("s", [3, 4])  # (a turn looks its cache up, then writes it back)
+    writer.lookup(CacheQuery("s", [3, 4]))  # (a turn looks its cache up, then writes it back)
     writer.put("s", entry(3, "s"), session_version=1)
     writer_tier.close()  # flushes the background write
     reader_tier = RemoteTier(redis_db.url, ttl_s=60)

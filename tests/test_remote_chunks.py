@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 
 import cache_store.remote.chunks as chunks
-from cache_store import CacheEntry, CacheStore, Offloader
+from cache_store import CacheEntry, CacheQuery, CacheStore, Offloader
 from cache_store.device.arena import ArenaCache, KVArena
 from cache_store.remote.chunks import chunk_identity
 from cache_store.remote.remote_format import FORMAT_VERSION, RemoteHeader, chunk_key
@@ -44,7 +44,7 @@ def write_turn(store: CacheStore, remote: RemoteTier, session_id: str, token_ids
                scope: str | None = None) -> CacheEntry:
     """A turn of `session_id` that ends with a cache of `token_ids` (the same bytes for the same ids), written to
     Redis before this returns."""
-    store.lookup(session_id, [*token_ids, 7], session_version=version - 1, scope=scope)
+    store.lookup(CacheQuery(session_id, [*token_ids, 7], session_version=version - 1, owner=scope))
     entry = CacheEntry(store.new_cache(len(token_ids)), list(token_ids))  # a region of the arena, as turns have
     entry.cache.load(keyed_entry(token_ids).tensors())
     store.put(session_id, entry, session_version=version)
@@ -294,8 +294,9 @@ def test_a_fetch_that_finishes_after_its_turn_gave_up_never_deletes_the_copy_wri
     LateReader.stale = first_remote.head("s")
     late, late_remote = workers(tier=LateReader)
     prompt = [*history(0, 70), 7]
-    fetch = late.start_fetch(late.remote_request("s", prompt, session_version=2), len(prompt))
-    gave_up = late.lookup("s", prompt, session_version=2, fetch=fetch)  # (its patience ran out: it recomputes)
+    query = CacheQuery("s", prompt, session_version=2)
+    fetch = late.start_fetch(late.remote_request(query), len(prompt))
+    gave_up = late.lookup(query, fetch=fetch)  # (its patience ran out: it recomputes)
     assert gave_up.source == "miss" and gave_up.remote.choice == "timeout"
     entry = CacheEntry(late.new_cache(70), history(0, 70))
     entry.cache.load(keyed_entry(history(0, 70)).tensors())

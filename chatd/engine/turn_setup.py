@@ -12,7 +12,16 @@ from collections import deque
 
 import torch
 
-from cache_store import CacheEntry, CacheLookup, CacheStore, FetchRequest, KVArena, TemporaryCache, kv_bytes_per_token
+from cache_store import (
+    CacheEntry,
+    CacheLookup,
+    CacheQuery,
+    CacheStore,
+    FetchRequest,
+    KVArena,
+    TemporaryCache,
+    kv_bytes_per_token,
+)
 from chatd.config import Settings
 from chatd.engine.deep_check import DEEP_CHECK_TOLERANCE, DEEP_CHECK_TOLERANCE_INT8, DeepCheck
 from chatd.engine.grammar import GrammarCompiler
@@ -100,11 +109,9 @@ class CacheFinder:
 
     def remote_request(self, running: RunningTurn) -> FetchRequest | None:
         """What to fetch from Redis before the turn's lookup, if anything."""
-        turn = running.turn
-        if running.dropped_turns > turn.dropped_turns:
+        if running.dropped_turns > running.turn.dropped_turns:
             return None  # (nothing of its cache is reused)
-        return self._cache.remote_request(turn.session_id, running.prompt_ids, running.prefix_len,
-                                          turn.session_version, scope=turn.owner)
+        return self._cache.remote_request(_query(running))
 
     def find(self, running: RunningTurn) -> CacheLookup:
         """The turn's cache; on a sampled reuse, the deep check it must pass first (`running.deep_check`, run in
@@ -114,8 +121,7 @@ class CacheFinder:
         if running.dropped_turns > turn.dropped_turns:
             self._cache.drop(turn.session_id, turn.session_version)
             return CacheLookup("miss", 0, miss_reason="truncated")
-        lookup = self._cache.lookup(turn.session_id, running.prompt_ids, running.prefix_len, turn.session_version,
-                                    turn=turn, scope=turn.owner, fetch=running.fetch)
+        lookup = self._cache.lookup(_query(running), turn=turn, fetch=running.fetch)
         if lookup.miss_reason == "new" and any(m.role == "assistant" for m in running.messages):
             lookup = dataclasses.replace(lookup, miss_reason="cold")  # history, but no cache here yet
         if (lookup.entry is not None and lookup.cached_tokens >= 2
@@ -146,3 +152,9 @@ class CacheFinder:
             log.warning("session %s: deep check distance %.3g over %.3g", turn.session_id, distance, tolerance)
             return self._cache.report_corruption(turn.session_id, ("deep",), turn.session_version)
         return lookup
+
+
+def _query(running: RunningTurn) -> CacheQuery:
+    """What the turn asks of the cache store, the same for its request to Redis and its lookup."""
+    turn = running.turn
+    return CacheQuery(turn.session_id, running.prompt_ids, running.prefix_len, turn.session_version, turn.owner)
