@@ -80,7 +80,8 @@ def main() -> None:
     args = parser.parse_args()
 
     loaded = load_model("smollm2-135m", device=args.device)
-    engine = Engine(lambda: loaded, Settings(device=args.device, max_batch=max(args.batches)))
+    # Drafts off: a step with drafts gives a row several tokens at once, and the gap between them is no step.
+    engine = Engine(lambda: loaded, Settings(device=args.device, max_batch=max(args.batches), speculation="off"))
     engine.start()
     engine.ready.wait()
     scenario = json.loads((HERE / "scenarios" / "internet_support.json").read_text())
