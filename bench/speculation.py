@@ -8,10 +8,12 @@ that no repeat drafts from an earlier one's replies.
 - tenth customer: nine customers ask the desk's three common questions, the tenth asks one of them again;
 - crowd, long policy: sixteen customers at once on the ~1,000-token policy (a shared segment), eight questions;
 - crowd, short prompt: the same sixteen on a one-line system prompt (against which the long policy is compared);
+- crowd, policy questions: sixteen customers at once on the policy, each asking one of the questions whose answers
+  restate it (what a desk's crowd drafts from its policy when the replies quote it);
 - crowd, all different: sixteen customers at once asking sixteen different questions (what drafting costs when
   little of it is accepted).
 
-    .venv/bin/python bench/speculation.py --a-checkout /tmp/w/before [--tokens 48] [--repeats 3]
+    .venv/bin/python bench/speculation.py --a-checkout /tmp/w/before [--tokens 48] [--repeats 3] [--cases crowd...]
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ def _acceptance(dones) -> dict:
             "acceptance": round(accepted / drafted, 2) if drafted else None}
 
 
-CASES = ("policy", "tenth customer", "crowd, long policy", "crowd, short prompt", "crowd, all different")
+CASES = ("policy", "tenth customer", "crowd, long policy", "crowd, short prompt", "crowd, all different",
+         "crowd, policy questions")
 
 
 async def run_case(case: str, url: str, key: str, tokens: int) -> dict:
@@ -129,14 +132,15 @@ async def run_case(case: str, url: str, key: str, tokens: int) -> dict:
         return {"tokens_per_s": statistics.median(turn["tokens_per_s"] for turn in turns), **_summed(turns)}
     if case == "tenth customer":
         return await tenth_customer_case(url, key, tokens)
-    questions = DIFFERENT if case == "crowd, all different" else CROWD
-    return await crowd_case(url, key, POLICY if case == "crowd, long policy" else SHORT, questions, tokens)
+    questions = {"crowd, all different": DIFFERENT, "crowd, policy questions": RESTATING}.get(case, CROWD)
+    system = POLICY if case in ("crowd, long policy", "crowd, policy questions") else SHORT
+    return await crowd_case(url, key, system, questions, tokens)
 
 
-def measure(servers: dict[str, ServerProcess], tokens: int, repeats: int) -> dict:
+def measure(servers: dict[str, ServerProcess], tokens: int, repeats: int, cases: list[str]) -> dict:
     """Every case `repeats` times on every server, the servers taking turns; the median run of each."""
-    runs: dict[str, dict[str, list[dict]]] = {label: {case: [] for case in CASES} for label in servers}
-    for case in CASES:
+    runs: dict[str, dict[str, list[dict]]] = {label: {case: [] for case in cases} for label in servers}
+    for case in cases:
         for repeat in range(repeats):
             for label, server in servers.items():
                 key = KEYS[CASES.index(case) * repeats + repeat]
@@ -144,8 +148,14 @@ def measure(servers: dict[str, ServerProcess], tokens: int, repeats: int) -> dic
     report = {label: {case: _median_run(case_runs) for case, case_runs in by_case.items()}
               for label, by_case in runs.items()}
     for figures in report.values():
-        figures["long / short"] = round(figures["crowd, long policy"]["tokens_per_s"]
-                                        / figures["crowd, short prompt"]["tokens_per_s"], 2)
+        if "crowd, long policy" in figures and "crowd, short prompt" in figures:
+            figures["long / short"] = round(figures["crowd, long policy"]["tokens_per_s"]
+                                            / figures["crowd, short prompt"]["tokens_per_s"], 2)
+    for label in [label for label in report if label.endswith("speculation on")]:
+        off = label.replace("speculation on", "speculation off")
+        if off in report:
+            report[label]["on / off"] = {case: round(report[label][case]["tokens_per_s"]
+                                                     / report[off][case]["tokens_per_s"], 2) for case in cases}
     return report
 
 
@@ -166,6 +176,8 @@ def main() -> None:
     parser.add_argument("--a-checkout", type=Path, help="also measure this checkout (the commit before)")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each case (the median run is reported)")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES, metavar="CASE",
+                        help=f"the cases to run (default: all): {', '.join(CASES)}")
     args = parser.parse_args()
     # (the idle servers must not take the measured one's load for a neighbour's: threads fixed)
     flags = ["--verify-sample-rate", "0", "--no-adaptive-threads", *(f"--api-key={key}" for key in KEYS)]
@@ -173,9 +185,10 @@ def main() -> None:
     servers = {"after, speculation on": ServerProcess(flags, checkout=here["after"]),
                "after, speculation off": ServerProcess([*flags, "--speculation", "off"], checkout=here["after"])}
     if "before" in here:
-        servers["before"] = ServerProcess(flags, checkout=here["before"])
+        servers["before, speculation on"] = ServerProcess(flags, checkout=here["before"])
+        servers["before, speculation off"] = ServerProcess([*flags, "--speculation", "off"], checkout=here["before"])
     try:
-        report = measure(servers, args.tokens, args.repeats)
+        report = measure(servers, args.tokens, args.repeats, args.cases)
     finally:
         for server in servers.values():
             server.stop()

@@ -9,7 +9,10 @@ Two sources, looked up by the last few tokens of a row (its prompt and what it h
 
 A row's index is built a little each step, its conversation's newest positions first (`INDEX_STEP_TOKENS` for the
 whole batch, `INDEXED_TOKENS` at most): a 32K-token prompt would take about 56 ms and 14 MB to index at once, on the
-engine thread, at the turn's first decode step, while the batch waits, even for a turn that never drafts.
+engine thread, at the turn's first decode step, while the batch waits, even for a turn that never drafts. The system
+prompt the rows start with (a desk's policy) is indexed once for all of them (`SharedIndexes`): sixteen rows each
+indexing their own copy of a 1,000-token policy at that budget had it indexed only after about thirty steps, when most
+of their replies were written, so the best draft source there is was hardly used (issue 63).
 
 A draft is only a guess: the batched step verifies it, and only what the model itself would have sampled is kept
 (`StepUpdater._advance`). Each row's draft length follows its acceptance, a row whose drafts are seldom accepted
@@ -35,6 +38,7 @@ BOOK_TOKEN_BYTES = 460  # host memory a book takes per token (its ids and the n-
 BOOKS_MAX_BYTES = 256 * 2**20  # every owner's books together by default: 1% of the host's memory, at most this
 TRIAL_DRAFTS = 4  # drafts a row tries before its acceptance decides whether it drafts on
 PAYING_ACCEPTANCE = 0.3  # accepted draft tokens per draft token below which a row stops drafting
+SHARED_TOKENS = 65_536  # the system prompts indexed once for all their rows, in tokens together (the LRU leaves first)
 PRIOR_TOKENS = 4  # how many draft tokens the acceptance of drafts found by as long a match weighs in a row's estimate
 _GAP = -1  # between two replies in a book: no n-gram spans it, no draft runs past it
 
@@ -142,13 +146,38 @@ class ReplyBooks:
         return book[1].follow(tail, limit, n)
 
 
+class SharedIndexes:
+    """The index of each system prompt that rows start with, one for all of them (found by its tokens: the same
+    tokens give the same index, whoever's rows they are, so nothing of one owner's reaches another's drafts).
+    Bounded: `max_tokens` for all, the least recently used leaving first."""
+
+    def __init__(self, max_tokens: int = SHARED_TOKENS):
+        self.max_tokens = max_tokens
+        self._indexes: OrderedDict[tuple[int, ...], NgramIndex] = OrderedDict()
+        self.tokens = 0
+
+    def get(self, ids: Sequence[int]) -> NgramIndex:
+        """The index of `ids` (its newest `INDEXED_TOKENS` positions, indexed a few at a time as rows draft)."""
+        key = tuple(ids)
+        index = self._indexes.get(key)
+        if index is None:
+            index = self._indexes[key] = NgramIndex(ids, newest=INDEXED_TOKENS)
+            self.tokens += len(ids)
+            while self.tokens > self.max_tokens and len(self._indexes) > 1:
+                _, dropped = self._indexes.popitem(last=False)
+                self.tokens -= len(dropped.ids)
+        self._indexes.move_to_end(key)
+        return index
+
+
 @dataclass
 class RowDrafts:
     """One turn's drafting: its own tokens indexed, how long its next draft may be, and how its drafts fared."""
 
-    index: NgramIndex  # over its prompt, then what it generates
-    prompt_len: int
+    index: NgramIndex  # over its prompt after the shared system prompt, then what it generates
+    prompt_len: int  # the prompt's tokens in `index`
     limit: int
+    shared: NgramIndex | None = None  # the system prompt it starts with, indexed once for every row that does
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens the model sampled too
     tries: int = 0  # drafts proposed
@@ -188,6 +217,7 @@ class Speculator:
     def __init__(self, max_tokens: int, books: ReplyBooks | None = None):
         self.max_tokens = max_tokens
         self.books = books or ReplyBooks()
+        self.shared = SharedIndexes()
         self.counters = SpeculationCounters()
         self._index_budget = INDEX_STEP_TOKENS  # what the rows of this step may still index
         self.cost = StepCost()
@@ -198,9 +228,14 @@ class Speculator:
     def enabled(self) -> bool:
         return self.max_tokens > 0
 
-    def start(self, ids: Sequence[int]) -> RowDrafts | None:
-        """A turn's drafting, over its prompt `ids` (None with speculation off): nothing is indexed yet."""
-        return RowDrafts(NgramIndex(ids, newest=INDEXED_TOKENS), len(ids), self.max_tokens) if self.enabled else None
+    def start(self, ids: Sequence[int], shared: int = 0) -> RowDrafts | None:
+        """A turn's drafting, over its prompt `ids` whose first `shared` tokens are a system prompt other rows may
+        start with (None with speculation off): nothing is indexed yet."""
+        if not self.enabled:
+            return None
+        own = ids[shared:]
+        return RowDrafts(NgramIndex(own, newest=INDEXED_TOKENS), len(own), self.max_tokens,
+                         self.shared.get(ids[:shared]) if shared else None)
 
     def new_step(self) -> None:
         """A decode step begins: its rows may index `INDEX_STEP_TOKENS` more positions of their prompts, together."""
@@ -217,18 +252,27 @@ class Speculator:
         expected acceptance is at least `needed` (what the step's batch size needs for a draft to pay)."""
         if row is None or row.stopped or room <= 0:
             return []
-        if row.index.unindexed and self._index_budget > 0:
-            self._index_budget -= row.index.index_back(self._index_budget)
+        for index in (row.index, row.shared):
+            if index is not None and index.unindexed and self._index_budget > 0:
+                self._index_budget -= index.index_back(self._index_budget)
         row.index.extend(generated[len(row.index.ids) - row.prompt_len:])
         limit, tail = min(row.limit, room), row.index.ids
-        for n in NGRAMS:  # the longest match, in the conversation first, then in the owner's replies
-            if draft := row.index.follow(tail, limit, n) or self.books.follow(owner, tail, limit, n):
+        for n in NGRAMS:  # the longest match: in the conversation (its own tokens, its system prompt), in the books
+            if draft := self._follow(row, owner, tail, limit, n):
                 expected = (row.accepted + PRIOR_TOKENS * self.acceptance[n]) / (row.drafted + PRIOR_TOKENS)
                 if expected < needed:
                     return []
                 row.match = n
                 return draft
         return []
+
+    def _follow(self, row: RowDrafts, owner: str, tail: Sequence[int], limit: int, n: int) -> list[int]:
+        """What followed the last `n` tokens of `tail` in the row's own tokens, else its system prompt, else its
+        owner's replies."""
+        for index in (row.index, row.shared):
+            if index is not None and (draft := index.follow(tail, limit, n)):
+                return draft
+        return self.books.follow(owner, tail, limit, n)
 
     def verified(self, row: RowDrafts, drafted: int, accepted: int) -> None:
         row.record(drafted, accepted, self.max_tokens)
