@@ -5,7 +5,8 @@ Drafts "every one": each draft found is verified, whether or not the step's cost
 verification row costs, per draft token: the steps with drafts against those without).
 
 Each customer's first turn is prefilled and cached; then all sixteen ask their question at once (the speculation
-bench's crowd) and every step in which the sixteen decode together (no prompt riding, no prefill chunk) is timed by
+bench's crowd; each reply runs to --tokens, its end-of-sequence token ignored, so that the sixteen decode together
+to the end) and every step in which the sixteen decode together (no prompt riding, no prefill chunk) is timed by
 part:
 - linear layers: every `nn.Linear` of the model (projections, MLP, the output head), timed by module hooks;
 - attention, shared segment: the policy read once for every row that starts with it (`ChainPlan._segment_parts`);
@@ -20,13 +21,14 @@ part:
 Beside them, the raw forward pass of transformers at batch 16 on an empty cache (the floor `bench/decode_floor.py`
 reports) and on a `DynamicCache` of the same length as the rows' (no arena, no chain: every row as long).
 
-    .venv/bin/python bench/step_profile.py [--tokens 48] [--rounds 2]
+    .venv/bin/python bench/step_profile.py [--tokens 48] [--rounds 2] [--history-tokens 470]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import threading
 import time
@@ -35,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import median_ms, write_result
+from common import median_ms, synthetic_history, write_result
 from speculation import CROWD, POLICY, SHORT
 from torch import nn
 from transformers import DynamicCache
@@ -51,7 +53,8 @@ from chatd.engine.step_cost import StepCost
 from chatd.engine.turn import TokenText, Turn, TurnResult
 from chatd.engine.updater import StepUpdater
 from chatd.model.loader import load_model
-from sessions import Session
+from chatd.model.prompt import PromptRenderer
+from sessions import Message, Session
 
 HERE = Path(__file__).parent
 CUSTOMERS = 16
@@ -193,7 +196,8 @@ def run_turns(engine: Engine, sessions: list[Session], contents: list[str], toke
     for index, (session, content) in enumerate(zip(sessions, contents, strict=True)):
         engine.submit(Turn(turn_id=f"{session.session_id}-{len(session.messages)}", session_id=session.session_id,
                            messages=session.prompt_messages(content), emit=emitter(index), owner=owner,
-                           params=SamplingParams(max_new_tokens=tokens), session_version=session.version))
+                           params=SamplingParams(max_new_tokens=tokens, ignore_eos=True),
+                           session_version=session.version))
     for _ in sessions:
         done.acquire()
     for session, content, result in zip(sessions, contents, results, strict=True):
@@ -202,9 +206,10 @@ def run_turns(engine: Engine, sessions: list[Session], contents: list[str], toke
     return results
 
 
-def crowd(engine: Engine, clock: StepClock, system: str, label: str, tokens: int) -> tuple[dict, list[list[int]]]:
-    """Sixteen customers on `system`: a first turn, then their questions at once (measured)."""
-    sessions = [Session(f"{label}-{number}", system=system, messages=[]) for number in range(CUSTOMERS)]
+def crowd(engine: Engine, clock: StepClock, system: str, label: str, tokens: int, history: list[Message]
+          ) -> tuple[dict, list[list[int]]]:
+    """Sixteen customers on `system` (each after `history`): a first turn, then their questions at once (measured)."""
+    sessions = [Session(f"{label}-{number}", system=system, messages=list(history)) for number in range(CUSTOMERS)]
     run_turns(engine, sessions, ["Hello."] * CUSTOMERS, 4, owner=label)
     clock.steps, clock.batches = [], Counter()
     results = run_turns(engine, sessions, [CROWD[number % len(CROWD)] for number in range(CUSTOMERS)], tokens,
@@ -248,17 +253,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2, help="crowds of each case (fresh sessions and owner each)")
+    parser.add_argument("--drafts", nargs="+", default=["off", "on", "every one"], choices=["off", "on", "every one"])
+    parser.add_argument("--history-tokens", type=int, default=0,
+                        help="each customer's earlier turns, in tokens (the support scenario's, canned replies)")
     parser.add_argument("--output", type=Path, default=HERE / "results" / "step_profile.json")
     args = parser.parse_args()
     loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
+    scenario = json.loads((HERE / "scenarios" / "internet_support.json").read_text())
+    history = synthetic_history(scenario, PromptRenderer(loaded.tokenizer), args.history_tokens) \
+        if args.history_tokens else []
     report: dict[str, dict] = {}
     replies: dict[str, list[list[int]]] = {}
     clock = StepClock()
     hooks = instrument_classes(clock, loaded.model)
     break_even = StepCost.break_even
-    for drafts in ("off", "on", "every one"):
+    for drafts in args.drafts:
         # (every one: each draft found is verified, whatever it is likely to pay: what verification rows cost)
-        StepCost.break_even = break_even if drafts != "every one" else lambda cost, batch: 0.0
+        StepCost.break_even = break_even if drafts != "every one" else lambda cost, rows, positions=0: 0.0
         engine = Engine(lambda: loaded, Settings(device="cpu", max_batch=CUSTOMERS, verify_sample_rate=0,
                                                  speculation="off" if drafts == "off" else "on"))
         engine.start()
@@ -266,7 +277,7 @@ def main() -> None:
         instrument_engine(clock, engine)
         for number in range(args.rounds):
             for case, system in (("policy", POLICY), ("short prompt", SHORT)):
-                figures, ids = crowd(engine, clock, system, f"{case}-{drafts}-{number}", args.tokens)
+                figures, ids = crowd(engine, clock, system, f"{case}-{drafts}-{number}", args.tokens, history)
                 key = f"{case}, drafts {drafts}"
                 report.setdefault(key, {"rounds": []})["rounds"].append(figures)
                 assert replies.setdefault(case, ids) == ids, f"{key}: a reply differs from the first round's"
@@ -275,7 +286,7 @@ def main() -> None:
     for figures in report.values():
         figures["mean"] = {part: round(statistics.mean(r[part] for r in figures["rounds"]), 2)
                            for part in [*PARTS, "step", "tokens per step", "tokens/s", "cached tokens"]}
-    history = report["policy, drafts off"]["rounds"][0]["cached tokens"]
+    history = report[f"policy, drafts {args.drafts[0]}"]["rounds"][0]["cached tokens"]
     report["raw forward, batch 16"] = {"empty cache": raw_forward(loaded, clock, hooks, CUSTOMERS, 0)}
     report["raw forward, batch 16"][f"{history}-token cache"] = raw_forward(loaded, clock, [], CUSTOMERS, history)
     print(_table(report))

@@ -15,12 +15,13 @@ from chatd.engine.drafts import (
     Speculator,
 )
 from chatd.engine.grammar import GrammarSpec
-from chatd.engine.step_cost import DRAFT_SAMPLES, PROBE_EVERY, StepCost
+from chatd.engine.step_cost import PROBE_EVERY, StepCost
 from sessions import Session
 from tests.support import run_together, run_turn, running_engine
 
 QUESTIONS = ["Where is my parcel?", "My invoice is wrong.", "I need a new password.", "Cancel my order 12."]
 SYSTEM = "You answer for the Northwind shop. Be brief."
+POLICY = SYSTEM + " Refunds are paid within fourteen days of the day the parcel reaches our warehouse. " * 6
 
 
 def ask(engine, prefix: str, owner: str | None = None, length: int = 24, **params):
@@ -59,6 +60,20 @@ def test_the_rows_of_one_step_index_at_most_a_budget_of_positions_together():
         speculator.propose(row, "owner", [], room=8)
     assert rows[0].index.unindexed == INDEXED_TOKENS - INDEX_STEP_TOKENS, "no more than its bound is ever indexed"
     assert sum(INDEXED_TOKENS - row.index.unindexed for row in rows) == INDEX_STEP_TOKENS, "the first row took it all"
+
+
+def test_a_system_prompt_is_indexed_once_for_every_row_that_starts_with_it():
+    """Sixteen rows on one 1,000-token policy all draft from it at their first step (each indexing its own copy at
+    the step's budget, all but the first found nothing); another system prompt has its own index."""
+    policy = [*range(1000, 1990), 7, 8, 9, 10, 11, 12, 13, *range(2000, 2003)]
+    speculator = Speculator(4)
+    rows = [speculator.start([*policy, 5000 + row, 7, 8, 9], shared=len(policy)) for row in range(16)]
+    speculator.new_step()
+    assert [speculator.propose(row, "owner", [], room=8) for row in rows] == [[10, 11, 12, 13]] * 16
+    assert all(row.shared is rows[0].shared for row in rows) and rows[0].prompt_len == 4
+    other = speculator.start([*range(3000, 3100), 5000, 7, 8, 9], shared=100)
+    assert other.shared is not rows[0].shared
+    assert speculator.propose(other, "owner", [], room=8) == [], "(7, 8, 9) is not in its system prompt"
 
 
 def test_reply_books_are_per_owner_and_bounded():
@@ -121,6 +136,25 @@ def test_a_later_turn_continues_from_a_cache_that_holds_no_rejected_draft(tiny):
         counters = on.speculator.counters
         assert counters.accepted_per_position[2] > 0 and counters.draft_tokens > counters.accepted_tokens, \
             "a draft was accepted in part, and the rest rejected"
+
+
+def test_a_crowd_on_a_shared_policy_replies_the_same_with_drafts_on_and_off_together_and_alone(tiny):
+    """Verification rows over caches that start with the shared policy (its segment read once a step, each row's own
+    tokens and draft beside it): every reply equal to plain decoding's, batched and alone."""
+    with running_engine(tiny, max_batch=8) as on, running_engine(tiny, max_batch=8, speculation="off") as off:
+        lengths, questions = [24, 18, 30, 12] * 2, QUESTIONS * 2
+        replies = {}
+        for label, engine in (("on", on), ("off", off)):
+            first = [Session(f"first{n}", system=POLICY) for n in range(8)]
+            second = [Session(f"next{n}", system=POLICY) for n in range(8)]  # (drafted from the first's replies)
+            replies[label] = [[r.token_ids for r in run_together(engine, crowd, questions, lengths)]
+                              for crowd in (first, second)]
+            replies[label].append(run_turn(engine, Session("alone", system=POLICY), QUESTIONS[2],
+                                           max_new_tokens=30)[0].token_ids)
+        assert replies["on"] == replies["off"]
+        assert replies["on"][2] == replies["on"][1][2], "alone, the reply it gave in the crowd"
+        assert on.cache.device.get("next3").cache.prefix is not None, "the crowd's caches start with the policy"
+        assert on.speculator.counters.accepted_tokens > 0 and off.speculator.counters.drafts == 0
 
 
 def test_drafts_continue_a_cache_restored_from_the_host_tier_exactly(tiny):
@@ -208,58 +242,61 @@ def test_speculation_off_proposes_nothing():
     assert speculator.propose(None, "alpha", [], 10) == []
 
 
-def test_a_draft_pays_where_the_step_is_mostly_fixed_cost_and_not_where_it_is_mostly_per_token():
+def step_seconds(rows: int, drafted: int = 0, positions: int = 0) -> float:
+    """A machine where a step costs 30 ms, 4 ms a row, 10 ms a thousand positions read, and a draft token 2 ms plus
+    1 ms for every row beside it (padded in the attention over the rows' own positions)."""
+    return 0.030 + 0.004 * rows + 0.010 * positions / 1000 + drafted * (0.002 + 0.001 * rows)
+
+
+def measured(shapes) -> StepCost:
     cost = StepCost()
-    assert cost.break_even(16) == 0.0, "before any step is measured, drafts are tried (and so measured)"
-    for tokens in [1, 2, 4, 7, 16, 20, 30, 40] * 4:
-        cost.record(tokens, 0.030 + 0.010 * tokens)  # 30 ms fixed, 10 ms a token
-    fixed, per_token = cost.fit()
-    assert abs(fixed - 0.030) < 1e-9 and abs(per_token - 0.010) < 1e-9
-    assert abs(cost.break_even(1) - 0.25) < 1e-9 and abs(cost.break_even(16) - 160 / 190) < 1e-9
+    for rows, drafted, positions in shapes:
+        cost.record(step_seconds(rows, drafted, positions), rows, drafted, positions)
+    return cost
+
+
+def test_a_draft_pays_where_its_cost_is_small_beside_the_step_for_the_steps_shape():
+    assert StepCost().break_even(16) == 0.0, "before any step is measured, drafts are tried (and so measured)"
+    cost = measured([(rows, drafted, positions) for rows in (1, 4, 6, 16) for drafted in (0, 0, 3)
+                     for positions in (500, 8000)])
+    assert abs(cost.draft_cost(1) - 0.003) < 1e-4 and abs(cost.draft_cost(16) - 0.018) < 1e-4
+    assert abs(cost.break_even(1, 500) - 0.003 / step_seconds(1, 0, 500)) < 1e-4
+    assert abs(cost.break_even(16, 500) - 0.018 * 16 / step_seconds(16, 0, 500)) < 1e-4
+    assert cost.break_even(16, 500) > 1 > cost.break_even(16, 40_000), "a long context makes the step long: it pays"
+    assert abs(cost.break_even(8, 500) - 0.010 * 8 / step_seconds(8, 0, 500)) < 1e-4, \
+        "a batch size never measured reads the fit of the others"
     speculator = Speculator(6)
     speculator.acceptance = dict.fromkeys(speculator.acceptance, 0.5)
     row = speculator.start([1, 2, 3, 4, 9, 1, 2, 3])
-    assert speculator.propose(row, "", [], 10, needed=cost.break_even(1)) == [4, 9, 1, 2, 3]
-    assert speculator.propose(row, "", [], 10, needed=cost.break_even(16)) == [], "a likely loss at batch 16"
+    assert speculator.propose(row, "", [], 10, needed=cost.break_even(1, 500)) == [4, 9, 1, 2, 3]
+    assert speculator.propose(row, "", [], 10, needed=cost.break_even(16, 500)) == [], "a likely loss at 16"
 
 
-def test_each_batch_size_measures_what_a_draft_token_adds_to_its_steps():
-    """Where a step with drafts takes another path (a fixed penalty the line through every step does not see), each
-    batch size's own figures decide: a draft that cannot pay at that size is never proposed; a size without its
-    own figures goes by the line."""
-    cost = StepCost()
-    for tokens in [1, 2, 4, 7, 16, 20, 30, 40] * 4:
-        cost.record(tokens, 0.030 + 0.010 * tokens)  # the line: 30 ms fixed, 10 ms a token
-    for _ in range(5):
-        cost.record(16, 0.100, batch=16)  # sixteen rows, no drafts: 100 ms
-        cost.record(26, 0.100 + 0.300, batch=16, drafted=10)  # ten draft tokens: 300 ms more (another path)
-        cost.record(1, 0.070, batch=1)
-        cost.record(5, 0.070 + 0.008, batch=1, drafted=4)  # four draft tokens at one row: 2 ms each
-    assert abs(cost.break_even(16) - 0.030 * 16 / 0.100) < 1e-9 and cost.break_even(16) > 1, "never pays at 16"
-    assert abs(cost.break_even(1) - 0.002 / 0.070) < 1e-9, "pays at one row when a few percent are taken"
-    fixed, per_token = cost.fit()
-    assert abs(cost.break_even(8) - per_token * 8 / (fixed + per_token * 8)) < 1e-9, "none of its own at 8: the line"
-    speculator = Speculator(6)
-    row = speculator.start([1, 2, 3, 4, 9, 1, 2, 3])
-    assert speculator.propose(row, "", [], 10, needed=cost.break_even(16)) == [], "even a certain draft"
-    assert speculator.propose(row, "", [], 10, needed=cost.break_even(1)) == [4, 9, 1, 2, 3]
+def test_the_draft_cost_measured_at_small_batches_decides_at_large_ones():
+    """A crowd's steps at sixteen rows seldom draft; its steps at fewer rows, where drafts pay, measure what a draft
+    token costs, and sixteen rows read that (no one-token draft at sixteen rows, divided by one token, decides)."""
+    shapes = [(16, 0, 2000)] * 40 + [(rows, drafted, 1000) for rows in (4, 6, 10) for drafted in (0, 4, 0, 6)] * 2
+    cost = measured(shapes)
+    assert abs(cost.break_even(16, 2000) - 0.018 * 16 / step_seconds(16, 0, 2000)) < 1e-4
 
 
 def test_one_stall_never_turns_drafts_off_for_good():
-    """At sixteen rows, where a draft token adds 1 ms to a 100 ms step, one 50 ms stall in a step with drafts leaves
-    drafting on (the median of the latest measurements ignores it); where drafts truly stop paying, one step in
-    PROBE_EVERY drafts anyway, and once those probes measure drafts cheap again, they pay again."""
-    cost = StepCost()
-    for _ in range(5):
-        cost.record(16, 0.100, batch=16)
-        cost.record(20, 0.104, batch=16, drafted=4)
-    assert abs(cost.break_even(16) - 0.16) < 1e-9
-    cost.record(20, 0.104 + 0.050, batch=16, drafted=4)  # the stall
-    assert abs(cost.break_even(16) - 0.16) < 1e-9, "one stall does not move it"
-    for _ in range(DRAFT_SAMPLES):
-        cost.record(20, 0.140, batch=16, drafted=4)  # now 10 ms a draft token: a draft cannot pay
-    needed = [cost.break_even(16) for _ in range(PROBE_EVERY)]
+    """One 50 ms stall in a step with drafts leaves drafting on (a step off the fit counts only as far as a few of
+    its typical errors); where drafts truly stop paying, one step in PROBE_EVERY drafts anyway, and once those probes
+    measure drafts cheap again, they pay again."""
+    shapes = [(rows, drafted, 1000) for rows in (2, 8, 16) for drafted in (0, 4)] * 12
+    cost = measured(shapes)
+    before = cost.break_even(2, 1000)
+    cost.record(step_seconds(16, 4, 1000) + 0.050, 16, 4, 1000)  # the stall
+    assert before < 1 and abs(cost.break_even(2, 1000) - before) < 0.1 * before, "one stall hardly moves it"
+    for _ in range(60):
+        for rows in (2, 8, 16):
+            cost.record(step_seconds(rows, 0, 1000), rows, 0, 1000)
+            cost.record(step_seconds(rows, 0, 1000) + 0.040 * 4, rows, 4, 1000)  # now 40 ms a draft token
+    needed = [cost.break_even(2, 1000) for _ in range(PROBE_EVERY)]
     assert min(needed[:-1]) > 1 and needed[-1] == 0.0 and cost.probes == 1, "a probe every PROBE_EVERY steps"
-    for _ in range(DRAFT_SAMPLES // 2 + 1):  # what the probes measure: drafts are cheap again
-        cost.record(20, 0.104, batch=16, drafted=4)
-    assert abs(cost.break_even(16) - 0.16) < 1e-9
+    for _ in range(60):  # what the probes measure: drafts are cheap again
+        for rows in (2, 16):
+            cost.record(step_seconds(rows, 0, 1000), rows, 0, 1000)
+            cost.record(step_seconds(rows, 4, 1000), rows, 4, 1000)
+    assert cost.break_even(2, 1000) < 1

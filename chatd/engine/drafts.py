@@ -17,8 +17,8 @@ of their replies were written, so the best draft source there is was hardly used
 A draft is only a guess: the batched step verifies it, and only what the model itself would have sampled is kept
 (`StepUpdater._advance`). Each row's draft length follows its acceptance, a row whose drafts are seldom accepted
 stops drafting for the rest of its turn, and a draft is proposed only when its expected acceptance (the row's own,
-and that of drafts found by as long a match) is above what a step of this batch size needs for it to pay
-(`StepCost.break_even`): at a large batch on a CPU, only drafts that are nearly always taken.
+and that of drafts found by as long a match) is above what a step of this shape needs for it to pay
+(`StepCost.break_even`): at a large batch on a CPU, only drafts that are mostly taken.
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ class Speculator:
     def propose(self, row: RowDrafts | None, owner: str, generated: Sequence[int], room: int, needed: float = 0.0
                 ) -> list[int]:
         """A draft to follow the row's last token (at most `room` tokens: what its reply may still add), when its
-        expected acceptance is at least `needed` (what the step's batch size needs for a draft to pay)."""
+        expected acceptance is at least `needed` (what the step's shape needs for a draft to pay)."""
         if row is None or row.stopped or room <= 0:
             return []
         for index in (row.index, row.shared):

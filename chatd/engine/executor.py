@@ -73,9 +73,9 @@ class StepExecutor:
                                        [row.keep for row in rows])
 
     def _took(self, plan: DecodePlan, started: float) -> None:
-        """The pass has run: its cost tells whether drafts pay (on CUDA, once its kernels have finished: sampling
-        waits for them next anyway). A pass a prompt rode is recorded without a batch size."""
+        """The pass has run: its cost for its shape tells whether drafts pay (on CUDA, once its kernels have
+        finished: sampling waits for them next anyway). A pass a prompt rode is another shape: not recorded."""
         if self._runner.loaded.device.type == "cuda":
             torch.cuda.synchronize(self._runner.loaded.device)
-        batch = None if len(plan.rows) > plan.decoding else plan.decoding
-        self._cost.record(plan.tokens, time.perf_counter() - started, batch, plan.drafted)
+        if len(plan.rows) == plan.decoding:
+            self._cost.record(time.perf_counter() - started, plan.decoding, plan.drafted, plan.positions)

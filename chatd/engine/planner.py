@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from cache_store import ArenaCache, ArenaFull, CacheStore, FaultPoints, KVArena, SessionRunning
+from cache_store import ArenaCache, ArenaFull, CacheStore, FaultPoints, KVArena, SessionRunning, segments
 from cache_store.failure_log import log_failure
 from chatd.config import Settings
 from chatd.engine.drafts import Speculator
@@ -223,7 +223,8 @@ class StepPlanner:
             return None
         self._counts.batch_sizes[len(batch)] += 1
         self._counts.steps_beside_fetches += bool(self._queues.fetching)
-        needed = self._speculator.cost.break_even(len(batch))
+        positions = positions_read(batch)
+        needed = self._speculator.cost.break_even(len(batch), positions)
         self._speculator.new_step()
         rows = []
         for running in batch:  # (each draft checked against its grammar first)
@@ -232,7 +233,7 @@ class StepPlanner:
         rows += [DecodeRow(running, running.pending, rides=True) for running in riders]
         constrained = [r for r in batch if r.grammar is not None and r.grammar.active]
         masks = self._grammars.masks_ahead([r.grammar for r in constrained]) if constrained else None
-        return DecodePlan(rows, len(batch), constrained, masks)
+        return DecodePlan(rows, len(batch), constrained, masks, positions)
 
     def _draft(self, running: RunningTurn, needed: float) -> list[int]:
         """The turn's draft for this step: what its conversation or its owner's replies say follows its last
@@ -251,3 +252,10 @@ class StepPlanner:
                                         "step", running.turn.session_id, level=logging.WARNING)
                 return []
         return draft
+
+
+def positions_read(batch: list[RunningTurn]) -> int:
+    """The key and value positions a step of `batch` reads: each row's own, each shared segment once."""
+    shared = {id(segment): segment.used_tokens() for running in batch if isinstance(running.entry.cache, ArenaCache)
+              for segment in segments(running.entry.cache)}
+    return sum(running.entry.own_tokens for running in batch) + sum(shared.values())

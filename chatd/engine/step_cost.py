@@ -1,93 +1,88 @@
-"""What a batched step costs for each token it feeds, measured: whether a draft pays at this batch size."""
+"""What a decode step costs for its shape, measured: whether a draft pays in this step.
+
+A step of B rows without drafts makes B tokens in t seconds. Drafting d more tokens, accepted at a rate r, makes
+r * d more for c * d more seconds: the tokens per second rise when r is above c * B / t (`break_even`). Both t and
+c depend on the step's shape, not on its batch size alone: t on the rows and on the key and value positions the step
+reads (each row's own, a shared segment once), c on the rows too (a verification row is padded beside the others in
+the attention over the rows' own positions). So every decode step is one sample of
+
+    seconds = fixed + per_row * B + per_position * positions + drafted * (per_draft + per_draft_row * B)
+
+fitted by least squares, the latest steps weighing most. Every step informs it, at any batch size: a crowd's steps
+at batch 16, where drafts seldom pay and so are seldom measured, read the draft cost its steps at batch 6 measured
+(before, each batch size kept its own figures: a few one-token drafts at batch 16, their cost divided by one token,
+set its break-even at about 2 on a crowd whose drafts, all proposed, cost a quarter of that; issue 63).
+
+A stall (another process, a page fault, a collection) must not turn drafts off for good: it is one sample among the
+hundred or so the fit weighs, at every batch size, and where drafts do not pay one step in PROBE_EVERY drafts anyway,
+so that their cost is measured again and a machine that got faster is seen."""
 
 from __future__ import annotations
 
-import statistics
-from collections import Counter, deque
+import numpy as np
 
-MIN_STEPS = 16  # steps measured before the fit is trusted (until then every draft is tried: that is how it is measured)
-RECENT = 0.1  # the weight of a step in its batch size's running figure of steps without drafts
-DRAFT_SAMPLES = 9  # what a draft token added to a batch size's steps: the median of its latest measurements
-PROBE_EVERY = 64  # steps at a batch size where drafts do not pay, after which one step drafts again to re-measure
+MIN_STEPS = 16  # steps measured before the fit is trusted
+MIN_DRAFTED = 4  # steps with drafts measured before their cost is (until then every draft is tried: so it is measured)
+PROBE_EVERY = 64  # steps where drafts do not pay, after which one step drafts again to re-measure
+ROWS_SCALE = 16.0  # (the features kept near one: rows and positions in these units)
+POSITIONS_SCALE = 1000.0
+
+
+def _features(rows: int, drafted: int, positions: int) -> np.ndarray:
+    return np.array([1.0, rows / ROWS_SCALE, positions / POSITIONS_SCALE, float(drafted),
+                     drafted * rows / ROWS_SCALE])
 
 
 class StepCost:
-    """Decode-step seconds fitted online as `fixed + per_token * tokens` (the tokens the step packs: one per row, and
-    the drafts), the latest steps weighing most.
-
-    A step of B rows without drafts makes B tokens in `fixed + per_token * B`. Drafting d more tokens, accepted at a
-    rate r, makes r * d more for `per_token * d` more: the tokens per second rise when r is above
-    `per_token * B / (fixed + per_token * B)`, the share of the step that grows with its tokens (`break_even`). On
-    this CPU at batch 1 the fixed part dominates and a draft pays when a quarter of it is accepted; at batch 16 the
-    step is mostly per-token work and a draft must be accepted almost whole.
-
-    The line does not see everything a draft costs: a step where some row feeds more than one token may take
-    another, slower path than one where every row feeds one, whatever the count. So each batch size also keeps its
-    own figures, measured on the machine it runs on: the time of its steps without drafts, and what each draft
-    token added to its steps with them (`record` with `batch`). Where both are known, they decide: a draft token
-    costs c and a step without drafts t, and a draft pays when its acceptance is above c * B / t (above 1: never).
-
-    A stall (another process, a page fault, a collection) must not turn drafts off for good: c is the median of the
-    latest measurements, so one slow step does not move it, and where drafts do not pay, one step in PROBE_EVERY
-    drafts anyway, so that c is measured again and a machine that got faster is seen."""
+    """Decode-step seconds fitted online on the step's shape (rows, positions read, draft tokens), the latest steps
+    weighing most (`decay` a step)."""
 
     def __init__(self, decay: float = 0.99):
         self._decay = decay
-        self._steps = 0
-        self._weight = self._tokens = self._squares = self._seconds = self._products = 0.0
-        self._plain: dict[int, float] = {}  # batch size -> seconds of its steps without drafts (recent)
-        self._per_draft: dict[int, deque[float]] = {}  # batch size -> seconds each draft token added (latest)
-        self._unprobed: Counter[int] = Counter()  # batch size -> steps since its drafts were last measured
+        self._gram = np.zeros((5, 5))
+        self._moments = np.zeros(5)
+        self._steps = self._drafted_steps = 0
+        self._coefficients: np.ndarray | None = None
+        self._unprobed = 0  # steps since drafts were last measured where they did not pay
         self.probes = 0  # steps that drafted to re-measure where drafts did not pay
 
-    def record(self, tokens: int, seconds: float, batch: int | None = None, drafted: int = 0) -> None:
-        """A step of `tokens` packed tokens took `seconds`; with `batch` (a step of decoding rows only), that many
-        rows and `drafted` draft tokens among the tokens."""
-        if batch is not None:
-            self._record_batch(batch, drafted, seconds)
-        keep = self._decay
+    def record(self, seconds: float, rows: int, drafted: int = 0, positions: int = 0) -> None:
+        """A decode step of `rows` rows (no prompt riding), `drafted` draft tokens among its tokens and `positions`
+        key and value positions read, took `seconds`."""
+        features = _features(rows, drafted, positions)
+        self._gram = self._decay * self._gram + np.outer(features, features)
+        self._moments = self._decay * self._moments + features * seconds
         self._steps += 1
-        self._weight = keep * self._weight + 1
-        self._tokens = keep * self._tokens + tokens
-        self._squares = keep * self._squares + tokens * tokens
-        self._seconds = keep * self._seconds + seconds
-        self._products = keep * self._products + tokens * seconds
+        self._drafted_steps += bool(drafted)
+        if self._steps >= MIN_STEPS:
+            ridge = 1e-9 * np.trace(self._gram) * np.eye(5)  # (a feature that has not varied stays near 0)
+            self._coefficients = np.linalg.solve(self._gram + ridge, self._moments)
 
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None while the steps measured do not tell them apart."""
-        if self._steps < MIN_STEPS:
+    def draft_cost(self, rows: int) -> float | None:
+        """Seconds a draft token adds to a step of `rows` rows (None until measured)."""
+        if self._coefficients is None or self._drafted_steps < MIN_DRAFTED:
             return None
-        mean_tokens, mean_seconds = self._tokens / self._weight, self._seconds / self._weight
-        variance = self._squares / self._weight - mean_tokens ** 2
-        if variance < 0.25:  # (every step fed about as many tokens: nothing to fit a slope on)
-            return None
-        per_token = max(0.0, (self._products / self._weight - mean_tokens * mean_seconds) / variance)
-        return max(0.0, mean_seconds - per_token * mean_tokens), per_token
+        return max(0.0, float(self._coefficients[3] + self._coefficients[4] * rows / ROWS_SCALE))
 
-    def break_even(self, batch: int) -> float:
-        """The acceptance rate above which drafting pays in a step of `batch` rows: from this batch size's own
-        figures where it has them (above 1 where no draft can pay), else from the line (0 before it is measured)."""
-        if batch in self._per_draft:
-            needed = statistics.median(self._per_draft[batch]) * batch / self._plain[batch]
-            if needed < 1:
-                return needed
-            self._unprobed[batch] += 1
-            if self._unprobed[batch] < PROBE_EVERY:
-                return needed
-            self._unprobed[batch] = 0
-            self.probes += 1
-            return 0.0  # (a probe: this step's drafts measure what a draft token adds now)
-        fitted = self.fit()
-        if fitted is None:
+    def plain_seconds(self, rows: int, positions: int) -> float | None:
+        """Seconds of a step of `rows` rows reading `positions` positions without drafts (None until measured)."""
+        if self._coefficients is None:
+            return None
+        return float(_features(rows, 0, positions) @ self._coefficients)
+
+    def break_even(self, rows: int, positions: int = 0) -> float:
+        """The acceptance rate above which drafting pays in a step of this shape (above 1 where no draft can pay;
+        0 until the cost of a draft is measured, and once in PROBE_EVERY steps where drafts do not pay)."""
+        cost, plain = self.draft_cost(rows), self.plain_seconds(rows, positions)
+        if cost is None or plain is None or plain <= 0:
             return 0.0
-        fixed, per_token = fitted
-        total = fixed + per_token * batch
-        return per_token * batch / total if total > 0 else 0.0
-
-    def _record_batch(self, batch: int, drafted: int, seconds: float) -> None:
-        if not drafted:
-            plain = self._plain.get(batch)
-            self._plain[batch] = seconds if plain is None else (1 - RECENT) * plain + RECENT * seconds
-        elif batch in self._plain:
-            added = max(0.0, seconds - self._plain[batch]) / drafted
-            self._per_draft.setdefault(batch, deque(maxlen=DRAFT_SAMPLES)).append(added)
+        needed = cost * rows / plain
+        if needed < 1:
+            self._unprobed = 0
+            return needed
+        self._unprobed += 1
+        if self._unprobed < PROBE_EVERY:
+            return needed
+        self._unprobed = 0
+        self.probes += 1
+        return 0.0  # (a probe: this step's drafts measure what a draft token adds now)

@@ -60,6 +60,7 @@ class DecodePlan:
     decoding: int  # rows that decode (the batch size), the riders after them
     constrained: list[RunningTurn]
     masks: Future[torch.Tensor] | None
+    positions: int = 0  # key and value positions the decoding rows read (each shared segment once)
 
     @property
     def tokens(self) -> int:
