@@ -232,7 +232,7 @@ def raw_forward(loaded, clock: StepClock, hooks: list, batch: int, history: int)
     for hook in hooks:
         hook.remove()
     plain = _raw_forward_ms(loaded, batch, history)
-    return {"ms": round(plain, 2), "linear layers ms": round(share * plain, 2)}
+    return {"ms": round(plain, 2), "linear layers ms": round(share * plain, 2) if hooks else None}
 
 
 def _raw_forward_ms(loaded, batch: int, history: int) -> float:
@@ -299,8 +299,9 @@ def _table(report: dict) -> str:
     for part in [*PARTS, "step", "tokens per step", "tokens/s"]:
         lines.append(f"| {part} | " + " | ".join(f"{report[case]['mean'][part]}" for case in cases) + " |")
     raw = report["raw forward, batch 16"]
-    lines.append("raw forward at batch 16: " + ", ".join(
-        f"{key} {value['ms']} ms (linear layers {value['linear layers ms']})" for key, value in raw.items()))
+    figures = [f"{key} {value['ms']} ms" + (f" (linear layers {value['linear layers ms']})"
+                                            if value["linear layers ms"] else "") for key, value in raw.items()]
+    lines.append("raw forward at batch 16: " + ", ".join(figures))
     return "\n".join(lines)
 
 
