@@ -32,8 +32,11 @@ from sessions import Session
 HERE = Path(__file__).parent
 
 
-def run_turns(engine: Engine, sessions: list[Session], content: str, max_new_tokens: int) -> list[TurnResult]:
-    """One turn of every session, submitted at once; their results."""
+def run_turns(engine: Engine, sessions: list[Session], content: str | list[str], max_new_tokens: int,
+              owner: str | None = None, **params) -> list[TurnResult]:
+    """One turn of every session (`content`, or each its own), submitted at once, as `owner`'s key; their
+    results."""
+    contents = [content] * len(sessions) if isinstance(content, str) else content
     results: list[TurnResult | None] = [None] * len(sessions)
     done = threading.Semaphore(0)
 
@@ -44,15 +47,16 @@ def run_turns(engine: Engine, sessions: list[Session], content: str, max_new_tok
                 done.release()
         return emit
 
-    for index, session in enumerate(sessions):
+    for index, (session, text) in enumerate(zip(sessions, contents, strict=True)):
         engine.submit(Turn(turn_id=f"{session.session_id}-{len(session.messages)}", session_id=session.session_id,
-                           messages=session.prompt_messages(content), emit=emitter(index),
-                           params=SamplingParams(max_new_tokens=max_new_tokens), session_version=session.version))
+                           messages=session.prompt_messages(text), emit=emitter(index), owner=owner,
+                           params=SamplingParams(max_new_tokens=max_new_tokens, **params),
+                           session_version=session.version))
     for _ in sessions:
         done.acquire()
-    for session, result in zip(sessions, results, strict=True):
+    for session, text, result in zip(sessions, contents, results, strict=True):
         assert isinstance(result, TurnResult), result
-        session.record_turn(content, result.content)
+        session.record_turn(text, result.content)
     return results
 
 

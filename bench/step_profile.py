@@ -30,7 +30,6 @@ import argparse
 import functools
 import json
 import statistics
-import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import torch
 from common import median_ms, synthetic_history, write_result
+from decode_floor import run_turns
 from speculation import CROWD, POLICY, SHORT
 from torch import nn
 from transformers import DynamicCache
@@ -48,9 +48,7 @@ from chatd.config import Settings
 from chatd.engine import batch as batch_module
 from chatd.engine.drafts import Speculator
 from chatd.engine.engine import Engine
-from chatd.engine.sampling import SamplingParams
 from chatd.engine.step_cost import StepCost
-from chatd.engine.turn import TokenText, Turn, TurnResult
 from chatd.engine.updater import StepUpdater
 from chatd.model.loader import load_model
 from chatd.model.prompt import PromptRenderer
@@ -180,40 +178,14 @@ def instrument_engine(clock: StepClock, engine: Engine) -> None:
     engine.parts.executor.prefill = counted_prefill
 
 
-def run_turns(engine: Engine, sessions: list[Session], contents: list[str], tokens: int, owner: str
-              ) -> list[TurnResult]:
-    """One turn of every session at once; their results (each recorded in its session)."""
-    results: list[TurnResult | None] = [None] * len(sessions)
-    done = threading.Semaphore(0)
-
-    def emitter(index: int):
-        def emit(event) -> None:
-            if not isinstance(event, TokenText):
-                results[index] = event
-                done.release()
-        return emit
-
-    for index, (session, content) in enumerate(zip(sessions, contents, strict=True)):
-        engine.submit(Turn(turn_id=f"{session.session_id}-{len(session.messages)}", session_id=session.session_id,
-                           messages=session.prompt_messages(content), emit=emitter(index), owner=owner,
-                           params=SamplingParams(max_new_tokens=tokens, ignore_eos=True),
-                           session_version=session.version))
-    for _ in sessions:
-        done.acquire()
-    for session, content, result in zip(sessions, contents, results, strict=True):
-        assert isinstance(result, TurnResult), result
-        session.record_turn(content, result.content)
-    return results
-
-
 def crowd(engine: Engine, clock: StepClock, system: str, label: str, tokens: int, history: list[Message]
           ) -> tuple[dict, list[list[int]]]:
     """Sixteen customers on `system` (each after `history`): a first turn, then their questions at once (measured)."""
     sessions = [Session(f"{label}-{number}", system=system, messages=list(history)) for number in range(CUSTOMERS)]
-    run_turns(engine, sessions, ["Hello."] * CUSTOMERS, 4, owner=label)
+    run_turns(engine, sessions, "Hello.", 4, owner=label, ignore_eos=True)
     clock.steps, clock.batches = [], Counter()
     results = run_turns(engine, sessions, [CROWD[number % len(CROWD)] for number in range(CUSTOMERS)], tokens,
-                        owner=label)
+                        owner=label, ignore_eos=True)
     print("steps by (batch, with a prefill):", sorted(clock.batches.items()))
     figures = clock.summary()
     figures["cached tokens"] = results[0].cached_tokens
