@@ -64,14 +64,16 @@ def test_the_rows_of_one_step_index_at_most_a_budget_of_positions_together():
 
 def test_a_system_prompt_is_indexed_once_for_every_row_that_starts_with_it():
     """Sixteen rows on one 1,000-token policy all draft from it at their first step (each indexing its own copy at
-    the step's budget, all but the first found nothing); another system prompt has its own index."""
+    the step's budget, all but the first found nothing); another system prompt, or the same one of another owner,
+    has its own index."""
     policy = [*range(1000, 1990), 7, 8, 9, 10, 11, 12, 13, *range(2000, 2003)]
     speculator = Speculator(4)
-    rows = [speculator.start([*policy, 5000 + row, 7, 8, 9], shared=len(policy)) for row in range(16)]
+    rows = [speculator.start([*policy, 5000 + row, 7, 8, 9], len(policy), "owner") for row in range(16)]
     speculator.new_step()
     assert [speculator.propose(row, "owner", [], room=8) for row in rows] == [[10, 11, 12, 13]] * 16
     assert all(row.shared is rows[0].shared for row in rows) and rows[0].prompt_len == 4
-    other = speculator.start([*range(3000, 3100), 5000, 7, 8, 9], shared=100)
+    assert speculator.start([*policy, 7], len(policy), "another owner").shared is not rows[0].shared
+    other = speculator.start([*range(3000, 3100), 5000, 7, 8, 9], 100, "owner")
     assert other.shared is not rows[0].shared
     assert speculator.propose(other, "owner", [], room=8) == [], "(7, 8, 9) is not in its system prompt"
 

@@ -147,18 +147,19 @@ class ReplyBooks:
 
 
 class SharedIndexes:
-    """The index of each system prompt that rows start with, one for all of them (found by its tokens: the same
-    tokens give the same index, whoever's rows they are, so nothing of one owner's reaches another's drafts).
-    Bounded: `max_tokens` for all, the least recently used leaving first."""
+    """The index of each system prompt that an owner's rows start with, one for all of them (per owner, as the
+    cache shares a system prompt: whether another key's rows use the same one must not show, even in how soon a
+    row drafts). Bounded: `max_tokens` for all, the least recently used leaving first."""
 
     def __init__(self, max_tokens: int = SHARED_TOKENS):
         self.max_tokens = max_tokens
-        self._indexes: OrderedDict[tuple[int, ...], NgramIndex] = OrderedDict()
+        self._indexes: OrderedDict[tuple[str, tuple[int, ...]], NgramIndex] = OrderedDict()
         self.tokens = 0
 
-    def get(self, ids: Sequence[int]) -> NgramIndex:
-        """The index of `ids` (its newest `INDEXED_TOKENS` positions, indexed a few at a time as rows draft)."""
-        key = tuple(ids)
+    def get(self, owner: str, ids: Sequence[int]) -> NgramIndex:
+        """The index of `owner`'s system prompt `ids` (its newest `INDEXED_TOKENS` positions, indexed a few at a time
+        as rows draft)."""
+        key = (owner, tuple(ids))
         index = self._indexes.get(key)
         if index is None:
             index = self._indexes[key] = NgramIndex(ids, newest=INDEXED_TOKENS)
@@ -228,14 +229,14 @@ class Speculator:
     def enabled(self) -> bool:
         return self.max_tokens > 0
 
-    def start(self, ids: Sequence[int], shared: int = 0) -> RowDrafts | None:
-        """A turn's drafting, over its prompt `ids` whose first `shared` tokens are a system prompt other rows may
-        start with (None with speculation off): nothing is indexed yet."""
+    def start(self, ids: Sequence[int], shared: int = 0, owner: str = "") -> RowDrafts | None:
+        """A turn's drafting, over its prompt `ids` whose first `shared` tokens are a system prompt other rows of
+        `owner` may start with (None with speculation off): nothing is indexed yet."""
         if not self.enabled:
             return None
         own = ids[shared:]
         return RowDrafts(NgramIndex(own, newest=INDEXED_TOKENS), len(own), self.max_tokens,
-                         self.shared.get(ids[:shared]) if shared else None)
+                         self.shared.get(owner, ids[:shared]) if shared else None)
 
     def new_step(self) -> None:
         """A decode step begins: its rows may index `INDEX_STEP_TOKENS` more positions of their prompts, together."""

@@ -240,7 +240,7 @@ class StepPlanner:
         token (when it is likely enough to be accepted: `needed`), cut to what its grammar (when one constrains it
         now) accepts."""
         if running.drafts is None:
-            running.drafts = self._speculator.start(running.prompt_ids, running.prefix_len)
+            running.drafts = self._speculator.start(running.prompt_ids, running.prefix_len, running.turn.owner or "")
         draft = self._speculator.propose(running.drafts, running.turn.owner or "", running.generated,
                                          running.max_new_tokens - len(running.generated) - 1, needed)
         if draft and running.grammar is not None and running.grammar.active:
