@@ -81,6 +81,10 @@ class RedisSessionStore:
         self._local: LRUCache[str, Session] = LRUCache(LOCAL_SESSIONS)
         self._pending: deque[tuple[str, Callable[[], Awaitable[None]]]] = deque()
         self._flusher: asyncio.Task | None = None
+        # One writer of the queue at a time (two would both write its head); at shutdown the background one stops
+        # retrying, so that the last try is the shutdown's own.
+        self._flushing = asyncio.Lock()
+        self._stopping = False
         self._down_until = float("-inf")  # monotonic time until which calls skip Redis
         self._unreleased: dict[str, str] = {}  # session id -> the token of a lease a release could not reach
 
@@ -241,13 +245,15 @@ class RedisSessionStore:
 
     async def flush(self) -> None:
         """Try once to write what is queued (at shutdown, before anything slower: the conversations first)."""
+        self._stopping = True
         await self._flush(give_up=True)
 
     async def close(self) -> None:
         """Try once more to write what is queued, then close the connection pool."""
+        self._stopping = True
+        await self._flush(give_up=True)
         if self._flusher is not None:
             self._flusher.cancel()
-        await self._flush(give_up=True)
         await self._redis.aclose()
 
     @property
@@ -335,7 +341,11 @@ class RedisSessionStore:
             self._flusher = asyncio.create_task(self._flush())
 
     async def _flush(self, give_up: bool = False) -> None:
-        """Write queued writes in order; wait and retry while Redis is unreachable."""
+        """Write queued writes in order; wait and retry while Redis is unreachable (until shutdown)."""
+        async with self._flushing:
+            await self._write_queued(give_up)
+
+    async def _write_queued(self, give_up: bool) -> None:
         while self._pending:
             session_id, write = self._pending[0]
             try:
@@ -345,6 +355,8 @@ class RedisSessionStore:
                 self.errors += 1
                 if give_up:
                     log.error("Redis unreachable at shutdown: %d queued writes lost", len(self._pending))
+                    return
+                if self._stopping:  # (the shutdown's own try comes next)
                     return
                 await asyncio.sleep(RETRY_FLUSH_S)
                 continue

@@ -38,8 +38,18 @@ def test_the_cgroup_quota_is_the_tightest_on_the_way_to_the_root(tmp_path):
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux's /proc")
 def test_a_busy_process_on_this_process_cpus_is_seen_and_its_end_too():
-    """Measured against what else runs on these cores meanwhile (other tests' servers may)."""
-    cpus = os.sched_getaffinity(0)
+    """Measured against what else runs on these cores meanwhile (other tests' servers may: a window in which they
+    filled the cores is measured again, three tries at most)."""
+    for _ in range(3):
+        before, beside, after = busy_process_seen(os.sched_getaffinity(0))
+        if beside >= before + 0.5 and after <= beside - 0.5:
+            break
+    assert beside >= before + 0.5, "one of this process's CPUs is taken"
+    assert after <= beside - 0.5, "and given back"
+
+
+def busy_process_seen(cpus: set[int]) -> tuple[float, float, float]:
+    """What others use of `cpus` before, beside and after a process that keeps one of them busy for a second."""
     watch = CpuWatch(cpus)
     time.sleep(1.0)
     before = watch.others()
@@ -55,9 +65,7 @@ def test_a_busy_process_on_this_process_cpus_is_seen_and_its_end_too():
         busy.wait(10)
     watch.others()
     time.sleep(1.0)
-    after = watch.others()
-    assert beside >= before + 0.5, "one of this process's CPUs is taken"
-    assert after <= beside - 0.5, "and given back"
+    return before, beside, watch.others()
 
 
 class Stat:
